@@ -1,0 +1,13 @@
+"""rollout_service: a distributed rollout service for RL post-training of language models."""
+from rollout_service.types import RolloutRequest, RolloutResult, SamplingParams
+
+__all__ = ["RolloutClient", "RolloutRequest", "RolloutResult", "SamplingParams"]
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # The client pulls in torch and the engine; keep `import rollout_service.types` light for wire-only users.
+    if name == "RolloutClient":
+        from rollout_service.client import RolloutClient
+        return RolloutClient
+    raise AttributeError(f"module 'rollout_service' has no attribute {name!r}")

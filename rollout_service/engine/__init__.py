@@ -1,0 +1,1 @@
+"""One inference engine on one device."""

@@ -1,0 +1,88 @@
+"""One sample being generated: its tokens, where its KV lives, and what it has produced so far."""
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+
+from rollout_service.types import SamplingParams
+
+_ids = itertools.count()
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"      # needs (re)prefill: no KV, or a prefix of its KV
+    RUNNING = "running"      # all tokens but the last have KV; next step decodes
+    FINISHED = "finished"
+
+
+class Sequence:
+    """A sample of a request. `num_computed` tokens have KV in `pages`; the rest are prefilled next.
+
+    A request with n > 1 starts as one sequence (the prompt is prefilled once) and forks into n after
+    its prefill; preemption frees the pages and resets `num_computed` so the tokens are recomputed.
+    """
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, seed: int,
+                 sample_index: int = 0, num_samples: int = 1, arrival: float | None = None):
+        self.seq_id = next(_ids)
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.output_logprobs: list[float] = []
+        self.output_top: list[dict[int, float]] = []
+        self.token_versions: list[int] = []
+        self.sampling = sampling
+        self.seed = seed
+        self.sample_index = sample_index
+        # samples still to fork from this sequence once its prompt is prefilled (n > 1 only)
+        self.num_samples = num_samples
+        self.pages: list[int] = []
+        self.num_computed = 0
+        self.status = SeqStatus.WAITING
+        self.finish_reason: str | None = None
+        self.stop_text_end: int | None = None
+        self.t_arrival = arrival if arrival is not None else time.time()
+        self.t_first_token: float | None = None
+        self.t_finished: float | None = None
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SeqStatus.FINISHED
+
+    def token_at(self, i: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[i] if i < n else self.output_token_ids[i - n]
+
+    def append(self, token_id: int, logprob: float, version: int, top: dict[int, float] | None) -> None:
+        if self.t_first_token is None:
+            self.t_first_token = time.time()
+        self.output_token_ids.append(token_id)
+        self.output_logprobs.append(logprob)
+        self.token_versions.append(version)
+        if top is not None:
+            self.output_top.append(top)
+
+    def fork(self, sample_index: int) -> "Sequence":
+        """A sibling sample sharing this sequence's prompt (pages are shared by the caller)."""
+        child = Sequence(self.request_id, self.prompt_token_ids, self.sampling, self.seed, sample_index,
+                         arrival=self.t_arrival)
+        child.num_computed = self.num_computed
+        child.status = self.status
+        return child
+
+    def __repr__(self) -> str:
+        return (f"Sequence(id={self.seq_id}, req={self.request_id}#{self.sample_index}, "
+                f"tokens={self.num_tokens}, computed={self.num_computed}, {self.status.value})")
