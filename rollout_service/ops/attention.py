@@ -1,0 +1,159 @@
+"""Paged attention: the batch metadata and the torch reference that every backend must reproduce.
+
+KV cache layout (one tensor per layer): [num_pages, 2, num_kv_heads, page_size, head_dim], index 0 = K,
+1 = V. A slot is page_id * page_size + offset_in_page.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    """Describes one forward step over a ragged batch of B sequences and T query tokens.
+
+    Query tokens of sequence b are rows qo_indptr[b]:qo_indptr[b+1] and are its LAST q_len positions;
+    a query at absolute position p attends KV positions <= p. kv_lens counts this step's tokens, which
+    are written to the cache before attention reads it.
+    """
+
+    is_prefill: bool
+    slot_mapping: torch.Tensor  # int64 [T]
+    positions: torch.Tensor  # int64 [T]
+    qo_indptr: torch.Tensor  # int32 [B+1]
+    kv_indptr: torch.Tensor  # int32 [B+1]
+    kv_indices: torch.Tensor  # int32 [nnz] page ids, in order
+    kv_last_page_len: torch.Tensor  # int32 [B], 1..page_size
+    kv_lens: torch.Tensor  # int32 [B]
+    block_tables: torch.Tensor  # int32 [B, max_pages], rows padded with 0
+    max_q_len: int
+    max_kv_len: int
+
+    @property
+    def num_seqs(self) -> int:
+        return self.kv_lens.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.slot_mapping.shape[0]
+
+
+def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store this step's K/V [T, Hk, D] at their slots, in place."""
+    page_size = kv_layer.shape[3]
+    page = slot_mapping // page_size
+    offset = slot_mapping % page_size
+    # Advanced indices split by a slice put the token dim first: the target view is [T, Hk, D].
+    kv_layer[page, 0, :, offset] = k.to(kv_layer.dtype)
+    kv_layer[page, 1, :, offset] = v.to(kv_layer.dtype)
+
+
+def paged_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Causal attention of q [T, Hq, D] over the paged cache; returns [T, Hq, D] in q's dtype."""
+    if meta.is_prefill:
+        return _prefill_attention(q, kv_layer, meta, scale)
+    return _decode_attention(q, kv_layer, meta, scale)
+
+
+def _decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    # One query per sequence; no host syncs, so this path can be captured in a CUDA graph.
+    batch, max_pages = meta.block_tables.shape
+    _, _, num_kv_heads, page_size, head_dim = kv_layer.shape
+    num_q_heads = q.shape[1]
+    pages = kv_layer[meta.block_tables.long()]  # [B, P, 2, Hk, ps, D]
+    kv = pages.permute(0, 2, 3, 1, 4, 5).reshape(batch, 2, num_kv_heads, max_pages * page_size, head_dim)
+    valid = torch.arange(max_pages * page_size, device=q.device)[None, :] < meta.kv_lens[:, None]  # [B, L]
+    # Padded pages and stale page tails may hold anything (even NaN): zero them so 0 * garbage stays 0.
+    kv = kv.float().masked_fill(~valid[:, None, None, :, None], 0.0)
+    out = F.scaled_dot_product_attention(
+        q.float().view(batch, num_q_heads, 1, head_dim),
+        kv[:, 0],
+        kv[:, 1],
+        attn_mask=valid[:, None, None, :],
+        scale=scale,
+        enable_gqa=num_q_heads != num_kv_heads,
+    )
+    return out.view(batch, num_q_heads, head_dim).to(q.dtype)
+
+
+def _prefill_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    _, _, num_kv_heads, page_size, head_dim = kv_layer.shape
+    num_q_heads = q.shape[1]
+    qo_indptr = meta.qo_indptr.tolist()
+    kv_indptr = meta.kv_indptr.tolist()
+    kv_lens = meta.kv_lens.tolist()
+    out = torch.empty_like(q)
+    for b, kv_len in enumerate(kv_lens):
+        q_start, q_end = qo_indptr[b], qo_indptr[b + 1]
+        q_len = q_end - q_start
+        if q_len == 0:
+            continue
+        pages = meta.kv_indices[kv_indptr[b] : kv_indptr[b + 1]].long()
+        kv = kv_layer[pages].permute(1, 2, 0, 3, 4).reshape(2, num_kv_heads, -1, head_dim)[:, :, :kv_len].float()
+        # The queries are the sequence's last q_len tokens: query i sits at position kv_len - q_len + i.
+        q_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)
+        causal = torch.arange(kv_len, device=q.device)[None, :] <= q_pos[:, None]
+        o = F.scaled_dot_product_attention(
+            q[q_start:q_end].transpose(0, 1).float(),
+            kv[0],
+            kv[1],
+            attn_mask=causal,
+            scale=scale,
+            enable_gqa=num_q_heads != num_kv_heads,
+        )
+        out[q_start:q_end] = o.transpose(0, 1).to(q.dtype)
+    return out
+
+
+def make_metadata(
+    page_tables: list[list[int]],
+    q_lens: list[int],
+    kv_lens: list[int],
+    page_size: int,
+    is_prefill: bool | None = None,
+    device: torch.device | str = "cpu",
+) -> AttentionMetadata:
+    """Build metadata from host lists (tests, benchmarks, simple callers; the engine fills its own buffers).
+
+    page_tables[b] lists sequence b's pages in order; it must cover exactly kv_lens[b] tokens. The queries are
+    each sequence's last q_lens[b] tokens. is_prefill defaults to "some sequence has more than one query".
+    """
+    if not (len(page_tables) == len(q_lens) == len(kv_lens)):
+        raise ValueError("page_tables, q_lens and kv_lens must have one entry per sequence")
+    slots, positions = [], []
+    for b, (pages, q_len, kv_len) in enumerate(zip(page_tables, q_lens, kv_lens)):
+        if not 0 <= q_len <= kv_len or len(pages) != -(-kv_len // page_size):
+            raise ValueError(f"sequence {b}: q_len {q_len}, kv_len {kv_len} and {len(pages)} pages are inconsistent")
+        for pos in range(kv_len - q_len, kv_len):
+            positions.append(pos)
+            slots.append(pages[pos // page_size] * page_size + pos % page_size)
+    if is_prefill is None:
+        is_prefill = any(q != 1 for q in q_lens)
+    max_pages = max((len(p) for p in page_tables), default=0)
+
+    def ints(values: list[int], dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=device)
+
+    return AttentionMetadata(
+        is_prefill=is_prefill,
+        slot_mapping=ints(slots, torch.int64),
+        positions=ints(positions, torch.int64),
+        qo_indptr=ints(_cumsum(q_lens), torch.int32),
+        kv_indptr=ints(_cumsum([len(p) for p in page_tables]), torch.int32),
+        kv_indices=ints([page for pages in page_tables for page in pages], torch.int32),
+        kv_last_page_len=ints([(n - 1) % page_size + 1 for n in kv_lens], torch.int32),
+        kv_lens=ints(kv_lens, torch.int32),
+        block_tables=ints([p + [0] * (max_pages - len(p)) for p in page_tables], torch.int32).view(-1, max_pages),
+        max_q_len=max(q_lens, default=0),
+        max_kv_len=max(kv_lens, default=0),
+    )
+
+
+def _cumsum(values: list[int]) -> list[int]:
+    out = [0]
+    for v in values:
+        out.append(out[-1] + v)
+    return out

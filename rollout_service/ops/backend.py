@@ -1,0 +1,47 @@
+"""The one place an ops backend is chosen: "torch" (reference, any device) or "cuda" (csrc kernels)."""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from rollout_service.ops.torch_ops import TorchOps
+
+logger = logging.getLogger(__name__)
+
+# The interface every backend provides; the CUDA backend subclasses it.
+Ops = TorchOps
+
+BACKENDS = ("torch", "cuda")
+
+
+def select_ops(backend: str) -> Ops:
+    """The Ops object for a concrete backend name."""
+    if backend == "torch":
+        return TorchOps()
+    if backend == "cuda":
+        try:
+            from rollout_service.ops.cuda_ops import CudaOps
+        except ImportError as exc:
+            raise ValueError(f"backend 'cuda' is unavailable: cannot import rollout_service.ops.cuda_ops ({exc})") from exc
+        return CudaOps()
+    raise ValueError(f"unknown ops backend {backend!r}; choose one of {BACKENDS} (or 'auto' via resolve_backend)")
+
+
+def resolve_backend(backend: str, device: torch.device | str) -> str:
+    """Turn "auto" into "cuda" when the device is a GPU and the kernels load, else "torch"; check the rest."""
+    device_type = torch.device(device).type
+    if backend == "auto":
+        if device_type != "cuda" or not torch.cuda.is_available():
+            return "torch"
+        try:
+            select_ops("cuda")
+        except (ValueError, RuntimeError, OSError) as exc:  # a failed kernel build must not stop the service
+            logger.warning("CUDA kernels unavailable, falling back to the torch backend: %s", exc)
+            return "torch"
+        return "cuda"
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown ops backend {backend!r}; choose one of {BACKENDS} or 'auto'")
+    if backend == "cuda" and device_type != "cuda":
+        raise ValueError(f"backend 'cuda' needs a CUDA device, got device {str(device)!r}")
+    return backend

@@ -1,0 +1,35 @@
+"""The torch reference Ops: plain torch on any device. They define the semantics; the CUDA Ops subclass
+this class and override what they have kernels for."""
+from __future__ import annotations
+
+import torch
+
+from rollout_service.ops import attention, norm, rope
+
+
+class TorchOps:
+    name = "torch"
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return norm.rms_norm(x, weight, eps)
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return norm.add_rms_norm(x, residual, weight, eps)
+
+    def rope(
+        self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return rope.apply_rope(q, k, positions, cos_sin)
+
+    def write_kv(self, kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        attention.write_kv(kv_layer, k, v, slot_mapping)
+
+    def attention(
+        self, q: torch.Tensor, kv_layer: torch.Tensor, meta: attention.AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        return attention.paged_attention(q, kv_layer, meta, scale)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r})"

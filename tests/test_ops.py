@@ -1,0 +1,186 @@
+"""Torch reference ops vs independent dense computations and HF transformers' own functions."""
+import math
+
+import pytest
+import torch
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+from rollout_service.ops import AttentionMetadata, resolve_backend, select_ops
+from rollout_service.ops.attention import make_metadata, paged_attention, write_kv
+from rollout_service.ops.norm import add_rms_norm, rms_norm
+from rollout_service.ops.rope import apply_rope, build_cos_sin_cache
+
+PAGE = 4
+
+
+def dense_attention(q, k, v, scale):
+    """q [q_len, Hq, D] are the last q_len of kv_len positions; k, v [kv_len, Hk, D]; float64 math."""
+    q_len, kv_len = q.shape[0], k.shape[0]
+    group = q.shape[1] // k.shape[1]
+    k = k.double().repeat_interleave(group, dim=1)
+    v = v.double().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
+    q_pos = torch.arange(kv_len - q_len, kv_len)[:, None]
+    scores = scores.masked_fill(torch.arange(kv_len)[None, :] > q_pos, -math.inf)
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+def random_pages(kv_lens, num_pages, gen):
+    """Disjoint, shuffled (non-contiguous) page lists covering each sequence's kv_len."""
+    perm = torch.randperm(num_pages, generator=gen).tolist()
+    tables = []
+    for n in kv_lens:
+        count = -(-n // PAGE)
+        tables.append(perm[:count])
+        perm = perm[count:]
+    return tables
+
+
+def run_paged(q_lens, kv_lens, heads=(4, 2), dim=8, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(sum(kv_lens) * 31 + sum(q_lens))
+    hq, hk = heads
+    tables = random_pages(kv_lens, 64, gen)
+    # A cache full of NaN proves that unwritten slots and padded pages never leak into the result.
+    kv = torch.full((64, 2, hk, PAGE, dim), float("nan"), dtype=dtype)
+    ks = [torch.randn(n, hk, dim, generator=gen).to(dtype) for n in kv_lens]
+    vs = [torch.randn(n, hk, dim, generator=gen).to(dtype) for n in kv_lens]
+    qs = [torch.randn(m, hq, dim, generator=gen).to(dtype) for m in q_lens]
+    fill = make_metadata(tables, kv_lens, kv_lens, PAGE)  # write every token, cached prefix included
+    write_kv(kv, torch.cat(ks), torch.cat(vs), fill.slot_mapping)
+    meta = make_metadata(tables, q_lens, kv_lens, PAGE)
+    scale = dim**-0.5
+    out = paged_attention(torch.cat(qs), kv, meta, scale)
+    ref = torch.cat([dense_attention(q, k, v, scale) for q, k, v in zip(qs, ks, vs)])
+    return out, ref
+
+
+def test_write_kv_places_each_token_at_its_slot():
+    torch.manual_seed(0)
+    kv = torch.zeros(6, 2, 2, PAGE, 3)
+    slots = torch.tensor([21, 2, 7, 12])
+    k, v = torch.randn(4, 2, 3), torch.randn(4, 2, 3)
+    write_kv(kv, k, v, slots)
+    for i, s in enumerate(slots.tolist()):
+        assert torch.equal(kv[s // PAGE, 0, :, s % PAGE], k[i])
+        assert torch.equal(kv[s // PAGE, 1, :, s % PAGE], v[i])
+    assert int((kv != 0).sum()) == k.numel() + v.numel()
+
+
+@pytest.mark.parametrize("heads", [(4, 2), (4, 4), (6, 1)])
+def test_prefill_matches_dense_causal(heads):
+    out, ref = run_paged(q_lens=[7, 1, 16, 13], kv_lens=[7, 1, 16, 13], heads=heads)
+    assert out.shape == (37, heads[0], 8)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_prefill_with_cached_prefix_matches_dense():
+    # Chunks that start mid-page and cross page boundaries on top of cached tokens.
+    out, ref = run_paged(q_lens=[5, 3, 9], kv_lens=[11, 4, 30])
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_batch_of_ragged_lengths_matches_dense():
+    kv_lens = [1, 4, 5, 17, 33]
+    out, ref = run_paged(q_lens=[1] * 5, kv_lens=kv_lens)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_path_equals_prefill_path_on_single_queries():
+    gen = torch.Generator().manual_seed(1)
+    q_lens, kv_lens = [1, 1, 1], [3, 9, 20]
+    tables = random_pages(kv_lens, 64, gen)
+    kv = torch.randn(64, 2, 2, PAGE, 8, generator=gen)
+    q = torch.randn(3, 4, 8, generator=gen)
+    a = paged_attention(q, kv, make_metadata(tables, q_lens, kv_lens, PAGE, is_prefill=True), 0.3)
+    b = paged_attention(q, kv, make_metadata(tables, q_lens, kv_lens, PAGE, is_prefill=False), 0.3)
+    torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
+def test_bfloat16_attention_close_to_dense():
+    out, ref = run_paged(q_lens=[6, 1], kv_lens=[6, 12], dtype=torch.bfloat16)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
+
+
+def test_metadata_fields_follow_contract():
+    meta = make_metadata([[5, 2], [7]], [3, 1], [6, 1], PAGE)
+    assert isinstance(meta, AttentionMetadata) and meta.is_prefill and meta.num_seqs == 2
+    assert meta.slot_mapping.tolist() == [5 * PAGE + 3, 2 * PAGE + 0, 2 * PAGE + 1, 7 * PAGE]
+    assert meta.positions.tolist() == [3, 4, 5, 0]
+    assert meta.qo_indptr.tolist() == [0, 3, 4] and meta.kv_indptr.tolist() == [0, 2, 3]
+    assert meta.kv_last_page_len.tolist() == [2, 1] and meta.block_tables.tolist() == [[5, 2], [7, 0]]
+    assert meta.qo_indptr.dtype == torch.int32 and meta.slot_mapping.dtype == torch.int64
+    with pytest.raises(ValueError, match="inconsistent"):
+        make_metadata([[5]], [3], [6], PAGE)
+
+
+ROPE_CASES = {
+    "default": {"rope_type": "default", "rope_theta": 10000.0},
+    "linear": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
+    "llama3": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+    "yarn": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64},
+}
+
+
+def rope_config(params):
+    return LlamaConfig(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                       max_position_embeddings=512, rope_parameters=dict(params))
+
+
+@pytest.mark.parametrize("case", sorted(ROPE_CASES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_matches_hf(case, dtype):
+    torch.manual_seed(0)
+    config = rope_config(ROPE_CASES[case])
+    positions = torch.tensor([0, 1, 5, 63, 64, 200, 511])
+    q = torch.randn(len(positions), 4, 32).to(dtype)
+    k = torch.randn(len(positions), 2, 32).to(dtype)
+    cos, sin = LlamaRotaryEmbedding(config)(q, positions[None])  # [1, T, D] in q's dtype
+    q_ref, k_ref = apply_rotary_pos_emb(q[None].transpose(1, 2), k[None].transpose(1, 2), cos, sin)
+    table = build_cos_sin_cache(rope_config(ROPE_CASES[case]), dtype=dtype)
+    q_out, k_out = apply_rope(q, k, positions, table)
+    torch.testing.assert_close(q_out, q_ref[0].transpose(0, 1), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(k_out, k_ref[0].transpose(0, 1), atol=1e-6, rtol=1e-6)
+    assert not torch.equal(q_out, q)
+
+
+def test_rope_table_layout_is_cos_then_sin():
+    table = build_cos_sin_cache(rope_config(ROPE_CASES["default"]))
+    assert table.shape == (512, 32)
+    assert torch.equal(table[0, :16], torch.ones(16)) and torch.equal(table[0, 16:], torch.zeros(16))
+
+
+@pytest.mark.parametrize("params", [{"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}, {"rope_type": "nope?"}])
+def test_unsupported_rope_raises(params):
+    config = rope_config(ROPE_CASES["default"])
+    config.rope_parameters = params
+    with pytest.raises(ValueError, match="rope_type"):
+        build_cos_sin_cache(config)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_matches_hf(dtype):
+    torch.manual_seed(0)
+    hf = LlamaRMSNorm(48, eps=1e-5)
+    with torch.no_grad():
+        hf.weight.copy_(torch.randn(48))
+    hf = hf.to(dtype)
+    x = (torch.randn(5, 48) * 3).to(dtype)
+    torch.testing.assert_close(rms_norm(x, hf.weight, 1e-5), hf(x), atol=0, rtol=0)
+    residual = torch.randn(5, 48).to(dtype)
+    y, new_residual = add_rms_norm(x, residual, hf.weight, 1e-5)
+    torch.testing.assert_close(new_residual, x + residual, atol=0, rtol=0)
+    torch.testing.assert_close(y, hf(x + residual), atol=0, rtol=0)
+
+
+def test_backend_selection():
+    ops = select_ops("torch")
+    assert ops.name == "torch" and callable(ops.attention)
+    assert resolve_backend("auto", "cpu") == "torch"
+    assert resolve_backend("torch", "cpu") == "torch"
+    with pytest.raises(ValueError, match="triton"):
+        select_ops("triton")
+    with pytest.raises(ValueError, match="CUDA device"):
+        resolve_backend("cuda", "cpu")
