@@ -1,0 +1,88 @@
+"""Counter-based randomness for sampling: a splitmix64 hash of (seed, sample_index, step, vocab id).
+
+Why counter-based: a sequence's random draw at a step is a pure function of its own counters, so its
+tokens do not depend on which other sequences share the batch, on the batch order, on preemption and
+recompute, or on the device (the same integer ops give the same bits on CPU and CUDA). No generator
+state is carried anywhere.
+
+Construction:
+  row key  k = mix(((mix(((mix(seed + G) ^ sample_index) + G) ^ step) + G)   -- exact, in Python ints
+  element  h[v] = mix(k + (v + 1) * G)   for vocab id v                      -- torch int64, per [B, V]
+where mix is the splitmix64 finaliser and G = 0x9E3779B97F4A7C15 (h[v] is element v of the splitmix64
+stream seeded with k). Torch has no uint64, so the tensor version keeps the 64 bits in int64: + and *
+wrap mod 2**64 (two's complement, as on every torch backend), and every right shift is masked so the
+arithmetic (sign-extending) shift acts as a logical one. `splitmix64_int` is the exact reference;
+tests check the tensor version against it bit for bit.
+
+Uniforms: the top 32 bits of h give w = (h32 + 0.5) / 2**32 in float32, clamped to [2**-33, 1 - 2**-24],
+so w is never 0 or 1. The Gumbel draw is g = -log(-log1p(-w)), i.e. -log(-log(u)) with u = 1 - w: the
+winner of a Gumbel-max is decided by u near 1, and writing it through w keeps 32 bits of resolution
+exactly there (a token 1e-9 as likely as the top one can still be drawn).
+"""
+from __future__ import annotations
+
+import torch
+
+MASK64 = (1 << 64) - 1
+GOLDEN = 0x9E3779B97F4A7C15
+_C1 = 0xBF58476D1CE4E5B9
+_C2 = 0x94D049BB133111EB
+
+
+def _signed(x: int) -> int:
+    """The int64 with the same 64 bits as the unsigned x."""
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+def splitmix64_int(z: int) -> int:
+    """splitmix64 finaliser on a Python int (exact uint64 reference)."""
+    z &= MASK64
+    z = ((z ^ (z >> 30)) * _C1) & MASK64
+    z = ((z ^ (z >> 27)) * _C2) & MASK64
+    return z ^ (z >> 31)
+
+
+def row_key(seed: int, sample_index: int, step: int) -> int:
+    """64-bit key (as a signed int64 value) of one sequence's draw at one step."""
+    k = splitmix64_int(seed + GOLDEN)
+    k = splitmix64_int((k ^ sample_index) + GOLDEN)
+    k = splitmix64_int((k ^ step) + GOLDEN)
+    return _signed(k)
+
+
+def _xor_shift_(z: torch.Tensor, tmp: torch.Tensor, s: int) -> None:
+    """z ^= z >>> s (logical shift on the int64 bits), in place."""
+    torch.bitwise_right_shift(z, s, out=tmp)
+    tmp.bitwise_and_((1 << (64 - s)) - 1)
+    z.bitwise_xor_(tmp)
+
+
+def splitmix64_(z: torch.Tensor) -> torch.Tensor:
+    """splitmix64 finaliser on an int64 tensor, in place (bits as uint64)."""
+    tmp = torch.empty_like(z)
+    _xor_shift_(z, tmp, 30)
+    z.mul_(_signed(_C1))
+    _xor_shift_(z, tmp, 27)
+    z.mul_(_signed(_C2))
+    _xor_shift_(z, tmp, 31)
+    return z
+
+
+def random_bits(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """int64 [B, V]: element v of row b is splitmix64(keys[b] + (v + 1) * GOLDEN)."""
+    offsets = torch.arange(1, vocab_size + 1, dtype=torch.int64, device=keys.device).mul_(_signed(GOLDEN))
+    return splitmix64_(keys.to(torch.int64).unsqueeze(1) + offsets)
+
+
+def uniforms(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """float32 [B, V] uniforms in (0, 1) from the top 32 bits of the hash (see module docstring)."""
+    bits = random_bits(keys, vocab_size)
+    hi = bits.bitwise_right_shift_(32).bitwise_and_(0xFFFFFFFF)
+    w = hi.to(torch.float32).add_(0.5).mul_(2.0 ** -32)
+    return w.clamp_(max=1.0 - 2.0 ** -24)
+
+
+def gumbel(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """float32 [B, V] standard Gumbel noise, -log(-log(1 - w)) with w = uniforms(keys, vocab_size)."""
+    w = uniforms(keys, vocab_size)
+    return w.neg_().log1p_().neg_().log_().neg_()

@@ -1,0 +1,156 @@
+"""Sampler: one step's logits [B, V] and the batch's sequences -> tokens and behaviour log-probs.
+
+Per row (each sequence uses its own SamplingParams; rows never influence one another):
+1. penalised = the raw logits after repetition / frequency / presence penalties (logits_processors.py).
+2. Greedy rows (temperature == 0): token = argmax(penalised). Their log-probs are reported in "raw" mode
+   whatever logprobs_mode says (greedy has no sampling distribution to report).
+3. Other rows: scaled = penalised / temperature; truncated = scaled with the tokens dropped by top_k,
+   top_p and min_p set to -inf (logits_processors.py); processed = log_softmax(truncated).
+   token = argmax(truncated + gumbel), an exact draw from softmax(truncated) (Gumbel-max), where the
+   Gumbel noise is a counter-based hash of (seed, sample_index, step = num_output_tokens, vocab id)
+   (random.py): a sequence's token depends only on its own counters and logits, whatever the batch,
+   the device, or a preemption and recompute in between.
+4. logprobs[b] = log-prob of the chosen token under the row's logprobs_mode:
+     "processed": log_softmax(truncated), the distribution actually sampled from;
+     "scaled":    log_softmax(scaled), after penalties and temperature, before truncation;
+     "raw":       log_softmax(logits), the model's own distribution.
+   With K = max(sampling.logprobs) over the batch (capped at V), top_ids / top_logprobs [B, K] are the
+   K most likely tokens of that same distribution, best first (rows that asked for fewer get extra
+   columns for the caller to trim; tokens dropped by truncation show -inf in "processed" mode).
+
+Work no row needs is skipped: no penalties -> no token counts; no top_k / top_p -> no sort (top_k alone
+uses topk); all greedy -> no scaling and no noise. top_k and top_p share one sort.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rollout_service.engine.logits_processors import apply_penalties, truncation_mask
+from rollout_service.engine.random import gumbel, row_key
+from rollout_service.engine.sequence import Sequence
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor                     # int64 [B]
+    logprobs: torch.Tensor                      # float32 [B]
+    top_ids: torch.Tensor | None = None         # int64 [B, K]
+    top_logprobs: torch.Tensor | None = None    # float32 [B, K]
+
+
+@dataclass
+class _RowParams:
+    """Per-row sampling parameters as Python lists (B is small; tensors are built only where needed)."""
+
+    temperature: list[float]
+    top_k: list[int]
+    top_p: list[float]
+    min_p: list[float]
+    repetition: list[float]
+    frequency: list[float]
+    presence: list[float]
+    modes: list[str]
+    num_top: int
+
+    @classmethod
+    def of(cls, seqs: list[Sequence]) -> "_RowParams":
+        ps = [s.sampling for s in seqs]
+        return cls([float(p.temperature) for p in ps], [int(p.top_k) for p in ps], [float(p.top_p) for p in ps],
+                   [float(p.min_p) for p in ps], [float(p.repetition_penalty) for p in ps],
+                   [float(p.frequency_penalty) for p in ps], [float(p.presence_penalty) for p in ps],
+                   ["raw" if p.temperature == 0 else p.logprobs_mode for p in ps],
+                   max(int(p.logprobs) for p in ps))
+
+
+class Sampler:
+    """Stateless: `Sampler()(logits, seqs)` samples one token per sequence (see the module docstring)."""
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+        logits = _checked(logits, seqs)
+        batch, vocab = logits.shape
+        dev = logits.device
+        if batch == 0:
+            return SamplerOutput(torch.empty(0, dtype=torch.int64, device=dev), torch.empty(0, device=dev))
+        rp = _RowParams.of(seqs)
+        penalised = apply_penalties(logits, [s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs],
+                                    rp.repetition, rp.frequency, rp.presence)
+        tokens = torch.empty(batch, dtype=torch.int64, device=dev)
+        sources = {"raw": logits}
+        greedy = [i for i in range(batch) if rp.temperature[i] == 0]
+        sampled = [i for i in range(batch) if rp.temperature[i] != 0]
+        if greedy:
+            _assign(tokens, greedy, _rows(penalised, greedy).argmax(dim=1))
+        if sampled:
+            temps = torch.tensor([t if t != 0 else 1.0 for t in rp.temperature], device=dev).unsqueeze(1)
+            scaled = penalised / temps
+            truncated = _truncate(scaled, sampled, rp)
+            keys = torch.tensor([row_key(seqs[i].seed, seqs[i].sample_index, seqs[i].num_output_tokens)
+                                 for i in sampled], dtype=torch.int64, device=dev)
+            scores = _rows(truncated, sampled) + gumbel(keys, vocab)
+            _assign(tokens, sampled, scores.argmax(dim=1))
+            sources.update(scaled=scaled, processed=truncated)
+        return _report(sources, rp.modes, tokens, min(rp.num_top, vocab))
+
+
+def _checked(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or not logits.is_floating_point():
+        raise ValueError("Sampler: logits must be a floating-point tensor of shape [batch, vocab]")
+    if logits.shape[0] != len(seqs):
+        raise ValueError(f"Sampler: logits has {logits.shape[0]} rows but {len(seqs)} sequences were given")
+    if logits.shape[1] == 0:
+        raise ValueError("Sampler: logits has an empty vocabulary dimension")
+    return logits.float()
+
+
+def _rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """t restricted to `rows` (t itself when rows is the whole batch, in order)."""
+    if len(rows) == t.shape[0]:
+        return t
+    return t[torch.tensor(rows, device=t.device)]
+
+
+def _assign(out: torch.Tensor, rows: list[int], values: torch.Tensor) -> None:
+    if len(rows) == out.shape[0]:
+        out.copy_(values)
+    else:
+        out[torch.tensor(rows, device=out.device)] = values
+
+
+def _truncate(scaled: torch.Tensor, sampled: list[int], rp: _RowParams) -> torch.Tensor:
+    """scaled with top_k / top_p / min_p drops at -inf, computed only for the rows that ask for any."""
+    rows = [i for i in sampled if rp.top_k[i] != -1 or rp.top_p[i] < 1.0 or rp.min_p[i] > 0.0]
+    if not rows:
+        return scaled
+    drop = truncation_mask(_rows(scaled, rows), [rp.top_k[i] for i in rows], [rp.top_p[i] for i in rows],
+                           [rp.min_p[i] for i in rows])
+    if len(rows) == scaled.shape[0]:
+        return scaled.masked_fill(drop, float("-inf"))
+    truncated = scaled.clone()
+    idx = torch.tensor(rows, device=scaled.device)
+    truncated[idx] = truncated[idx].masked_fill(drop, float("-inf"))
+    return truncated
+
+
+def _report(sources: dict[str, torch.Tensor], modes: list[str], tokens: torch.Tensor, k: int) -> SamplerOutput:
+    """Log-probs of the chosen tokens (and the top-k) under each row's mode's distribution."""
+    batch, dev = tokens.shape[0], tokens.device
+    groups: dict[str, list[int]] = {}
+    for i, mode in enumerate(modes):
+        groups.setdefault(mode, []).append(i)
+    logprobs = torch.empty(batch, dtype=torch.float32, device=dev)
+    top_ids = torch.empty(batch, k, dtype=torch.int64, device=dev) if k else None
+    top_lps = torch.empty(batch, k, dtype=torch.float32, device=dev) if k else None
+    for mode, rows in groups.items():
+        x, tok = _rows(sources[mode], rows), _rows(tokens, rows).unsqueeze(1)
+        if k:
+            lsm = x.log_softmax(dim=1)
+            _assign(logprobs, rows, lsm.gather(1, tok).squeeze(1))
+            values, ids = lsm.topk(k, dim=1)
+            _assign(top_lps, rows, values)
+            _assign(top_ids, rows, ids)
+        else:
+            # one reduction instead of a full [R, V] log_softmax when only the chosen token is wanted
+            _assign(logprobs, rows, (x.gather(1, tok) - x.logsumexp(dim=1, keepdim=True)).squeeze(1))
+    return SamplerOutput(tokens, logprobs, top_ids, top_lps)
