@@ -1,0 +1,91 @@
+"""Hardware ceilings measured in the same run: memory copy bandwidth and matmul rate.
+
+GPU: 2 GiB device-to-device copy and an 8192^3 bf16 matmul (BENCHMARKS.md). CPU: a large tensor copy and
+an fp32 matmul. The floor of every workload is computed from these two numbers.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+
+@dataclass
+class Ceilings:
+    device: str
+    copy_bytes: int          # bytes of the copied tensor (read once + written once per copy)
+    bandwidth_Bps: float     # (read + written) bytes / second, median of the timed copies
+    matmul_n: int
+    matmul_dtype: str
+    matmul_flops: float      # FLOP/s, median
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_fn(fn, device: torch.device, iters: int, warmup: int = 1) -> float:
+    """Median wall seconds of fn(); synchronised so GPU work is inside the timed span."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_bandwidth(device: torch.device, nbytes: int, iters: int) -> float:
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
+    dst = torch.empty_like(src)
+    seconds = time_fn(lambda: dst.copy_(src), device, iters)
+    del src, dst
+    return 2 * nbytes / seconds
+
+
+def measure_matmul(device: torch.device, n: int, dtype: torch.dtype, iters: int) -> float:
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    seconds = time_fn(lambda: a @ b, device, iters)
+    return 2 * n**3 / seconds
+
+
+def measure_ceilings(device: torch.device, quick: bool = False) -> Ceilings:
+    if device.type == "cuda":
+        nbytes, n, dtype, iters = 2 << 30, 8192, torch.bfloat16, 10
+        if quick:
+            nbytes, n, iters = 256 << 20, 4096, 3
+    else:
+        # Large enough to leave the caches, small enough for a shared machine.
+        nbytes, n, dtype, iters = 512 << 20, 2048, torch.float32, 5
+        if quick:
+            nbytes, n, iters = 32 << 20, 256, 2
+    bw = measure_bandwidth(device, nbytes, iters)
+    flops = measure_matmul(device, n, dtype, iters)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return Ceilings(str(device), nbytes, bw, n, str(dtype).replace("torch.", ""), flops)
+
+
+def decode_step_floor(weight_bytes: float, kv_bytes: float, params: float, batch: int,
+                      ceil: Ceilings) -> float:
+    """Seconds for one decode step at the hardware limit: every touched byte read once, or every
+    multiply-add done at peak, whichever takes longer. Weights are read once per step (they're
+    shared by the batch); each sequence reads its own KV."""
+    # Copy bandwidth counts read + write; a read-only stream moves the same bytes per second.
+    return max((weight_bytes + kv_bytes) / ceil.bandwidth_Bps, 2 * params * batch / ceil.matmul_flops)
+
+
+def prefill_floor(weight_bytes: float, params: float, tokens: int, ceil: Ceilings) -> float:
+    """Seconds to prefill `tokens` prompt tokens: weight read or 2*params FLOPs per token."""
+    return max(weight_bytes / ceil.bandwidth_Bps, 2 * params * tokens / ceil.matmul_flops)

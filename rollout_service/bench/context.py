@@ -1,0 +1,98 @@
+"""What every workload needs: the model, ceilings, shapes, options, and a guarded way to measure.
+
+A measurement that fails or runs past the time budget becomes an n/a cell with the reason, never an
+aborted run: one broken peer must not cost the numbers of everything else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from .ceilings import Ceilings
+from .models import BenchModel
+from .report import Cell, Row
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """Workload sizes (BENCHMARKS.md); --quick and --shape override them."""
+    w1_prompt: int = 128
+    w1_new: int = 256
+    w2_seqs: int = 256
+    w2_prompt: int = 128
+    w2_new: int = 256
+    w2n_prompts: int = 32
+    w2n_n: int = 8
+    w2n_prompt: int = 512
+    w2n_new: int = 512
+    w3_check_new: int = 16
+    w4_batches: tuple = (1, 32, 128)
+    w4_contexts: tuple = (1024, 4096)
+    w4_prefill_seqs: int = 4
+    w4_prefill_len: int = 1024
+
+    def replace(self, **kw) -> "Shapes":
+        return dataclasses.replace(self, **kw)
+
+
+QUICK = Shapes(w1_prompt=8, w1_new=8, w2_seqs=4, w2_prompt=8, w2_new=8, w2n_prompts=2, w2n_n=2,
+               w2n_prompt=16, w2n_new=8, w3_check_new=4, w4_batches=(1, 4), w4_contexts=(64,),
+               w4_prefill_seqs=2, w4_prefill_len=64)
+# Issue 2's CPU benchmark: 32 sequences, prompt 128, 64 new tokens.
+CPU = Shapes(w2_seqs=32, w2_new=64, w4_batches=(1, 32), w4_contexts=(1024,), w4_prefill_len=512)
+
+
+def parse_shape(spec: str) -> tuple[str, object]:
+    """'w2_seqs=32' or 'w4_batches=1,32' -> (name, typed value); ValueError names a bad key."""
+    key, sep, value = spec.partition("=")
+    names = {f.name: f for f in dataclasses.fields(Shapes)}
+    if not sep or key not in names:
+        raise ValueError(f"--shape {spec!r}: expected KEY=VALUE with KEY one of {', '.join(names)}")
+    if isinstance(getattr(Shapes, key), tuple):
+        return key, tuple(int(v) for v in value.split(","))
+    return key, int(value)
+
+
+@dataclass
+class BenchContext:
+    bm: BenchModel
+    ceilings: Ceilings
+    shapes: Shapes
+    backend: str = "auto"
+    engine_extra: dict = field(default_factory=dict)
+    skip: set = field(default_factory=set)     # "W2n", "hf_static", "llama3-8b:W2n", "llama3-8b:hf_static"
+    deadline: float = float("inf")             # time.monotonic() after which remaining parts are skipped
+    static_peer: str = "auto"                  # "auto" (GPU only), "on", "off"
+    progress: Callable[[str], None] = lambda msg: None
+    errors: list = field(default_factory=list)
+
+    @property
+    def device(self) -> torch.device:
+        return self.bm.device
+
+    def skipped(self, name: str) -> bool:
+        """A workload or part (engine, hf_generate, hf_generate_batch, hf_static, ...) named by --skip,
+        alone or as MODEL:NAME."""
+        return name in self.skip or f"{self.bm.name}:{name}" in self.skip
+
+    def measure(self, row: Row, part: str, fn: Callable[[], Cell]) -> Cell:
+        if self.skipped(part):
+            return Cell.na("skipped by --skip")
+        if time.monotonic() > self.deadline:
+            return Cell.na("skipped: time budget of this run spent")
+        self.progress(f"{self.bm.name} {row.workload} {part}")
+        try:
+            return fn()
+        except Exception as exc:  # noqa: BLE001 - any failure becomes an n/a cell with its reason
+            self.errors.append(f"{self.bm.name} {row.workload} {part}: {traceback.format_exc()}")
+            msg = str(exc).splitlines()[0][:200] if str(exc) else ""
+            return Cell.na(f"error: {type(exc).__name__}: {msg}")
+        finally:
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()

@@ -1,0 +1,70 @@
+"""The engine under test, driven only through its public client API (RolloutClient.local)."""
+
+from __future__ import annotations
+
+import math
+import time
+from contextlib import contextmanager
+
+import torch
+
+from .ceilings import sync
+from .models import BenchModel
+from .peers import PeerRun
+
+PAGE_SIZE = 16
+
+
+def engine_options(bm: BenchModel, num_seqs: int, max_len: int, extra: dict) -> dict:
+    """Size the KV pool for exactly this workload (every sequence at full length, plus headroom),
+    so the engine never holds memory the HF peers that run after it will need."""
+    pages = num_seqs * math.ceil(max_len / PAGE_SIZE) + 8
+    opts = dict(device=str(bm.device), num_pages=pages, max_num_seqs=max(num_seqs, 1),
+                max_model_len=max_len)
+    opts.update(extra)
+    return opts
+
+
+@contextmanager
+def open_engine(bm: BenchModel, backend: str, num_seqs: int, max_len: int, extra: dict):
+    from rollout_service import RolloutClient  # imported late: the harness runs without an engine too
+
+    client = RolloutClient.local(model=bm.hf_model, backend=backend, dtype=None,
+                                 **engine_options(bm, num_seqs, max_len, extra))
+    try:
+        yield client
+    finally:
+        client.close()
+        del client
+        if bm.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def sampling(max_new: int, n: int = 1, temperature: float = 0.0, seed: int | None = None):
+    from rollout_service import SamplingParams
+
+    return SamplingParams(n=n, temperature=temperature, max_tokens=max_new, ignore_eos=True, seed=seed)
+
+
+def engine_generate(client, bm: BenchModel, prompts: list[list[int]], max_new: int, n: int = 1,
+                    temperature: float = 0.0, seed: int | None = None) -> PeerRun:
+    """End to end: submit every prompt, wait for the last result."""
+    sp = sampling(max_new, n, temperature, seed)
+    sync(bm.device)
+    t0 = time.perf_counter()
+    results = client.generate(prompts, sampling=sp)
+    sync(bm.device)
+    seconds = time.perf_counter() - t0
+    tokens = [list(r.token_ids) for r in results]
+    n_out = sum(len(t) for t in tokens)
+    if n_out != len(prompts) * n * max_new:
+        raise RuntimeError(f"engine returned {n_out} tokens, expected {len(prompts) * n * max_new}")
+    return PeerRun(seconds, tokens)
+
+
+def engine_ms_per_step(client, bm: BenchModel, prompt: list[int], max_new: int) -> tuple[float, PeerRun]:
+    """Decode ms/step from two end-to-end runs: (T(max_new) - T(1)) / (max_new - 1). The 1-token run
+    is prefill + first sample, so the difference is pure decode, measured through the public API."""
+    first = min(engine_generate(client, bm, [prompt], 1).seconds for _ in range(2))
+    full = engine_generate(client, bm, [prompt], max_new)
+    return 1000 * (full.seconds - first) / (max_new - 1), full

