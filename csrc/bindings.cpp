@@ -1,0 +1,294 @@
+// The only torch-aware file of csrc: checks tensors (clear ValueErrors), picks the current CUDA stream,
+// allocates outputs/workspaces, and calls the torch-free launchers of kernels.h.
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/extension.h>
+
+#include "kernels.h"
+
+namespace rk = rollout_kernels;
+
+namespace {
+
+rk::DType half_dtype(const at::Tensor& t, const char* name) {
+  if (t.scalar_type() == at::kBFloat16) return rk::DType::kBFloat16;
+  if (t.scalar_type() == at::kHalf) return rk::DType::kFloat16;
+  TORCH_CHECK_VALUE(false, name, " must be bfloat16 or float16, got ", t.scalar_type());
+}
+
+void check_cuda(const at::Tensor& t, const char* name, const at::Tensor& ref) {
+  TORCH_CHECK_VALUE(t.is_cuda(), name, " must be a CUDA tensor");
+  TORCH_CHECK_VALUE(t.device() == ref.device(), name, " is on ", t.device(), ", expected ", ref.device());
+}
+
+void check_same_dtype(const at::Tensor& t, const char* name, const at::Tensor& ref) {
+  TORCH_CHECK_VALUE(t.scalar_type() == ref.scalar_type(), name, " has dtype ", t.scalar_type(), ", expected ",
+                    ref.scalar_type());
+}
+
+void check_index(const at::Tensor& t, const char* name, at::ScalarType type, const at::Tensor& ref) {
+  check_cuda(t, name, ref);
+  TORCH_CHECK_VALUE(t.scalar_type() == type, name, " must be ", type, ", got ", t.scalar_type());
+  TORCH_CHECK_VALUE(t.dim() == 1 && t.is_contiguous(), name, " must be a contiguous 1-D tensor");
+}
+
+// [rows, heads, D] with a unit last stride and even outer strides (32-bit fragment loads).
+void check_heads(const at::Tensor& t, const char* name) {
+  TORCH_CHECK_VALUE(t.dim() == 3, name, " must be [tokens, heads, head_dim], got ", t.sizes());
+  TORCH_CHECK_VALUE(t.stride(2) == 1 && t.stride(0) % 2 == 0 && t.stride(1) % 2 == 0, name,
+                    " needs a contiguous head_dim and even strides, got strides ", t.strides());
+}
+
+void check_cache(const at::Tensor& cache, const at::Tensor& ref) {
+  check_cuda(cache, "kv_cache", ref);
+  check_same_dtype(cache, "kv_cache", ref);
+  TORCH_CHECK_VALUE(cache.dim() == 5 && cache.size(1) == 2 && cache.is_contiguous(),
+                    "kv_cache must be a contiguous [num_pages, 2, num_kv_heads, page_size, head_dim] tensor, got ",
+                    cache.sizes());
+}
+
+void check_launch(cudaError_t err, const char* what) {
+  TORCH_CHECK(err == cudaSuccess, what, " launch failed: ", cudaGetErrorString(err));
+}
+
+int64_t aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
+
+// ---- norms -----------------------------------------------------------------------------------------
+
+void check_rows(const at::Tensor& t, const char* name, const at::Tensor& ref) {
+  check_cuda(t, name, ref);
+  check_same_dtype(t, name, ref);
+  TORCH_CHECK_VALUE(t.dim() == 2 && t.sizes() == ref.sizes(), name, " must be 2-D of shape ", ref.sizes(), ", got ",
+                    t.sizes());
+  TORCH_CHECK_VALUE(t.stride(1) == 1 && t.stride(0) % 8 == 0 && aligned16(t), name,
+                    " rows must be contiguous and 16-byte aligned");
+}
+
+void norm_impl(at::Tensor& out, const at::Tensor& x, const c10::optional<at::Tensor>& residual,
+               const at::Tensor& weight, double eps) {
+  const rk::DType dtype = half_dtype(x, "x");
+  check_rows(x, "x", x);
+  check_rows(out, "out", x);
+  if (residual) check_rows(*residual, "residual", x);
+  check_cuda(weight, "weight", x);
+  check_same_dtype(weight, "weight", x);
+  TORCH_CHECK_VALUE(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous() && aligned16(weight),
+                    "weight must be a contiguous [", x.size(1), "] tensor");
+  TORCH_CHECK_VALUE(x.size(1) % 8 == 0, "hidden size must be a multiple of 8, got ", x.size(1));
+  const c10::cuda::CUDAGuard guard(x.device());
+  check_launch(rk::rms_norm(out.data_ptr(), x.data_ptr(), residual ? residual->data_ptr() : nullptr,
+                            weight.data_ptr(), dtype, x.size(0), x.size(1), out.stride(0), x.stride(0),
+                            residual ? residual->stride(0) : 0, static_cast<float>(eps),
+                            c10::cuda::getCurrentCUDAStream().stream()),
+               "rms_norm");
+}
+
+void rms_norm(at::Tensor out, at::Tensor x, at::Tensor weight, double eps) {
+  norm_impl(out, x, c10::nullopt, weight, eps);
+}
+
+void add_rms_norm(at::Tensor out, at::Tensor x, at::Tensor residual, at::Tensor weight, double eps) {
+  norm_impl(out, x, residual, weight, eps);
+}
+
+// ---- rope / kv write -------------------------------------------------------------------------------
+
+rk::RopeKVParams rope_params(const at::Tensor& k) {
+  rk::RopeKVParams p;
+  p.dtype = half_dtype(k, "k");
+  check_heads(k, "k");
+  p.k = k.data_ptr();
+  p.k_stride_t = k.stride(0);
+  p.k_stride_h = k.stride(1);
+  p.num_tokens = static_cast<int>(k.size(0));
+  p.num_kv_heads = static_cast<int>(k.size(1));
+  p.head_dim = static_cast<int>(k.size(2));
+  return p;
+}
+
+void add_rope(rk::RopeKVParams& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& positions,
+              const at::Tensor& cos_sin) {
+  check_cuda(q, "q", k);
+  check_same_dtype(q, "q", k);
+  check_heads(q, "q");
+  TORCH_CHECK_VALUE(q.size(0) == k.size(0) && q.size(2) == k.size(2), "q ", q.sizes(), " and k ", k.sizes(),
+                    " disagree on tokens or head_dim");
+  check_index(positions, "positions", at::kLong, k);
+  TORCH_CHECK_VALUE(positions.size(0) == k.size(0), "positions has ", positions.size(0), " entries for ",
+                    k.size(0), " tokens");
+  check_cuda(cos_sin, "cos_sin", k);
+  TORCH_CHECK_VALUE(cos_sin.dim() == 2 && cos_sin.size(1) == k.size(2) && cos_sin.is_contiguous(),
+                    "cos_sin must be a contiguous [max_positions, head_dim] table, got ", cos_sin.sizes());
+  if (cos_sin.scalar_type() == at::kFloat) {
+    p.cos_sin_dtype = rk::DType::kFloat32;
+  } else {
+    check_same_dtype(cos_sin, "cos_sin", k);
+    p.cos_sin_dtype = p.dtype;
+  }
+  p.q = q.data_ptr();
+  p.q_stride_t = q.stride(0);
+  p.q_stride_h = q.stride(1);
+  p.num_q_heads = static_cast<int>(q.size(1));
+  p.positions = positions.data_ptr<int64_t>();
+  p.cos_sin = cos_sin.data_ptr();
+  p.apply_rope = true;
+}
+
+void add_cache(rk::RopeKVParams& p, const at::Tensor& k, const at::Tensor& v, const at::Tensor& kv_cache,
+               const at::Tensor& slot_mapping) {
+  check_cuda(v, "v", k);
+  check_same_dtype(v, "v", k);
+  check_heads(v, "v");
+  TORCH_CHECK_VALUE(v.sizes() == k.sizes(), "v ", v.sizes(), " must match k ", k.sizes());
+  check_cache(kv_cache, k);
+  TORCH_CHECK_VALUE(kv_cache.size(2) == k.size(1) && kv_cache.size(4) == k.size(2), "kv_cache ", kv_cache.sizes(),
+                    " does not fit k ", k.sizes());
+  check_index(slot_mapping, "slot_mapping", at::kLong, k);
+  TORCH_CHECK_VALUE(slot_mapping.size(0) == k.size(0), "slot_mapping has ", slot_mapping.size(0), " entries for ",
+                    k.size(0), " tokens");
+  p.v = v.data_ptr();
+  p.v_stride_t = v.stride(0);
+  p.v_stride_h = v.stride(1);
+  p.kv_cache = kv_cache.data_ptr();
+  p.slot_mapping = slot_mapping.data_ptr<int64_t>();
+  p.page_size = static_cast<int>(kv_cache.size(3));
+}
+
+void run_rope_kv(const rk::RopeKVParams& p, const at::Tensor& k) {
+  const c10::cuda::CUDAGuard guard(k.device());
+  check_launch(rk::rope_kv(p, c10::cuda::getCurrentCUDAStream().stream()), "rope_kv");
+}
+
+// q and k rotated in place.
+void rope(at::Tensor q, at::Tensor k, at::Tensor positions, at::Tensor cos_sin) {
+  rk::RopeKVParams p = rope_params(k);
+  add_rope(p, q, k, positions, cos_sin);
+  run_rope_kv(p, k);
+}
+
+void write_kv(at::Tensor kv_cache, at::Tensor k, at::Tensor v, at::Tensor slot_mapping) {
+  rk::RopeKVParams p = rope_params(k);
+  p.apply_rope = false;
+  add_cache(p, k, v, kv_cache, slot_mapping);
+  run_rope_kv(p, k);
+}
+
+// q and k rotated in place, rotated k and v stored at slot_mapping.
+void rope_write_kv(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor positions, at::Tensor cos_sin,
+                   at::Tensor kv_cache, at::Tensor slot_mapping) {
+  rk::RopeKVParams p = rope_params(k);
+  add_rope(p, q, k, positions, cos_sin);
+  add_cache(p, k, v, kv_cache, slot_mapping);
+  run_rope_kv(p, k);
+}
+
+// ---- attention -------------------------------------------------------------------------------------
+
+rk::PagedKV paged_kv(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& kv_indptr,
+                     const at::Tensor& kv_indices, const at::Tensor& kv_last_page_len) {
+  half_dtype(q, "q");
+  check_cuda(q, "q", q);
+  check_heads(q, "q");
+  check_cache(kv_cache, q);
+  TORCH_CHECK_VALUE(kv_cache.size(3) == rk::kPageSize, "the attention kernels need page_size ", rk::kPageSize,
+                    ", got ", kv_cache.size(3));
+  TORCH_CHECK_VALUE(kv_cache.size(4) == q.size(2), "kv_cache head_dim ", kv_cache.size(4), " != q head_dim ",
+                    q.size(2));
+  TORCH_CHECK_VALUE(q.size(2) == 64 || q.size(2) == 128, "head_dim must be 64 or 128, got ", q.size(2));
+  TORCH_CHECK_VALUE(q.size(1) % kv_cache.size(2) == 0, q.size(1), " query heads do not group over ",
+                    kv_cache.size(2), " kv heads");
+  check_index(kv_indptr, "kv_indptr", at::kInt, q);
+  check_index(kv_indices, "kv_indices", at::kInt, q);
+  check_index(kv_last_page_len, "kv_last_page_len", at::kInt, q);
+  TORCH_CHECK_VALUE(kv_last_page_len.size(0) == kv_indptr.size(0) - 1, "kv_last_page_len needs ",
+                    kv_indptr.size(0) - 1, " entries");
+  rk::PagedKV kv;
+  kv.cache = kv_cache.data_ptr();
+  kv.kv_indptr = kv_indptr.data_ptr<int>();
+  kv.kv_indices = kv_indices.data_ptr<int>();
+  kv.kv_last_page_len = kv_last_page_len.data_ptr<int>();
+  kv.num_kv_heads = static_cast<int>(kv_cache.size(2));
+  return kv;
+}
+
+int64_t num_sms(const at::Tensor& t) {
+  int count = 0;
+  check_launch(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, t.device().index()), "SM count query");
+  return count;
+}
+
+int64_t decode_num_splits(at::Tensor q, int64_t num_kv_heads, int64_t max_kv_len) {
+  const int max_pages = static_cast<int>((max_kv_len + rk::kPageSize - 1) / rk::kPageSize);
+  return rk::decode_num_splits(static_cast<int>(q.size(0)), static_cast<int>(num_kv_heads), max_pages,
+                               static_cast<int>(num_sms(q)));
+}
+
+// num_splits <= 0: choose from the batch, the KV heads, max_kv_len and the SM count.
+at::Tensor decode_attention(at::Tensor q, at::Tensor kv_cache, at::Tensor kv_indptr, at::Tensor kv_indices,
+                            at::Tensor kv_last_page_len, double scale, int64_t max_kv_len, int64_t num_splits) {
+  rk::DecodeParams p;
+  p.kv = paged_kv(q, kv_cache, kv_indptr, kv_indices, kv_last_page_len);
+  TORCH_CHECK_VALUE(kv_indptr.size(0) == q.size(0) + 1, "decode needs one query per sequence: q has ", q.size(0),
+                    " rows for ", kv_indptr.size(0) - 1, " sequences");
+  TORCH_CHECK_VALUE(q.size(1) / kv_cache.size(2) <= rk::kMaxGroupSize, "decode packs at most ",
+                    rk::kMaxGroupSize, " query heads per kv head, got ", q.size(1) / kv_cache.size(2));
+  const c10::cuda::CUDAGuard guard(q.device());
+  p.dtype = half_dtype(q, "q");
+  p.q = q.data_ptr();
+  p.q_stride_t = q.stride(0);
+  p.q_stride_h = q.stride(1);
+  p.batch = static_cast<int>(q.size(0));
+  p.num_q_heads = static_cast<int>(q.size(1));
+  p.head_dim = static_cast<int>(q.size(2));
+  p.scale = static_cast<float>(scale);
+  p.num_splits = static_cast<int>(num_splits > 0 ? num_splits : decode_num_splits(q, p.kv.num_kv_heads, max_kv_len));
+  at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  at::Tensor partial_out, partial_lse;
+  if (p.num_splits > 1) {
+    partial_out = at::empty({p.num_splits, q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
+    partial_lse = at::empty({p.num_splits, q.size(0), q.size(1)}, q.options().dtype(at::kFloat));
+    p.partial_out = partial_out.data_ptr<float>();
+    p.partial_lse = partial_lse.data_ptr<float>();
+  }
+  p.out = out.data_ptr();
+  check_launch(rk::decode_attention(p, c10::cuda::getCurrentCUDAStream().stream()), "decode_attention");
+  return out;
+}
+
+at::Tensor prefill_attention(at::Tensor q, at::Tensor kv_cache, at::Tensor qo_indptr, at::Tensor kv_indptr,
+                             at::Tensor kv_indices, at::Tensor kv_last_page_len, int64_t max_q_len, double scale) {
+  rk::PrefillParams p;
+  p.kv = paged_kv(q, kv_cache, kv_indptr, kv_indices, kv_last_page_len);
+  check_index(qo_indptr, "qo_indptr", at::kInt, q);
+  TORCH_CHECK_VALUE(qo_indptr.size(0) == kv_indptr.size(0), "qo_indptr and kv_indptr must both have B+1 entries");
+  TORCH_CHECK_VALUE(max_q_len >= 0, "max_q_len must be >= 0");
+  const c10::cuda::CUDAGuard guard(q.device());
+  p.dtype = half_dtype(q, "q");
+  p.q = q.data_ptr();
+  p.q_stride_t = q.stride(0);
+  p.q_stride_h = q.stride(1);
+  p.qo_indptr = qo_indptr.data_ptr<int>();
+  p.batch = static_cast<int>(qo_indptr.size(0) - 1);
+  p.num_q_heads = static_cast<int>(q.size(1));
+  p.head_dim = static_cast<int>(q.size(2));
+  p.max_q_len = static_cast<int>(max_q_len);
+  p.scale = static_cast<float>(scale);
+  at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  p.out = out.data_ptr();
+  check_launch(rk::prefill_attention(p, c10::cuda::getCurrentCUDAStream().stream()), "prefill_attention");
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "rollout_service CUDA kernels";
+  m.def("rms_norm", &rms_norm, "out = rms_norm(x) * weight (x [rows, hidden])");
+  m.def("add_rms_norm", &add_rms_norm, "residual += x (in place); out = rms_norm(residual) * weight");
+  m.def("rope", &rope, "rotate-half RoPE of q and k in place");
+  m.def("write_kv", &write_kv, "store k, v [T, Hk, D] in the paged cache at slot_mapping");
+  m.def("rope_write_kv", &rope_write_kv, "RoPE of q, k in place + store rotated k and v in the cache");
+  m.def("decode_num_splits", &decode_num_splits, "split-KV count the decode kernel would choose");
+  m.def("decode_attention", &decode_attention, "paged decode attention (one query per sequence)");
+  m.def("prefill_attention", &prefill_attention, "ragged paged causal prefill attention");
+}

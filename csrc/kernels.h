@@ -1,0 +1,77 @@
+// Launchers for the rollout_service CUDA kernels. Torch-free on purpose: raw pointers, sizes, strides
+// and the stream come in, a cudaError_t goes out, so every .cu compiles with plain nvcc (CI has no GPU).
+#pragma once
+
+#include <cstdint>
+#include <cuda_runtime.h>
+
+namespace rollout_kernels {
+
+enum class DType : int { kBFloat16 = 0, kFloat16 = 1, kFloat32 = 2 };
+
+// y = rms_norm(x) * weight over rows of `hidden` elements. With `residual` set, first
+// residual = x + residual (in place) and the norm is taken of that sum. hidden % 8 == 0,
+// 16-byte aligned rows (strides in elements).
+cudaError_t rms_norm(void* out, const void* x, void* residual, const void* weight, DType dtype, int64_t rows,
+                     int64_t hidden, int64_t out_stride, int64_t x_stride, int64_t residual_stride, float eps,
+                     cudaStream_t stream);
+
+// Rotate-half RoPE of q and k in place and/or store k and v in the paged cache at slot_mapping.
+struct RopeKVParams {
+  void* q = nullptr;  // [T, Hq, D], may be null when apply_rope is false
+  int64_t q_stride_t = 0, q_stride_h = 0;
+  void* k = nullptr;  // [T, Hk, D]
+  int64_t k_stride_t = 0, k_stride_h = 0;
+  const void* v = nullptr;  // [T, Hk, D], needed only with a cache
+  int64_t v_stride_t = 0, v_stride_h = 0;
+  const int64_t* positions = nullptr;  // [T]
+  const void* cos_sin = nullptr;       // [max_pos, D]: cos in the first half, sin in the second
+  DType cos_sin_dtype = DType::kFloat32;
+  void* kv_cache = nullptr;                // [num_pages, 2, Hk, page_size, D], contiguous; null = no write
+  const int64_t* slot_mapping = nullptr;   // [T]; a negative slot is skipped
+  bool apply_rope = true;
+  DType dtype = DType::kBFloat16;
+  int num_tokens = 0, num_q_heads = 0, num_kv_heads = 0, head_dim = 0, page_size = 0;
+};
+cudaError_t rope_kv(const RopeKVParams& p, cudaStream_t stream);
+
+// The paged cache and its CSR page table, shared by both attention kernels.
+struct PagedKV {
+  const void* cache = nullptr;  // [num_pages, 2, Hk, 16, D], contiguous
+  const int* kv_indptr = nullptr;         // [B+1]
+  const int* kv_indices = nullptr;        // [nnz]
+  const int* kv_last_page_len = nullptr;  // [B]
+  int num_kv_heads = 0;
+};
+
+struct DecodeParams {
+  PagedKV kv;
+  const void* q = nullptr;  // [B, Hq, D]
+  int64_t q_stride_t = 0, q_stride_h = 0;
+  void* out = nullptr;  // [B, Hq, D], contiguous
+  float* partial_out = nullptr;  // [num_splits, B, Hq, D] (num_splits > 1 only)
+  float* partial_lse = nullptr;  // [num_splits, B, Hq]
+  int batch = 0, num_q_heads = 0, head_dim = 0, num_splits = 1;
+  float scale = 1.f;
+  DType dtype = DType::kBFloat16;
+};
+// Split count for flash-decoding: enough CTAs to fill the chip, at least 4 pages per split.
+int decode_num_splits(int batch, int num_kv_heads, int max_pages, int num_sms);
+cudaError_t decode_attention(const DecodeParams& p, cudaStream_t stream);
+
+struct PrefillParams {
+  PagedKV kv;
+  const void* q = nullptr;  // [T, Hq, D]
+  int64_t q_stride_t = 0, q_stride_h = 0;
+  void* out = nullptr;  // [T, Hq, D], contiguous
+  const int* qo_indptr = nullptr;  // [B+1]
+  int batch = 0, num_q_heads = 0, head_dim = 0, max_q_len = 0;
+  float scale = 1.f;
+  DType dtype = DType::kBFloat16;
+};
+cudaError_t prefill_attention(const PrefillParams& p, cudaStream_t stream);
+
+constexpr int kPageSize = 16;  // the attention kernels' page size (one 16-token MMA tile per page)
+constexpr int kMaxGroupSize = 16;  // decode packs a KV head's query heads into one 16-row MMA tile
+
+}  // namespace rollout_kernels
