@@ -80,3 +80,183 @@ class EngineConfig:
     @classmethod
     def from_dict(cls, d: dict) -> "EngineConfig":
         return from_mapping(cls, d, "engine config")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Service configuration (the Ray side): what a cluster_configs/*.yaml file holds.
+
+from dataclasses import field  # noqa: E402  (kept with the service part of this file)
+
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+@dataclass
+class WorkerResources:
+    """Ray resources each rollout worker reserves. `num_gpus: auto` = 1 when the cluster has GPUs, else 0.
+    `custom` names custom node resources (e.g. {"rollout_node": 1}) so workers land only on nodes
+    started with them (`ray start --resources='{"rollout_node": 4}'`)."""
+
+    num_cpus: float = 1.0
+    num_gpus: Any = "auto"
+    memory_gb: float | None = None
+    custom: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        c = "ServiceConfig.resources"
+        if not _number(self.num_cpus) or self.num_cpus < 0:
+            _fail(c, "num_cpus", self.num_cpus, "must be a number >= 0")
+        if self.num_gpus != "auto" and (not _number(self.num_gpus) or self.num_gpus < 0):
+            _fail(c, "num_gpus", self.num_gpus, "must be 'auto' or a number >= 0")
+        if self.memory_gb is not None and (not _number(self.memory_gb) or self.memory_gb <= 0):
+            _fail(c, "memory_gb", self.memory_gb, "must be None or a number > 0")
+        if not isinstance(self.custom, dict) or not all(
+                isinstance(k, str) and k and _number(v) and v > 0 for k, v in self.custom.items()):
+            _fail(c, "custom", self.custom, "must map resource names to numbers > 0")
+        if {"CPU", "GPU", "memory"} & set(self.custom):
+            _fail(c, "custom", self.custom, "use num_cpus / num_gpus / memory_gb for CPU, GPU and memory")
+
+
+@dataclass
+class Placement:
+    """How the workers' resource bundles are spread over nodes: one Ray placement group with one bundle
+    per worker. STRICT_SPREAD = one worker per node; PACK = as few nodes as possible."""
+
+    strategy: str = "PACK"
+    timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        if self.strategy not in PLACEMENT_STRATEGIES:
+            _fail("ServiceConfig.placement", "strategy", self.strategy, f"must be one of {PLACEMENT_STRATEGIES}")
+        if not _number(self.timeout_s) or self.timeout_s <= 0:
+            _fail("ServiceConfig.placement", "timeout_s", self.timeout_s, "must be a number > 0")
+
+
+@dataclass
+class ServiceConfig:
+    """A rollout service: `num_workers` Ray actors, each owning one Engine built from `engine`.
+
+    num_workers: an int, or "auto" = one per GPU in the cluster (one worker on a CPU-only cluster).
+    sampling: default SamplingParams fields for `rollout-service run` / the launch job.
+    max_staleness: None (off) or an int k >= 0. A result whose OLDEST token was produced by policy
+        version v is stale when `current_version - v > k`; the router then does not deliver it and
+        regenerates the whole request with the current weights (samples already delivered are not
+        repeated). With k = 0 every delivered result was generated entirely by the latest policy.
+    max_restarts: how often Ray restarts a crashed worker; its unfinished requests go to live workers
+        meanwhile, and a restarted worker is given the latest weights before it serves again.
+    detached: keep the service alive after the launching process exits (connect to it by `name`).
+    address: Ray address to join (None: $RAY_ADDRESS, else a new local Ray instance).
+    prompts / output / apply_chat_template: the launch job's input (JSONL; None = built-in sample set)
+        and msgpack results file.
+    """
+
+    name: str = "rollout_service"
+    namespace: str = "rollout_service"
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    num_workers: Any = 2
+    resources: WorkerResources = field(default_factory=WorkerResources)
+    placement: Placement = field(default_factory=Placement)
+    sampling: dict = field(default_factory=dict)
+    max_staleness: int | None = None
+    max_restarts: int = 3
+    max_concurrency: int = 16
+    detached: bool = False
+    address: str | None = None
+    prompts: str | None = None
+    num_prompts: int | None = None
+    output: str | None = None
+    apply_chat_template: bool = True
+
+    def __post_init__(self) -> None:
+        c = "ServiceConfig"
+        for sub, typ in (("engine", EngineConfig), ("resources", WorkerResources), ("placement", Placement)):
+            v = getattr(self, sub)
+            if isinstance(v, dict):
+                setattr(self, sub, from_mapping(typ, v, f"{c}.{sub}"))
+            elif not isinstance(v, typ):
+                _fail(c, sub, v, f"must be a mapping or a {typ.__name__}")
+        if not isinstance(self.name, str) or not self.name:
+            _fail(c, "name", self.name, "must be a non-empty string")
+        if not isinstance(self.namespace, str) or not self.namespace:
+            _fail(c, "namespace", self.namespace, "must be a non-empty string")
+        if self.num_workers != "auto" and (not _is_count(self.num_workers) or self.num_workers < 1):
+            _fail(c, "num_workers", self.num_workers, "must be 'auto' or an int >= 1")
+        if self.max_staleness is not None and (not _is_count(self.max_staleness) or self.max_staleness < 0):
+            _fail(c, "max_staleness", self.max_staleness, "must be None or an int >= 0")
+        for name, lo in (("max_restarts", -1), ("max_concurrency", 2)):
+            if not _is_count(getattr(self, name)) or getattr(self, name) < lo:
+                _fail(c, name, getattr(self, name), f"must be an int >= {lo}")
+        if self.num_prompts is not None and (not _is_count(self.num_prompts) or self.num_prompts < 1):
+            _fail(c, "num_prompts", self.num_prompts, "must be None or an int >= 1")
+        for name in ("detached", "apply_chat_template"):
+            if not isinstance(getattr(self, name), bool):
+                _fail(c, name, getattr(self, name), "must be true or false")
+        for name in ("address", "prompts", "output"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                _fail(c, name, getattr(self, name), "must be a string or null")
+        self.sampling_params()  # validates the defaults now, not at the first request
+
+    def sampling_params(self, **overrides: Any):
+        from rollout_service.types import SamplingParams
+        if not isinstance(self.sampling, dict):
+            _fail("ServiceConfig", "sampling", self.sampling, "must be a mapping of SamplingParams fields")
+        try:
+            return SamplingParams.from_dict({**self.sampling, **overrides})
+        except ValueError as e:
+            raise ValueError(f"ServiceConfig.sampling: {e}") from None
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["engine"] = self.engine.to_dict()
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ServiceConfig":
+        return from_mapping(cls, d, "service config")
+
+    @classmethod
+    def from_yaml(cls, path: str) -> "ServiceConfig":
+        import yaml
+        try:
+            with open(path) as f:
+                d = yaml.safe_load(f)
+        except OSError as e:
+            raise ValueError(f"service config {path!r}: cannot read ({e.strerror})") from None
+        except yaml.YAMLError as e:
+            raise ValueError(f"service config {path!r}: invalid YAML ({e})") from None
+        return from_mapping(cls, d if d is not None else {}, f"service config {path!r}")
+
+    @classmethod
+    def load(cls, config: "str | dict | ServiceConfig | None" = None, **overrides: Any) -> "ServiceConfig":
+        """A YAML path, a mapping or a ServiceConfig, with keyword overrides merged in (mappings such
+        as `engine={"max_num_seqs": 8}` are merged key by key, not replaced)."""
+        if config is None:
+            base: dict = {}
+        elif isinstance(config, ServiceConfig):
+            base = asdict(config)
+            base["engine"] = asdict(config.engine)  # keep a live model object as is
+        elif isinstance(config, dict):
+            base = dict(config)
+        elif isinstance(config, str):
+            base = asdict(cls.from_yaml(config))
+        else:
+            raise ValueError(f"service config: expected a YAML path, a mapping or a ServiceConfig, "
+                             f"got {type(config).__name__}")
+        return cls.from_dict(_merge(base, overrides))
+
+
+def _is_count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _merge(base: dict, overrides: dict) -> dict:
+    out = dict(base)
+    for k, v in overrides.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _merge(out[k], v)
+        else:
+            out[k] = v
+    return out

@@ -1,0 +1,49 @@
+"""Where the workers run: one placement group with one resource bundle per worker."""
+from __future__ import annotations
+
+import asyncio
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from rollout_service.config import ServiceConfig
+
+
+def worker_bundle(config: ServiceConfig) -> dict:
+    r = config.resources
+    bundle = {"CPU": float(r.num_cpus), "GPU": float(r.num_gpus), **{k: float(v) for k, v in r.custom.items()}}
+    if r.memory_gb:
+        bundle["memory"] = float(r.memory_gb) * 2**30
+    bundle = {k: v for k, v in bundle.items() if v > 0}
+    if not bundle:
+        raise ValueError("ServiceConfig.resources: a worker must reserve something (num_cpus, num_gpus or custom)")
+    return bundle
+
+
+async def create_workers(config: ServiceConfig) -> tuple[list, object]:
+    """Reserve the bundles (or fail with what the cluster lacks), then start one worker per bundle."""
+    from actors.rollout_worker import RolloutWorkerActor
+
+    n, bundle = int(config.num_workers), worker_bundle(config)
+    pg = placement_group([dict(bundle) for _ in range(n)], strategy=config.placement.strategy,
+                         name=f"{config.name}-workers")
+    try:
+        await asyncio.wait_for(asyncio.wrap_future(pg.ready().future()), config.placement.timeout_s)
+    except asyncio.TimeoutError:
+        remove_placement_group(pg)
+        raise ValueError(
+            f"cannot place {n} rollout worker(s) of {bundle} with strategy {config.placement.strategy} "
+            f"within {config.placement.timeout_s}s; cluster resources: {ray.cluster_resources()}")
+    workers = []
+    for i in range(n):
+        opts = dict(num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0),
+                    resources={k: v for k, v in bundle.items() if k not in ("CPU", "GPU", "memory")},
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
+                    max_restarts=config.max_restarts, max_task_retries=0,
+                    max_concurrency=config.max_concurrency, name=None)
+        if "memory" in bundle:
+            opts["memory"] = bundle["memory"]
+        engine = config.engine.to_dict() if isinstance(config.engine.model, str) else vars(config.engine)
+        workers.append(RolloutWorkerActor.options(**opts).remote(dict(engine), i))
+    return workers, pg

@@ -1,0 +1,167 @@
+"""RolloutWorker: a Ray actor that owns one Engine and steps it in a background thread.
+
+The actor is threaded (max_concurrency > 1): while the engine thread steps, other calls (submit, poll,
+abort, update_weights, pause, stats) are served. One lock guards the engine, so every engine call
+happens between two steps — that is the step boundary at which a weight refresh is applied.
+Finished results wait in an outbox that the router drains with `poll` (a long poll: it returns as soon
+as something finished, so results stream back as they finish).
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+import uuid
+from typing import Any
+
+import ray
+
+from rollout_service.types import RolloutRequest, RolloutResult
+
+
+class RolloutWorker:
+    def __init__(self, engine_config: dict, worker_index: int = 0, model_source: Any = None):
+        from rollout_service.config import EngineConfig
+        from rollout_service.engine.engine import Engine
+
+        self.worker_index = worker_index
+        # A restarted actor gets a new incarnation: the router uses it to tell that the engine is empty.
+        self.incarnation = uuid.uuid4().hex
+        self.engine = Engine(EngineConfig.from_dict(dict(engine_config)), model_source=model_source)
+        self._lock = threading.Lock()            # guards self.engine
+        self._cv = threading.Condition()         # guards outbox/paused/stop and wakes the loop
+        self._outbox: list[RolloutResult] = []
+        self._paused = False
+        self._stop = False
+        self._steps = 0
+        self._wakeups = 0
+        self._error: str | None = None
+        self._thread = threading.Thread(target=self._loop, name=f"engine-{worker_index}", daemon=True)
+        self._thread.start()
+
+    # -- engine loop ------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                if self._stop:
+                    return
+                paused, wakeups = self._paused, self._wakeups
+            if paused or not self._has_work():
+                with self._cv:  # sleep until submit/resume/shutdown (unless one came in meanwhile)
+                    if self._wakeups == wakeups and not self._stop:
+                        self._cv.wait(1.0)
+                continue
+            try:
+                with self._lock:
+                    finished = self.engine.step()
+                    self._steps += 1
+            except Exception as e:  # an engine bug must be visible, not a silent hang
+                self._error = f"{type(e).__name__}: {e}"
+                raise
+            if finished:
+                self._deliver(finished)
+
+    def _wake(self) -> None:
+        with self._cv:
+            self._wakeups += 1
+            self._cv.notify_all()
+
+    def _has_work(self) -> bool:
+        with self._lock:
+            return self.engine.has_unfinished()
+
+    def _deliver(self, results: list[RolloutResult]) -> None:
+        with self._cv:
+            self._outbox.extend(results)
+            self._cv.notify_all()
+
+    # -- requests ---------------------------------------------------------------------------------
+    def submit(self, requests: list[RolloutRequest]) -> list[str | None]:
+        """Add requests; all or none. Returns one error message (or None) per request; if any failed,
+        none of them was kept."""
+        errors: list[str | None] = [None] * len(requests)
+        added: list[str] = []
+        with self._lock:
+            for i, req in enumerate(requests):
+                try:
+                    self.engine.add_request(req)
+                    added.append(req.request_id)
+                except ValueError as e:
+                    errors[i] = str(e)
+            if any(errors) and added:
+                self.engine.abort(added)
+        if not any(errors):
+            self._wake()
+        return errors
+
+    def poll(self, timeout: float = 1.0) -> tuple[str, list[RolloutResult]]:
+        """Wait up to `timeout` s for finished results; returns (incarnation, results) and clears them."""
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while not self._outbox and not self._stop:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cv.wait(left)
+            out, self._outbox = self._outbox, []
+        if self._error is not None:
+            raise RuntimeError(f"worker {self.worker_index} engine loop failed: {self._error}")
+        return self.incarnation, out
+
+    def abort(self, request_ids: list[str]) -> list[RolloutResult]:
+        """Abort now; the partial results are returned here (not through poll)."""
+        with self._lock:
+            results = self.engine.abort(list(request_ids))
+        ids = set(request_ids)
+        with self._cv:  # results that finished just before the abort are not lost: return them too
+            done = [r for r in self._outbox if r.request_id in ids]
+            self._outbox = [r for r in self._outbox if r.request_id not in ids]
+        return done + list(results)
+
+    # -- weights ----------------------------------------------------------------------------------
+    def validate_weights(self, packed) -> None:
+        from rollout_service.weights import fetch
+        with self._lock:
+            self.engine.validate_weights(fetch(packed))
+
+    def update_weights(self, packed, version: int) -> int:
+        """Applied between two steps (the engine lock); returns the new policy version."""
+        from rollout_service.weights import fetch
+        with self._lock:
+            self.engine.update_weights(fetch(packed), version)
+            return self.engine.policy_version
+
+    # -- control ----------------------------------------------------------------------------------
+    def pause(self) -> None:
+        with self._cv:
+            self._paused = True
+        with self._lock:  # returns once the current step has finished: nothing runs after pause()
+            pass
+
+    def resume(self) -> None:
+        with self._cv:
+            self._paused = False
+        self._wake()
+
+    def stats(self) -> dict:
+        with self._lock:
+            s = dict(self.engine.stats())
+        with self._cv:
+            s.update(worker=self.worker_index, incarnation=self.incarnation, paused=self._paused,
+                     outbox=len(self._outbox), steps=self._steps, pid=os.getpid(),
+                     node_id=ray.get_runtime_context().get_node_id())
+        return s
+
+    def health(self) -> dict:
+        """Cheap liveness check that does not wait for the engine lock."""
+        return {"worker": self.worker_index, "incarnation": self.incarnation, "alive": self._thread.is_alive(),
+                "error": self._error, "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
+
+    def shutdown(self) -> None:
+        with self._cv:
+            self._stop = True
+        self._wake()
+        self._thread.join(timeout=10)
+
+
+RolloutWorkerActor = ray.remote(RolloutWorker)

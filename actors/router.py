@@ -1,0 +1,454 @@
+"""Router: the service's front door. Spreads requests over the RolloutWorkers and streams results back.
+
+- Dispatch: each request goes to the live worker with the fewest outstanding tokens (prompt tokens
+  estimate + max_tokens, per sample still to come).
+- Tracking: every request is tracked until its n samples were delivered. Each dispatch of a request is
+  a "job" with its own engine request id, so the same request can be in flight twice (resubmitted)
+  and results are matched back to it; a (request_id, sample_index) is delivered once, later copies
+  are dropped.
+- Faults: when a worker dies its jobs go to live workers; when Ray restarts it (new incarnation, empty
+  engine) it first gets the latest weights, then serves again.
+- Refresh: validate on every worker first (all or none), then apply; the ObjectRef is kept so a
+  restarted worker can load it. Results older than `max_staleness` versions are regenerated.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import uuid
+from dataclasses import dataclass, field
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+from actors.placement import create_workers
+from rollout_service.config import ServiceConfig
+from rollout_service.types import RolloutRequest, RolloutResult
+
+_ACTOR_DOWN = (RayActorError, getattr(ray.exceptions, "ActorUnavailableError", RayActorError))
+
+
+@dataclass
+class _Tracked:
+    request: RolloutRequest
+    stream: str
+    cost_per_sample: int
+    delivered: set[int] = field(default_factory=set)
+    jobs: list[str] = field(default_factory=list)   # engine request ids of every dispatch, newest last
+    worker: int | None = None                       # worker of the newest job (None: waiting)
+    fresh_as_of: int = -1                           # policy version the newest job was dispatched at
+
+    @property
+    def missing(self) -> int:
+        return self.request.sampling.n - len(self.delivered)
+
+
+@dataclass
+class _Stream:
+    expected: int
+    results: list[RolloutResult] = field(default_factory=list)
+    delivered: int = 0
+    event: asyncio.Event = field(default_factory=asyncio.Event)
+    request_ids: list[str] = field(default_factory=list)
+
+
+def error_text(e: BaseException) -> str:
+    """The user-facing message of an exception that crossed a Ray actor boundary."""
+    cause = getattr(e, "cause", None) if isinstance(e, RayTaskError) else None
+    e = cause if cause is not None else e
+    if isinstance(e, ValueError):
+        return str(e)
+    text = str(e)
+    if isinstance(e, RayActorError) and "creation task" in text:  # keep the constructor's own error
+        lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+        return f"constructor failed: {lines[-1]}"
+    return f"{type(e).__name__}: {text}"
+
+
+def cost_estimate(req: RolloutRequest) -> int:
+    p = req.prompt
+    if isinstance(p, str):
+        prompt = len(p) // 4 + 1
+    elif p and isinstance(p[0], dict):
+        prompt = sum(len(m["content"]) // 4 + 4 for m in p)
+    else:
+        prompt = len(p)
+    return prompt + req.sampling.max_tokens
+
+
+class Router:
+    def __init__(self, config: ServiceConfig):
+        self.config = config
+        self.workers: list = []
+        self.placement_group = None
+        n = int(config.num_workers)
+        self._alive = [False] * n
+        self._gone = [False] * n           # dead for good (no restarts left)
+        self._incarnation: list[str | None] = [None] * n
+        self._tracked: dict[str, _Tracked] = {}
+        self._job_owner: dict[str, str] = {}     # engine request id -> user request id
+        self._streams: dict[str, _Stream] = {}
+        self._ids = itertools.count()
+        self._version = 0
+        self._weights_ref = None
+        self._paused = False
+        self._closed = False
+        self._tasks: list[asyncio.Task] = []
+        self.counters = {"resubmitted": 0, "duplicates_dropped": 0, "stale_regenerated": 0, "worker_deaths": 0}
+
+    # -- start-up ---------------------------------------------------------------------------------
+    async def start(self) -> str | None:
+        """Place the workers and wait until each has built its engine; returns an error message or None."""
+        try:
+            self.workers, self.placement_group = await create_workers(self.config)
+        except ValueError as e:
+            return str(e)
+        for i, w in enumerate(self.workers):
+            try:
+                self._incarnation[i] = (await w.health.remote())["incarnation"]
+                self._alive[i] = True
+            except Exception as e:
+                return f"rollout worker {i} failed to start: {error_text(e)}"
+        self._tasks = [asyncio.get_running_loop().create_task(self._poll_loop(i)) for i in range(len(self.workers))]
+        return None
+
+    # -- requests ---------------------------------------------------------------------------------
+    def _decode(self, item) -> RolloutRequest:
+        try:
+            if isinstance(item, RolloutRequest):
+                return item
+            if isinstance(item, (bytes, bytearray, memoryview)):
+                return RolloutRequest.from_msgpack(bytes(item))
+            if isinstance(item, dict):
+                return RolloutRequest.from_dict(item)
+        except ValueError:
+            raise
+        except Exception as e:  # malformed records raise all sorts of things; the caller gets a ValueError
+            raise ValueError(f"malformed request record: {type(e).__name__}: {e}") from None
+        raise ValueError(f"expected a RolloutRequest, a dict or msgpack bytes, got {type(item).__name__}")
+
+    async def submit(self, items: list) -> dict:
+        """Accept a batch (all or none). Returns {"stream": id} or {"errors": [(index, message), ...]}."""
+        if self._closed:
+            return {"errors": [(-1, "the service is closed")]}
+        reqs, errors, seen = [], [], set()
+        for i, item in enumerate(items):
+            try:
+                r = self._decode(item)
+                if r.request_id in self._tracked or r.request_id in seen:
+                    raise ValueError(f"request_id {r.request_id!r} is already in flight")
+                seen.add(r.request_id)
+                reqs.append(r)
+            except ValueError as e:
+                errors.append((i, str(e)))
+        if errors:
+            return {"errors": errors}
+        if not reqs:
+            return {"errors": [(-1, "empty batch")]}
+        if not any(self._alive) and all(self._gone):
+            return {"errors": [(-1, "no rollout worker is alive")]}
+        sid = uuid.uuid4().hex
+        self._streams[sid] = _Stream(expected=sum(r.sampling.n for r in reqs),
+                                              request_ids=[r.request_id for r in reqs])
+        tracked = []
+        for r in reqs:
+            t = self._tracked[r.request_id] = _Tracked(r, sid, cost_estimate(r))
+            tracked.append(t)
+        errors = await self._dispatch(tracked, report_errors=True)
+        if errors:
+            await self._abort_tracked(tracked, deliver=False)
+            del self._streams[sid]
+            index = {r.request_id: i for i, r in enumerate(reqs)}
+            return {"errors": [(index.get(rid, -1), msg) for rid, msg in errors]}
+        return {"stream": sid}
+
+    def _loads(self) -> list[int]:
+        loads = [0] * len(self.workers)
+        for t in self._tracked.values():
+            if t.worker is not None:
+                loads[t.worker] += t.cost_per_sample * t.missing
+        return loads
+
+    async def _dispatch(self, tracked: list[_Tracked], report_errors: bool = False) -> list[tuple[str, str]]:
+        """Send each request (as a new job) to the least-loaded live worker. With no live worker the
+        requests wait (worker None) until one comes back. Returns (request_id, error) pairs."""
+        live = [i for i, a in enumerate(self._alive) if a]
+        if not live:
+            for t in tracked:
+                t.worker = None
+            return []
+        loads = self._loads()
+        batches: dict[int, list[RolloutRequest]] = {}
+        for t in sorted(tracked, key=lambda t: -t.cost_per_sample * t.missing):
+            i = min(live, key=lambda j: loads[j])
+            job_id = f"{t.request.request_id}#{next(self._ids)}"
+            job = RolloutRequest(prompt=t.request.prompt, sampling=t.request.sampling, request_id=job_id,
+                                 metadata=t.request.metadata, apply_chat_template=t.request.apply_chat_template)
+            t.jobs.append(job_id)
+            t.worker, t.fresh_as_of = i, self._version
+            self._job_owner[job_id] = t.request.request_id
+            loads[i] += t.cost_per_sample * t.missing
+            batches.setdefault(i, []).append(job)
+        calls = {i: self.workers[i].submit.remote(jobs) for i, jobs in batches.items()}
+        errors = []
+        for i, ref in calls.items():
+            try:
+                for job, err in zip(batches[i], await ref):
+                    if err is not None:
+                        errors.append((self._job_owner[job.request_id], err))
+            except _ACTOR_DOWN:
+                pass  # its poll loop sees the death and moves these jobs on
+        if errors and not report_errors:  # cannot happen for requests accepted before; do not lose them
+            for rid, msg in errors:
+                self._fail(rid, msg)
+        return errors
+
+    # -- results ----------------------------------------------------------------------------------
+    async def _poll_loop(self, i: int) -> None:
+        while not self._closed and not self._gone[i]:
+            try:
+                incarnation, results = await self.workers[i].poll.remote(0.5)
+            except _ACTOR_DOWN:
+                await self._worker_down(i)
+                continue
+            except RayTaskError as e:  # the engine loop crashed: restart the actor
+                self._log(f"worker {i} failed ({error_text(e)}); restarting it")
+                ray.kill(self.workers[i], no_restart=False)
+                await self._worker_down(i)
+                continue
+            if incarnation != self._incarnation[i]:  # restarted between two polls
+                await self._worker_down(i)
+                continue
+            for r in results:
+                self._on_result(r)
+
+    def _on_result(self, r: RolloutResult) -> None:
+        rid = self._job_owner.get(r.request_id)
+        t = self._tracked.get(rid) if rid is not None else None
+        if t is None or r.sample_index in t.delivered:
+            self.counters["duplicates_dropped"] += 1
+            return
+        k = self.config.max_staleness
+        if k is not None and r.token_versions and r.finish_reason != "abort" \
+                and self._version - min(r.token_versions) > k:
+            if t.fresh_as_of < self._version:  # regenerate once per refresh, not once per stale sample
+                t.fresh_as_of = self._version
+                self.counters["stale_regenerated"] += 1
+                self._spawn(self._regenerate(t))
+            return
+        self._deliver(t, r)
+
+    def _deliver(self, t: _Tracked, r: RolloutResult) -> None:
+        r.request_id = t.request.request_id
+        r.metadata = t.request.metadata
+        t.delivered.add(r.sample_index)
+        s = self._streams.get(t.stream)
+        if s is not None:
+            s.results.append(r)
+            s.delivered += 1
+            s.event.set()
+        if t.missing == 0:
+            self._forget(t)
+
+    def _forget(self, t: _Tracked) -> None:
+        self._tracked.pop(t.request.request_id, None)
+        for j in t.jobs:
+            self._job_owner.pop(j, None)
+
+    def _fail(self, rid: str, msg: str) -> None:
+        t = self._tracked.get(rid)
+        if t is not None:
+            self._log(f"request {rid} failed on resubmission: {msg}")
+            self._fill_aborted(t)
+
+    def _fill_aborted(self, t: _Tracked) -> None:
+        """Deliver an empty 'abort' result for every sample that has none, so streams always end."""
+        for idx in range(t.request.sampling.n):
+            if idx not in t.delivered and t.request.request_id in self._tracked:
+                self._deliver(t, RolloutResult(t.request.request_id, idx, [], [], [], [], "abort",
+                                               metadata=t.request.metadata))
+
+    async def _regenerate(self, t: _Tracked) -> None:
+        old = (t.worker, t.jobs[-1]) if t.worker is not None else None
+        await self._dispatch([t])
+        if old is not None and self._alive[old[0]]:
+            try:  # the superseded job is stale anyway: free its pages
+                await self.workers[old[0]].abort.remote([old[1]])
+            except _ACTOR_DOWN:
+                pass
+
+    async def next_results(self, sid: str, timeout: float = 1.0) -> tuple[list[RolloutResult], bool]:
+        """Results of stream `sid` delivered since the last call (waits up to `timeout` for one);
+        the flag says whether the stream is complete (it is then forgotten)."""
+        s = self._streams.get(sid)
+        if s is None:
+            raise ValueError(f"unknown or finished stream {sid!r}")
+        if not s.results and s.delivered < s.expected:
+            try:
+                await asyncio.wait_for(s.event.wait(), timeout)
+            except asyncio.TimeoutError:
+                pass
+        out, s.results = s.results, []
+        s.event.clear()
+        done = s.delivered >= s.expected
+        if done:
+            del self._streams[sid]
+        if not out and not done and not any(self._alive) and all(self._gone):
+            raise RuntimeError("every rollout worker is dead; the stream cannot finish")
+        return out, done
+
+    async def close_stream(self, sid: str) -> None:
+        """The consumer went away: abort what is still running for it."""
+        s = self._streams.pop(sid, None)
+        if s is not None:
+            await self._abort_tracked([self._tracked[r] for r in s.request_ids if r in self._tracked], deliver=False)
+
+    # -- faults -----------------------------------------------------------------------------------
+    async def _worker_down(self, i: int) -> None:
+        if self._alive[i]:
+            self._alive[i] = False
+            self.counters["worker_deaths"] += 1
+        lost = [t for t in self._tracked.values() if t.worker == i]
+        if lost:
+            self.counters["resubmitted"] += len(lost)
+            await self._dispatch(lost)
+        await self._recover(i)
+
+    async def _recover(self, i: int) -> None:
+        """Wait for Ray to restart worker i, bring it to the current weights, put it back in service."""
+        for attempt in range(120):
+            try:
+                h = await asyncio.wait_for(asyncio.wrap_future(self.workers[i].health.remote().future()), 10)
+            except (asyncio.TimeoutError, GetTimeoutError, *_ACTOR_DOWN) as e:
+                if isinstance(e, ray.exceptions.ActorDiedError) and attempt >= 3:
+                    break
+                await asyncio.sleep(min(0.25 * (attempt + 1), 2.0))
+                continue
+            try:
+                if self._weights_ref is not None:
+                    await self.workers[i].update_weights.remote(self._weights_ref, self._version)
+                if self._paused:
+                    await self.workers[i].pause.remote()
+            except Exception as e:
+                self._log(f"worker {i} came back but could not be brought up to date: {error_text(e)}")
+                await asyncio.sleep(1.0)
+                continue
+            self._incarnation[i] = h["incarnation"]
+            self._alive[i] = True
+            waiting = [t for t in self._tracked.values() if t.worker is None or t.worker == i]
+            if waiting:
+                await self._dispatch(waiting)
+            return
+        self._gone[i] = True
+        self._log(f"worker {i} is gone for good")
+        if not any(self._alive):
+            for t in list(self._tracked.values()):
+                self._fill_aborted(t)
+
+    # -- control ----------------------------------------------------------------------------------
+    async def abort(self, request_ids: list[str]) -> list[str]:
+        ts = [self._tracked[r] for r in request_ids if r in self._tracked]
+        await self._abort_tracked(ts, deliver=True)
+        return [t.request.request_id for t in ts]
+
+    async def _abort_tracked(self, ts: list[_Tracked], deliver: bool) -> None:
+        by_worker: dict[int, list[str]] = {}
+        for t in ts:
+            if t.worker is not None:
+                by_worker.setdefault(t.worker, []).extend(t.jobs)
+        for i, jobs in by_worker.items():
+            try:
+                partial = await self.workers[i].abort.remote(jobs)
+            except _ACTOR_DOWN:
+                partial = []
+            for r in partial if deliver else []:
+                self._on_abort_result(r)
+        for t in ts:
+            if deliver:
+                self._fill_aborted(t)
+            else:
+                self._forget(t)
+
+    def _on_abort_result(self, r: RolloutResult) -> None:
+        rid = self._job_owner.get(r.request_id)
+        t = self._tracked.get(rid) if rid is not None else None
+        if t is not None and r.sample_index not in t.delivered:
+            self._deliver(t, r)
+
+    async def update_weights(self, refs: list, version: int) -> str | None:
+        """refs = [ObjectRef of PackedWeights] (wrapped so the router never copies the weights)."""
+        if not isinstance(version, int) or isinstance(version, bool) or version <= self._version:
+            return f"update_weights: version={version!r} must be an int > the current version {self._version}"
+        ref = refs[0]
+        live = [i for i, a in enumerate(self._alive) if a]
+        if not live:
+            return "update_weights: no rollout worker is alive"
+        for phase in ("validate", "apply"):
+            calls = [self.workers[i].validate_weights.remote(ref) if phase == "validate"
+                     else self.workers[i].update_weights.remote(ref, version) for i in live]
+            outcomes = await asyncio.gather(*calls, return_exceptions=True)
+            for i, out in zip(live, outcomes):
+                # a worker that died meanwhile gets these weights when it restarts
+                if isinstance(out, BaseException) and not isinstance(out, _ACTOR_DOWN):
+                    return f"worker {i} rejected the refresh ({phase}): {error_text(out)}"
+        self._weights_ref, self._version = ref, version
+        return None
+
+    async def pause(self) -> None:
+        self._paused = True
+        await self._broadcast("pause")
+
+    async def resume(self) -> None:
+        self._paused = False
+        await self._broadcast("resume")
+
+    async def _broadcast(self, method: str) -> None:
+        for i, w in enumerate(self.workers):
+            if self._alive[i]:
+                try:
+                    await getattr(w, method).remote()
+                except _ACTOR_DOWN:
+                    pass
+
+    async def stats(self) -> list[dict]:
+        out = []
+        for i, w in enumerate(self.workers):
+            s = {"worker": i, "alive": False, "queued": None, "running": None, "kv_pages_used": None,
+                 "kv_pages_total": None, "tokens_per_s": None, "policy_version": None}
+            if self._alive[i]:
+                try:
+                    s = {**await w.stats.remote(), "alive": True}
+                except _ACTOR_DOWN:
+                    pass
+            out.append(s)
+        return out
+
+    def info(self) -> dict:
+        return {"name": self.config.name, "policy_version": self._version, "num_workers": len(self.workers),
+                "alive": list(self._alive), "in_flight": len(self._tracked), "streams": len(self._streams),
+                "paused": self._paused, "loads": self._loads(), **self.counters}
+
+    async def shutdown(self) -> None:
+        self._closed = True
+        for t in self._tasks:
+            t.cancel()
+        for w in self.workers:
+            try:
+                ray.kill(w)
+            except Exception:
+                pass
+        if self.placement_group is not None:
+            ray.util.remove_placement_group(self.placement_group)
+
+    # -- helpers ----------------------------------------------------------------------------------
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.append(task)
+        task.add_done_callback(lambda t: self._tasks.remove(t) if t in self._tasks else None)
+
+    @staticmethod
+    def _log(msg: str) -> None:
+        print(f"[rollout_service.router] {msg}", flush=True)
+
+
+RouterActor = ray.remote(Router)

@@ -1,0 +1,163 @@
+"""Rollout-only job: start the service described by a config, roll out its prompts, write the results
+as msgpack and print a summary. The `ray job submit` entrypoint:
+
+    RAY_AUTH_MODE=token ray job submit --working-dir . -- \
+        python -m rollout_service.launch --config cluster_configs/local-cpu.yaml
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+from rollout_service.config import ServiceConfig
+from rollout_service.types import RolloutRequest, RolloutResult, save_results
+
+
+def load_prompts(path: str | None, limit: int | None = None) -> list[dict]:
+    """Prompt records from a JSONL file (one JSON string, or an object with "prompt" and optional
+    "metadata" / "sampling" / "request_id" per line), or the built-in sample set when path is None."""
+    if path is None:
+        from rollout_service.prompts_sample import SAMPLE_PROMPTS
+        records = [dict(r) for r in SAMPLE_PROMPTS]
+    else:
+        try:
+            lines = Path(path).read_text().splitlines()
+        except OSError as e:
+            raise ValueError(f"prompts file {path!r}: cannot read ({e.strerror})") from None
+        records = []
+        for n, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{n}: not JSON ({e.msg})") from None
+            rec = {"prompt": rec} if not isinstance(rec, dict) else rec
+            if "prompt" not in rec:
+                raise ValueError(f"{path}:{n}: a prompt record needs a 'prompt' key")
+            records.append(rec)
+        if not records:
+            raise ValueError(f"prompts file {path!r} holds no prompts")
+    return records[:limit] if limit else records
+
+
+def build_requests(config: ServiceConfig, records: list[dict]) -> list[RolloutRequest]:
+    reqs = []
+    for i, rec in enumerate(records):
+        try:
+            sampling = config.sampling_params(**(rec.get("sampling") or {}))
+            reqs.append(RolloutRequest(prompt=rec["prompt"], sampling=sampling, metadata=rec.get("metadata"),
+                                       request_id=str(rec.get("request_id") or f"prompt-{i}"),
+                                       apply_chat_template=config.apply_chat_template))
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"prompt {i}: {e}") from None
+    return reqs
+
+
+def run(config: ServiceConfig, on_result: Callable[[RolloutResult], None] | None = None,
+        on_start: Callable[[int], None] | None = None) -> dict:
+    """Launch the service, roll out every prompt, write results, shut down; returns the summary."""
+    import ray
+
+    from rollout_service.service import RayBackend
+
+    reqs = build_requests(config, load_prompts(config.prompts, config.num_prompts))
+    started_ray = not ray.is_initialized()
+    t0 = time.perf_counter()
+    backend = RayBackend.launch(config)
+    t_ready = time.perf_counter()
+    results: list[RolloutResult] = []
+    try:
+        if on_start is not None:
+            on_start(sum(r.sampling.n for r in reqs))
+        for r in backend.submit(reqs):
+            results.append(r)
+            if on_result is not None:
+                on_result(r)
+        t_done = time.perf_counter()
+        workers, info = backend.stats(), backend.info()
+    finally:
+        backend.close()
+        if started_ray:
+            ray.shutdown()
+    order = {r.request_id: i for i, r in enumerate(reqs)}
+    results.sort(key=lambda r: (order[r.request_id], r.sample_index))
+    output = config.output or "rollout_results.msgpack"
+    save_results(output, results)
+    return summarize(results, workers, info, startup_s=t_ready - t0, rollout_s=t_done - t_ready, output=output)
+
+
+def summarize(results: list[RolloutResult], workers: list[dict], info: dict, startup_s: float,
+              rollout_s: float, output: str) -> dict:
+    out_tokens = sum(len(r.token_ids) for r in results)
+    return {
+        "prompts": len({r.request_id for r in results}), "samples": len(results), "output_tokens": out_tokens,
+        "prompt_tokens": sum(len(r.prompt_token_ids) for r in results),
+        "finish_reasons": dict(collections.Counter(r.finish_reason for r in results)),
+        "startup_s": round(startup_s, 3), "rollout_s": round(rollout_s, 3),
+        "tokens_per_s": round(out_tokens / rollout_s, 2) if rollout_s > 0 else 0.0,
+        "workers": len(workers), "policy_version": info.get("policy_version"),
+        "resubmitted": info.get("resubmitted", 0), "output": str(output),
+        "per_worker": [{k: w.get(k) for k in ("worker", "alive", "tokens_per_s", "kv_pages_total", "node_id")}
+                       for w in workers],
+        "example": _example(results),
+    }
+
+
+def _example(results: list[RolloutResult]) -> str:
+    return results[0].text[:200] if results and results[0].text else ""
+
+
+def format_summary(s: dict) -> str:
+    lines = ["rollout summary"]
+    for k in ("prompts", "samples", "prompt_tokens", "output_tokens", "finish_reasons", "startup_s", "rollout_s",
+              "tokens_per_s", "workers", "policy_version", "resubmitted", "output"):
+        lines.append(f"  {k:15s} {s[k]}")
+    if s.get("example"):
+        lines.append(f"  {'first result':15s} {s['example']!r}")
+    return "\n".join(lines)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m rollout_service.launch", description=__doc__.split("\n")[0])
+    add_run_args(p)
+    return p
+
+
+def add_run_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", required=True, help="service YAML (see cluster_configs/)")
+    p.add_argument("--prompts", help="JSONL prompts file (default: the config's, else the built-in sample set)")
+    p.add_argument("--output", help="msgpack results file (default: the config's, else rollout_results.msgpack)")
+    p.add_argument("--num-prompts", type=int, help="roll out only the first N prompts")
+    p.add_argument("--num-workers", type=int, help="override num_workers")
+    p.add_argument("--max-tokens", type=int, help="override sampling.max_tokens")
+
+
+def config_from_args(args: argparse.Namespace) -> ServiceConfig:
+    overrides: dict = {k: getattr(args, k) for k in ("prompts", "output", "num_prompts", "num_workers")
+                       if getattr(args, k) is not None}
+    if args.max_tokens is not None:
+        overrides["sampling"] = {"max_tokens": args.max_tokens}
+    return ServiceConfig.load(args.config, **overrides)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        config = config_from_args(args)
+        summary = run(config)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(format_summary(summary), flush=True)
+    print("SUMMARY_JSON " + json.dumps({k: v for k, v in summary.items() if k != "per_worker"}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
