@@ -59,7 +59,7 @@ def w3_refresh(ctx: BenchContext) -> list[Row]:
             first = engine_generate(client, bm, prompts, 1).seconds
             found["after"] = engine_generate(client, bm, prompts, s.w3_check_new).token_ids
         seconds = call + max(first - base, 0.0)
-        row.details.update(update_call_s=round(call, 4), GBps=round(nbytes / seconds / 1e9, 2))
+        row.details.update(update_call_s=float(f"{call:.3g}"), GBps=float(f"{nbytes / seconds / 1e9:.3g}"))
         return Cell(seconds)
 
     def hf_load() -> Cell:
@@ -76,13 +76,59 @@ def w3_refresh(ctx: BenchContext) -> list[Row]:
     if "after" in found and "hf_after" in found:
         agree = prefix_agreement(found["after"], found["hf_after"])
         row.details["agreement_with_hf_on_new_weights"] = round(agree, 3)
-    rows = [row]
-    for transport in TRANSPORTS:
-        t = Row(bm.name, f"W3 {transport}", "refresh s through the Ray transport", "s", False)
-        why = "the Ray transports are benchmarked through rollout_service.weights, not wired into this harness yet"
-        if transport != "object store" and bm.device.type != "cuda":
-            why = f"{transport} needs a GPU"
-        t.engine = t.hf_generate = t.hf_generate_batch = Cell.na(why)
-        t.floor = Cell(2 * nbytes / ctx.ceilings.bandwidth_Bps)
-        rows.append(t)
-    return rows
+    return [row, object_store_row(ctx, new_sd, nbytes, prompts, found.get("hf_after"))] + [
+        _unwired(ctx, t, nbytes) for t in TRANSPORTS[1:]]
+
+
+def _unwired(ctx: BenchContext, transport: str, nbytes: int) -> Row:
+    t = Row(ctx.bm.name, f"W3 {transport}", "refresh s through the transport", "s", False)
+    why = f"{transport} transport is not benchmarked by this harness yet"
+    if ctx.device.type != "cuda":
+        why = f"{transport} needs a GPU"
+    t.engine = t.hf_generate = t.hf_generate_batch = Cell.na(why)
+    t.floor = Cell(2 * nbytes / ctx.ceilings.bandwidth_Bps)
+    return t
+
+
+def object_store_row(ctx: BenchContext, new_sd: dict, nbytes: int, prompts: list[list[int]],
+                     hf_after: list[list[int]] | None) -> Row:
+    """The learner side packs and ray.put()s once; the worker side ray.get()s, unpacks and updates.
+    Both sides run in this process (a local Ray instance), so the hop between processes on one node
+    (shared memory) is in, the network between nodes is not."""
+    bm = ctx.bm
+    row = Row(bm.name, "W3 object store", "refresh s: pack + ray.put + ray.get + update, same node", "s", False)
+    row.hf_generate = row.hf_generate_batch = Cell.na("no HF generation peer for a refresh")
+    row.floor = Cell(2 * nbytes / ctx.ceilings.bandwidth_Bps)
+
+    def engine() -> Cell:
+        try:
+            import ray
+        except ImportError:
+            return Cell.na("Ray is not installed here")
+        from rollout_service.weights import fetch, publish
+
+        started = not ray.is_initialized()
+        if started:
+            ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+        try:
+            with open_engine(bm, ctx.backend, len(prompts), 16 + ctx.shapes.w3_check_new, ctx.engine_extra) as client:
+                engine_generate(client, bm, prompts, 1)
+                sync(bm.device)
+                t0 = time.perf_counter()
+                ref = publish(new_sd)
+                client.update_weights(fetch(ray.get(ref)), 2)
+                engine_generate(client, bm, prompts, 1)
+                seconds = time.perf_counter() - t0
+                after = engine_generate(client, bm, prompts, ctx.shapes.w3_check_new).token_ids
+                del ref
+        finally:
+            if started:
+                ray.shutdown()
+        row.details["GBps"] = float(f"{nbytes / seconds / 1e9:.3g}")
+        if hf_after is not None:
+            row.details["agreement_with_hf_on_new_weights"] = round(prefix_agreement(after, hf_after), 3)
+        return Cell(seconds)
+
+    row.engine = ctx.measure(row, "object_store", engine)
+    return row
+

@@ -64,7 +64,9 @@ def _fmt(v: float | None) -> str:
 
 
 def _fmt_ratio(r: float | None, suffix: str = "x") -> str:
-    return "n/a" if r is None else f"{r:.2f}{suffix}"
+    if r is None:
+        return "n/a"
+    return f"{r:.2f}{suffix}" if r >= 0.1 else f"{r:.2g}{suffix}"
 
 
 def hardware_slug(hardware: str) -> str:

@@ -156,6 +156,8 @@ def w5_graphs(ctx: BenchContext) -> list[Row]:
     row = Row(bm.name, "W5", "decode ms/step, batch 1, CUDA graphs on (engine) vs off (other peer)", "ms", False)
     na = "HF peers do not apply: W5 compares the engine with itself"
     row.hf_generate, row.hf_generate_batch = Cell.na(na), Cell.na(na)
+    kv = bm.kv_bytes_per_token() * (s.w1_prompt + s.w1_new / 2)
+    row.floor = Cell(1000 * decode_step_floor(_weights_bytes(ctx), kv, bm.decode_params(), 1, ctx.ceilings))
     if ctx.device.type != "cuda":
         row.engine = row.other_peer = Cell.na("CUDA graphs need a GPU")
         return [row]
@@ -170,7 +172,5 @@ def w5_graphs(ctx: BenchContext) -> list[Row]:
 
     row.engine = ctx.measure(row, "engine", lambda: run(True))
     row.other_peer = ctx.measure(row, "engine_no_graphs", lambda: run(False))
-    kv = bm.kv_bytes_per_token() * (s.w1_prompt + s.w1_new / 2)
-    row.floor = Cell(1000 * decode_step_floor(_weights_bytes(ctx), kv, bm.decode_params(), 1, ctx.ceilings))
     return [row]
 

@@ -1,0 +1,133 @@
+"""The benchmark harness cannot rot: a --quick run on a tiny random model, checked cell by cell."""
+
+import glob
+import json
+import os
+
+import pytest
+import torch
+
+from rollout_service.bench import main
+from rollout_service.bench.ceilings import Ceilings, decode_step_floor
+from rollout_service.bench.context import parse_shape
+from rollout_service.bench.report import Cell, Row, render_markdown
+from rollout_service.bench.workloads import prefix_agreement
+
+
+def _load(out_dir):
+    paths = glob.glob(os.path.join(out_dir, "*.json"))
+    assert len(paths) == 1, paths
+    md = paths[0][:-5] + ".md"
+    assert os.path.exists(md)
+    with open(paths[0]) as f, open(md) as g:
+        return paths[0], json.load(f), g.read()
+
+
+def _expected_ratio(row, peer):
+    a, b = row["engine"]["value"], row[peer]["value"]
+    return a / b if row["higher_is_better"] else b / a
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    torch.manual_seed(0)
+    out = str(tmp_path_factory.mktemp("bench"))
+    # The object-store transport starts a Ray instance: left to tests/test_ray*.
+    rc = main(["--quick", "--model", "tiny-llama", "--workloads", "W1,W2,W2n,W3,W4,W5", "--out", out,
+               "--skip", "object_store"])
+    assert rc == 0
+    return _load(out)
+
+
+def test_quick_report_names_hardware_and_versions(quick_run):
+    path, doc, md = quick_run
+    meta = doc["meta"]
+    assert os.path.basename(path).startswith(meta["started_utc"][:10] + "-cpu-")
+    assert meta["torch"] == torch.__version__
+    import transformers
+    assert meta["transformers"] == transformers.__version__ and transformers.__version__ in md
+    assert doc["ceilings"]["bandwidth_Bps"] > 0 and doc["ceilings"]["matmul_flops"] > 0
+    assert meta["hardware"] in md
+    assert not meta.get("errors"), meta.get("errors")
+
+
+@pytest.mark.parametrize("workload", ["W1", "W2", "W2n"])
+def test_quick_generation_rows_have_engine_peers_floor_and_ratios(quick_run, workload):
+    _, doc, md = quick_run
+    (row,) = [r for r in doc["rows"] if r["workload"] == workload]
+    for col in ("engine", "hf_generate", "hf_generate_batch", "floor"):
+        assert row[col]["value"] is not None and row[col]["value"] > 0, (col, row[col])
+    for peer in ("hf_generate", "hf_generate_batch", "floor"):
+        assert row["ratios"][f"engine/{peer}"] == pytest.approx(_expected_ratio(row, peer))
+    # The markdown row carries the same numbers: engine/generate ratio printed to 2 decimals.
+    line = next(ln for ln in md.splitlines() if ln.startswith(f"| tiny-llama | {workload} |"))
+    r = row["ratios"]["engine/hf_generate"]
+    assert (f"{r:.2f}x" if r >= 0.1 else f"{r:.2g}x") in line
+
+
+def test_quick_greedy_rows_check_tokens_against_hf(quick_run):
+    _, doc, _ = quick_run
+    for name in ("W1", "W2"):
+        (row,) = [r for r in doc["rows"] if r["workload"] == name]
+        # fp32 tiny model on the CPU: the engine's greedy tokens equal HF's almost everywhere.
+        assert row["details"]["greedy_agreement_with_hf_generate"] >= 0.9
+
+
+def test_quick_refresh_and_kernel_rows(quick_run):
+    _, doc, _ = quick_run
+    rows = {r["workload"]: r for r in doc["rows"]}
+    w3 = rows["W3 local"]
+    assert w3["engine"]["value"] > 0 and w3["details"]["tokens_changed_by_refresh"] is True
+    assert w3["details"]["agreement_with_hf_on_new_weights"] >= 0.9
+    assert rows["W3 object store"]["engine"]["note"] == "skipped by --skip"
+    w4 = [r for r in doc["rows"] if r["workload"].startswith("W4 decode[torch]")]
+    assert len(w4) == 2 * 2  # two head shapes x batches (1, 4) x context 64
+    for r in w4:
+        assert r["engine"]["value"] > 0 and r["other_peer"]["value"] > 0
+        assert r["ratios"]["engine/other_peer"] == pytest.approx(_expected_ratio(r, "other_peer"))
+    assert rows["W5"]["engine"]["value"] is None and "GPU" in rows["W5"]["engine"]["note"]
+
+
+def test_failed_part_becomes_na_and_the_rest_still_runs(tmp_path):
+    rc = main(["--quick", "--model", "tiny-llama", "--workloads", "W1", "--out", str(tmp_path),
+               "--engine-opt", "no_such_option=1", "--skip", "hf_generate_batch"])
+    assert rc == 0
+    _, doc, md = _load(str(tmp_path))
+    (row,) = doc["rows"]
+    assert row["engine"]["value"] is None and row["engine"]["note"].startswith("error:")
+    assert row["hf_generate"]["value"] > 0
+    assert row["hf_generate_batch"]["note"] == "skipped by --skip"
+    assert row["ratios"]["engine/hf_generate"] is None
+    assert "no_such_option" in " ".join(doc["meta"]["errors"])
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(SystemExit):
+        main(["--workloads", "W9"])
+    with pytest.raises(ValueError, match="gpt-17"):
+        main(["--model", "gpt-17", "--device", "cpu", "--out", "/nonexistent"])
+    with pytest.raises(ValueError, match="w2_sequences"):
+        parse_shape("w2_sequences=3")
+    assert parse_shape("w4_batches=1,32") == ("w4_batches", (1, 32))
+
+
+def test_ratio_direction_and_floor():
+    fast = Row("m", "W", "ms/step", "ms", False, engine=Cell(2.0), hf_generate=Cell(6.0), floor=Cell(1.0))
+    assert fast.perf_ratio(fast.hf_generate) == 3.0 and fast.perf_ratio(fast.floor) == 0.5
+    tput = Row("m", "W", "tok/s", "tok/s", True, engine=Cell(30.0), hf_generate=Cell(10.0), floor=Cell(60.0))
+    assert tput.perf_ratio(tput.hf_generate) == 3.0 and tput.perf_ratio(tput.floor) == 0.5
+    assert tput.perf_ratio(Cell.na("x")) is None
+    ceil = Ceilings("cpu", 1, bandwidth_Bps=100.0, matmul_n=1, matmul_dtype="f", matmul_flops=1000.0)
+    # Memory bound: (weights 50 + kv 50) / 100 B/s = 1 s vs 2 * 10 params * 1 / 1000 = 0.02 s.
+    assert decode_step_floor(50, 50, 10, 1, ceil) == 1.0
+    # Compute bound at a large batch: 2 * 10 * 100 / 1000 = 2 s.
+    assert decode_step_floor(50, 50, 10, 100, ceil) == 2.0
+    md = render_markdown({"started_utc": "2026-01-01T00:00:00Z", "hardware": "H", "torch": "t",
+                          "transformers": "tf", "python": "p", "device": "cpu", "command": "c"},
+                         None, [tput])
+    assert "| m | W | tok/s [tok/s] | 30 | 10 | n/a | n/a | 60 | 3.00x | n/a | n/a | 0.50 |" in md
+
+
+def test_prefix_agreement():
+    assert prefix_agreement([[1, 2, 3, 4]], [[1, 2, 9, 4]]) == 0.5
+    assert prefix_agreement([[1, 2], [3]], [[1, 2], [3]]) == 1.0
