@@ -255,3 +255,33 @@ def test_top_logprobs_per_row_mode():
     torch.testing.assert_close(out.top_logprobs[1, :2], two.values.log_softmax(0))
     assert out.top_logprobs[1, 2].item() == float("-inf")  # beyond top_k: truncated away
     assert out.token_ids[1].item() in two.indices.tolist()
+
+
+# ---------------------------------------------------------------- fast paths agree with the plain computation
+
+def test_top_p_prefilter_matches_brute_force():
+    vocab = 5000
+    rows = torch.randn(6, vocab)
+    rows[0, :20] += 12  # peaked: the kept set lies in the prefiltered head
+    rows[1, 100:110] += 9
+    params = [(-1, 0.9), (50, 0.5), (-1, 0.9), (3000, 0.95), (-1, 0.3), (1200, 0.99)]
+    drop = truncation_mask(rows, [p[0] for p in params], [p[1] for p in params], [0.0] * 6)
+    for b, (k, p) in enumerate(params):
+        kept = set(torch.nonzero(~drop[b]).flatten().tolist())
+        assert kept == reference_keep(rows[b], k, p, 0.0), f"row {b}"
+    assert len(set(torch.nonzero(~drop[0]).flatten().tolist())) <= 20
+    assert (~drop[2]).sum() > 1024  # a flat row needed the full-sort fallback
+
+
+@pytest.mark.parametrize("vocab,keep", [(40_000, None), (3000, 40)])
+def test_noise_paths_match_full_vocab_argmax(vocab, keep):
+    from rollout_service.engine.random import gumbel, row_key, vocab_ids
+    from rollout_service.engine.sampler import _gumbel_argmax
+
+    x = torch.randn(5, vocab) * 2
+    if keep is not None:  # few finite candidates: only they get noise
+        x[:, keep:] = float("-inf")
+        x = x[:, torch.randperm(vocab)]
+    keys = torch.tensor([row_key(s, 0, 3) for s in range(5)])
+    want = (x + gumbel(keys, vocab_ids(vocab))).argmax(dim=1)
+    assert torch.equal(_gumbel_argmax(x, keys), want)

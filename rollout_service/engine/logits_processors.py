@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+PREFILTER = 1024  # candidates looked at before falling back to a full sort for top_p
 
 def _padded(token_lists: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
     """int64 [R, L] with each row padded by `pad` (L >= 1 so scatter always has a column)."""
@@ -73,7 +74,7 @@ def truncation_mask(scaled: torch.Tensor, top_k: list[int], top_p: list[float],
     k = torch.tensor([vocab if x == -1 else min(x, vocab) for x in top_k], device=dev)
     drop: torch.Tensor | None = None
     if any(p < 1.0 for p in top_p):
-        drop = _top_k_top_p_sorted(scaled, k, torch.tensor(top_p, device=dev))
+        drop = _top_k_top_p(scaled, k, torch.tensor(top_p, device=dev))
     elif any(x != -1 for x in top_k):
         drop = _top_k_only(scaled, k, torch.tensor([x != -1 for x in top_k], device=dev))
     if any(m > 0.0 for m in min_p):
@@ -86,14 +87,43 @@ def truncation_mask(scaled: torch.Tensor, top_k: list[int], top_p: list[float],
     return drop
 
 
-def _top_k_top_p_sorted(scaled: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    values, order = scaled.sort(dim=1, descending=True)
-    rank = torch.arange(scaled.shape[1], device=scaled.device)
-    drop_sorted = rank.unsqueeze(0) >= k.unsqueeze(1)
-    probs = values.masked_fill(drop_sorted, float("-inf")).softmax(dim=1)
+def _top_k_top_p(scaled: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """top_k then top_p. A full sort of a 150k vocabulary is the costly part, so first try the
+    PREFILTER best tokens: a row whose kept set provably lies inside them needs no full sort."""
+    vocab = scaled.shape[1]
+    if vocab <= 2 * PREFILTER:
+        values, order = scaled.sort(dim=1, descending=True)
+        return _scatter_back(_sorted_drop(values, k, top_p, None), order)
+    values, order = scaled.topk(PREFILTER, dim=1)
+    # normalise over the whole row (top_k off) or over the top k (k <= PREFILTER): both are known here
+    lse = torch.where(k >= vocab, scaled.logsumexp(dim=1), _masked(values, k).logsumexp(dim=1))
+    drop_sorted, mass = _sorted_drop(values, k, top_p, lse)
+    covered = (k <= PREFILTER) | ((k >= vocab) & (mass >= top_p))
+    drop = torch.ones_like(scaled, dtype=torch.bool).scatter_(1, order, drop_sorted)
+    if not bool(covered.all()):
+        rest = torch.nonzero(~covered).squeeze(1)
+        values, order = scaled[rest].sort(dim=1, descending=True)
+        drop[rest] = _scatter_back(_sorted_drop(values, k[rest], top_p[rest], None), order)
+    return drop
+
+
+def _masked(values: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    rank = torch.arange(values.shape[1], device=values.device)
+    return values.masked_fill(rank.unsqueeze(0) >= k.unsqueeze(1), float("-inf"))
+
+
+def _sorted_drop(values: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor, lse: torch.Tensor | None):
+    """Drop mask over descending `values` (a full row, or its head when lse, the row's log-normaliser,
+    is given; then also returns the probability mass of the head)."""
+    masked = _masked(values, k)
+    probs = masked.softmax(dim=1) if lse is None else (masked - lse.unsqueeze(1)).exp()
+    cum = probs.cumsum(dim=1)
     # mass strictly before each token: the first token has 0 < top_p, so it is always kept
-    before = probs.cumsum(dim=1) - probs
-    drop_sorted |= before >= top_p.unsqueeze(1)
+    drop = torch.isneginf(masked) | (cum - probs >= top_p.unsqueeze(1))
+    return drop if lse is None else (drop, cum[:, -1])
+
+
+def _scatter_back(drop_sorted: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(drop_sorted).scatter_(1, order, drop_sorted)
 
 

@@ -68,21 +68,28 @@ def splitmix64_(z: torch.Tensor) -> torch.Tensor:
     return z
 
 
-def random_bits(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """int64 [B, V]: element v of row b is splitmix64(keys[b] + (v + 1) * GOLDEN)."""
-    offsets = torch.arange(1, vocab_size + 1, dtype=torch.int64, device=keys.device).mul_(_signed(GOLDEN))
+def random_bits(keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """int64 [B, N]: element (b, j) is splitmix64(keys[b] + (ids[j] + 1) * GOLDEN).
+
+    ids: vocab ids, int64 [N] (the same for every row) or [B, N] (per row, e.g. top-k candidates).
+    """
+    offsets = (ids.to(torch.int64) + 1).mul_(_signed(GOLDEN))
     return splitmix64_(keys.to(torch.int64).unsqueeze(1) + offsets)
 
 
-def uniforms(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """float32 [B, V] uniforms in (0, 1) from the top 32 bits of the hash (see module docstring)."""
-    bits = random_bits(keys, vocab_size)
+def vocab_ids(vocab_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    return torch.arange(vocab_size, dtype=torch.int64, device=device)
+
+
+def uniforms(keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """float32 [B, N] uniforms in (0, 1) from the top 32 bits of the hash (see module docstring)."""
+    bits = random_bits(keys, ids)
     hi = bits.bitwise_right_shift_(32).bitwise_and_(0xFFFFFFFF)
     w = hi.to(torch.float32).add_(0.5).mul_(2.0 ** -32)
     return w.clamp_(max=1.0 - 2.0 ** -24)
 
 
-def gumbel(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """float32 [B, V] standard Gumbel noise, -log(-log(1 - w)) with w = uniforms(keys, vocab_size)."""
-    w = uniforms(keys, vocab_size)
+def gumbel(keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """float32 [B, N] standard Gumbel noise, -log(-log(1 - w)) with w = uniforms(keys, ids)."""
+    w = uniforms(keys, ids)
     return w.neg_().log1p_().neg_().log_().neg_()
