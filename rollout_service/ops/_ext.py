@@ -1,0 +1,104 @@
+"""JIT build and load of the csrc kernels through torch.utils.cpp_extension (ninja + pybind11).
+
+The build directory is keyed by a hash of the csrc sources, the torch/CUDA versions and the target GPU,
+so an edit to any kernel rebuilds, and a second process (or `rollout-service build-kernels`) reuses it.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+CSRC = Path(__file__).resolve().parents[2] / "csrc"
+CACHE_ENV = "ROLLOUT_KERNELS_CACHE"
+_SOURCE_SUFFIXES = (".cu", ".cuh", ".h", ".cpp")
+
+
+def _sources() -> list[Path]:
+    """The compiled sources: every csrc/*.cu plus the one binding file."""
+    sources = sorted(CSRC.glob("*.cu")) + [CSRC / "bindings.cpp"]
+    missing = [str(p) for p in sources if not p.is_file()]
+    if missing or len(sources) < 2:
+        raise RuntimeError(f"kernel sources missing under {CSRC}: {missing or 'no .cu files'}")
+    return sources
+
+
+def _arch_flags(device: int | None = None) -> list[str]:
+    """-gencode for the GPU we run on: sm_90a on Hopper (the 'a' unlocks wgmma/setmaxnreg), else native."""
+    major, minor = torch.cuda.get_device_capability(device)
+    arch = f"{major}{minor}"
+    if arch == "90":
+        arch = "90a"
+    return [f"-gencode=arch=compute_{arch},code=sm_{arch}"]
+
+
+def _build_key(arch_flags: list[str]) -> str:
+    digest = hashlib.sha256()
+    for path in sorted(p for p in CSRC.iterdir() if p.suffix in _SOURCE_SUFFIXES):
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
+    digest.update(f"{torch.__version__}|{torch.version.cuda}|{' '.join(arch_flags)}".encode())
+    return digest.hexdigest()[:16]
+
+
+def cache_root() -> Path:
+    default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "rollout_service" / "kernels"
+    return Path(os.environ.get(CACHE_ENV, default))
+
+
+def build_kernels(verbose: bool = False) -> ModuleType:
+    """Compile (or reuse the cached build of) the kernels for the current GPU and import the module."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("building the CUDA kernels needs a CUDA device and a CUDA build of torch")
+    from torch.utils.cpp_extension import load
+
+    arch_flags = _arch_flags()
+    key = _build_key(arch_flags)
+    build_dir = cache_root() / key
+    build_dir.mkdir(parents=True, exist_ok=True)
+    logger.info("loading rollout_service kernels from %s", build_dir)
+    return load(
+        name=f"rollout_kernels_{key}",
+        sources=[str(p) for p in _sources()],
+        extra_include_paths=[str(CSRC)],
+        extra_cflags=["-O3"],
+        # No --use_fast_math: softmax uses ex2.approx explicitly where it is safe; the rest stays IEEE.
+        extra_cuda_cflags=["-O3", "-lineinfo", "--expt-relaxed-constexpr", *arch_flags],
+        build_directory=str(build_dir),
+        verbose=verbose,
+    )
+
+
+@functools.cache
+def _load_once() -> ModuleType | BaseException:
+    try:
+        return build_kernels()
+    except Exception as exc:  # remembered: a failed build is not retried on every call
+        return exc
+
+
+def load_kernels() -> ModuleType:
+    """The compiled kernel module, built once per process; a failed build raises (RuntimeError) every call."""
+    result = _load_once()
+    if isinstance(result, BaseException):
+        raise RuntimeError(f"rollout_service CUDA kernels failed to build/load: {result}") from result
+    return result
+
+
+def kernels_available() -> bool:
+    """True when CUDA is usable and the kernels build/load; never raises."""
+    try:
+        if not torch.cuda.is_available():
+            return False
+        load_kernels()
+        return True
+    except Exception as exc:  # a broken toolchain must degrade to the torch backend, not crash
+        logger.warning("rollout_service CUDA kernels unavailable: %s", exc)
+        return False

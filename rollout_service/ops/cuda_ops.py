@@ -1,0 +1,167 @@
+"""The "cuda" Ops: the torch reference Ops with csrc kernels where they apply.
+
+Every method falls back to the torch reference for inputs its kernel does not cover (dtype other than
+bf16/fp16, head_dim other than 64/128, page_size other than 16, odd strides), so the backend is always
+correct and only sometimes slower. Differences from the reference, both intended and documented:
+rope() rotates q and k in place, and add_rms_norm() writes x + residual into `residual` in place.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from rollout_service.ops import attention as attention_ref
+from rollout_service.ops._ext import load_kernels
+from rollout_service.ops.backend import Ops
+
+logger = logging.getLogger(__name__)
+
+_HALF = (torch.bfloat16, torch.float16)
+PAGE_SIZE = 16
+HEAD_DIMS = (64, 128)
+MAX_DECODE_GROUP = 16
+
+
+def _aligned(t: torch.Tensor, elements: int = 8) -> bool:
+    return t.data_ptr() % (elements * t.element_size()) == 0
+
+
+def _rows_ok(t: torch.Tensor) -> bool:
+    """A 2-D view with contiguous, 16-byte aligned rows (the norm kernels' 16-byte vectors)."""
+    return t.dim() == 2 and t.stride(1) == 1 and t.stride(0) % 8 == 0 and _aligned(t)
+
+
+def _heads_ok(t: torch.Tensor) -> bool:
+    return t.dim() == 3 and t.stride(2) == 1 and t.stride(0) % 2 == 0 and t.stride(1) % 2 == 0
+
+
+class CudaOps(Ops):
+    name = "cuda"
+
+    def __init__(self) -> None:
+        if not torch.cuda.is_available():
+            raise ValueError("backend 'cuda' needs a CUDA device and a CUDA build of torch")
+        self.kernels = load_kernels()
+        self._fallbacks: set[str] = set()
+
+    def _fallback(self, op: str, why: str) -> None:
+        if op not in self._fallbacks:  # log once per op: fallbacks are correct but slow
+            self._fallbacks.add(op)
+            logger.warning("cuda ops: %s falls back to the torch reference (%s)", op, why)
+
+    # ---- norms ------------------------------------------------------------------------------------
+
+    def _norm_args(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+        if not (x.is_cuda and x.dtype in _HALF and weight.dtype == x.dtype and x.shape[-1] % 8 == 0):
+            return None
+        if not (weight.is_contiguous() and _aligned(weight)):
+            return None
+        rows = x.view(-1, x.shape[-1]) if x.is_contiguous() else x.reshape(-1, x.shape[-1])
+        return rows if _rows_ok(rows) else None
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        rows = self._norm_args(x, weight)
+        if rows is None:
+            self._fallback("rms_norm", f"{x.dtype} {tuple(x.shape)}")
+            return super().rms_norm(x, weight, eps)
+        out = torch.empty_like(rows)
+        self.kernels.rms_norm(out, rows, weight, eps)
+        return out.view(x.shape)
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = self._norm_args(x, weight)
+        ok = rows is not None and residual.shape == x.shape and residual.dtype == x.dtype and residual.is_contiguous()
+        if not ok or not _aligned(residual):
+            self._fallback("add_rms_norm", f"{x.dtype} {tuple(x.shape)}")
+            return super().add_rms_norm(x, residual, weight, eps)
+        out = torch.empty_like(rows)
+        self.kernels.add_rms_norm(out, rows, residual.view(rows.shape), weight, eps)
+        return out.view(x.shape), residual
+
+    # ---- rope / kv write ---------------------------------------------------------------------------
+
+    def _rope_ok(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> bool:
+        return (
+            q.is_cuda and q.dtype in _HALF and k.dtype == q.dtype and _heads_ok(q) and _heads_ok(k)
+            and positions.dtype == torch.int64 and positions.is_contiguous()
+            and cos_sin.dtype in (torch.float32, q.dtype) and cos_sin.is_contiguous()
+            and cos_sin.shape[-1] == q.shape[-1] == k.shape[-1]
+        )
+
+    def _cache_ok(self, kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> bool:
+        return (
+            kv_layer.is_contiguous() and kv_layer.dtype == k.dtype == v.dtype and k.dtype in _HALF
+            and _heads_ok(k) and _heads_ok(v) and v.shape == k.shape
+            and slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()
+        )
+
+    def rope(
+        self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self._rope_ok(q, k, positions, cos_sin):
+            self._fallback("rope", f"{q.dtype} q{tuple(q.shape)} cos_sin {cos_sin.dtype}")
+            return super().rope(q, k, positions, cos_sin)
+        self.kernels.rope(q, k, positions, cos_sin)
+        return q, k
+
+    def write_kv(self, kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        if not self._cache_ok(kv_layer, k, v, slot_mapping):
+            self._fallback("write_kv", f"{k.dtype} k{tuple(k.shape)}")
+            return super().write_kv(kv_layer, k, v, slot_mapping)
+        self.kernels.write_kv(kv_layer, k, v, slot_mapping)
+
+    def rope_and_write_kv(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+        kv_layer: torch.Tensor, slot_mapping: torch.Tensor,
+    ) -> torch.Tensor:
+        """rope(q, k) then write_kv(k, v) in one launch; returns the rotated q (k is rotated in place too)."""
+        if not (self._rope_ok(q, k, positions, cos_sin) and self._cache_ok(kv_layer, k, v, slot_mapping)):
+            q, k = self.rope(q, k, positions, cos_sin)
+            self.write_kv(kv_layer, k, v, slot_mapping)
+            return q
+        self.kernels.rope_write_kv(q, k, v, positions, cos_sin, kv_layer, slot_mapping)
+        return q
+
+    # ---- attention ---------------------------------------------------------------------------------
+
+    def _attention_ok(self, q: torch.Tensor, kv_layer: torch.Tensor, meta: attention_ref.AttentionMetadata) -> bool:
+        if not (q.is_cuda and q.dtype in _HALF and kv_layer.dtype == q.dtype and _heads_ok(q)):
+            return False
+        if kv_layer.dim() != 5 or not kv_layer.is_contiguous():
+            return False
+        _, _, num_kv_heads, page_size, head_dim = kv_layer.shape
+        if page_size != PAGE_SIZE or head_dim not in HEAD_DIMS or q.shape[2] != head_dim:
+            return False
+        if q.shape[1] % num_kv_heads != 0:
+            return False
+        if not meta.is_prefill and q.shape[1] // num_kv_heads > MAX_DECODE_GROUP:
+            return False
+        return all(
+            t.dtype == torch.int32 and t.is_cuda
+            for t in (meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len)
+        )
+
+    def attention(
+        self, q: torch.Tensor, kv_layer: torch.Tensor, meta: attention_ref.AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        if not self._attention_ok(q, kv_layer, meta):
+            self._fallback("attention", f"{q.dtype} q{tuple(q.shape)} kv{tuple(kv_layer.shape)}")
+            return super().attention(q, kv_layer, meta, scale)
+        if meta.is_prefill:
+            return self.kernels.prefill_attention(
+                q, kv_layer, meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len,
+                meta.max_q_len, scale,
+            )
+        return self.decode_attention(q, kv_layer, meta, scale)
+
+    def decode_attention(
+        self, q: torch.Tensor, kv_layer: torch.Tensor, meta: attention_ref.AttentionMetadata, scale: float,
+        num_splits: int = 0,
+    ) -> torch.Tensor:
+        """The decode kernel; num_splits 0 = chosen from batch, heads, meta.max_kv_len and the SM count."""
+        return self.kernels.decode_attention(
+            q, kv_layer, meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len, scale, meta.max_kv_len, num_splits
+        )
