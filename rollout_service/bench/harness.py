@@ -22,9 +22,10 @@ from .refresh import w3_refresh
 from .report import Cell, Row, now_utc, write_report
 from .workloads import w1_latency, w2_rollout, w2n_samples, w5_graphs
 
-# Run order: W3 goes last because it leaves the HF model holding the refreshed weights.
-WORKLOADS = {"W1": w1_latency, "W5": w5_graphs, "W2": w2_rollout, "W2n": w2n_samples, "W4": w4_kernels,
-             "W3": w3_refresh}
+# Run order = priority when a time budget runs out (W2n, the longest, last). Workloads after W3 run on
+# the refreshed weights, which the engine and the peers then share just the same.
+WORKLOADS = {"W1": w1_latency, "W2": w2_rollout, "W5": w5_graphs, "W4": w4_kernels, "W3": w3_refresh,
+             "W2n": w2n_samples}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -46,7 +47,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="skip a workload or part, optionally per model: W2n, hf_generate_batch, llama3-8b:hf_static")
     p.add_argument("--static-peer", default="auto", choices=["auto", "on", "off"],
                    help="HF static cache + compile peer for W1 (auto: GPU only)")
-    p.add_argument("--budget-s", type=float, default=None, help="per-model time budget; later parts become n/a")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads for every contender (default: torch's own choice)")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="time budget of the whole run, shared out between the models; parts that would start "
+                        "after it is spent become n/a")
     args = p.parse_args(argv)
     args.workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
     unknown = [w for w in args.workloads if w not in WORKLOADS]
@@ -94,18 +99,26 @@ def hardware_name(device: torch.device) -> str:
     return f"CPU {model} x{os.cpu_count()}"
 
 
+def resolved_backend(backend: str, device: torch.device) -> str:
+    """What "auto" becomes on this device (the engine resolves it the same way)."""
+    try:
+        from rollout_service.ops import resolve_backend
+        return resolve_backend(backend, device)
+    except Exception as exc:  # noqa: BLE001 - recorded, not fatal: the engine rows will say more
+        return f"unresolved ({type(exc).__name__}: {exc})"
+
+
 def pick_shapes(args, device: torch.device) -> Shapes:
     shapes = QUICK if args.quick else (CPU if device.type == "cpu" else Shapes())
     return shapes.replace(**dict(parse_shape(s) for s in args.shape))
 
 
 def run_model(name: str, args, device: torch.device, shapes: Shapes, ceil, rows: list[Row], meta: dict,
-              save, bar) -> None:
+              save, bar, deadline: float) -> None:
     dtype = DTYPES[args.dtype] if args.dtype else None
     bm = load_bench_model(name, device, dtype)
     meta["models"][name] = {"weights": bm.weights, "dtype": str(bm.dtype).replace("torch.", ""),
                             "params": sum(p.numel() for p in bm.hf_model.parameters())}
-    deadline = time.monotonic() + args.budget_s if args.budget_s else float("inf")
     ctx = BenchContext(bm, ceil, shapes, args.backend, engine_opts(args.engine_opt), set(args.skip),
                        deadline, args.static_peer, progress=lambda m: bar.set_postfix_str(m, refresh=True))
     for wl in [w for w in WORKLOADS if w in args.workloads]:
@@ -129,6 +142,8 @@ def run_model(name: str, args, device: torch.device, shapes: Shapes, ceil, rows:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = pick_device(args.device)
     shapes = pick_shapes(args, device)
     default = "tiny-llama" if args.quick else ("smollm2-135m" if device.type == "cpu" else "qwen2.5-0.5b")
@@ -138,11 +153,13 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--model {m!r}: choose from {', '.join(MODEL_NAMES)}")
     meta = {"started_utc": now_utc(), "hardware": hardware_name(device), "device": str(device),
             "torch": torch.__version__, "transformers": transformers.__version__,
-            "python": platform.python_version(), "cpu_count": os.cpu_count(), "backend": args.backend,
+            "python": platform.python_version(), "cpu_count": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(), "backend": args.backend,
             "quick": args.quick, "shapes": vars(shapes), "command": shlex.join(["bench", *(argv or sys.argv[1:])]),
             "models": {}}
     if hasattr(os, "getloadavg"):
         meta["loadavg"] = {"start": os.getloadavg()}
+    meta["engine_backend"] = resolved_backend(args.backend, device)
     rows: list[Row] = []
     ceil = measure_ceilings(device, quick=args.quick)
 
@@ -151,9 +168,12 @@ def main(argv: list[str] | None = None) -> int:
             meta["loadavg"]["end"] = os.getloadavg()
         return write_report(args.out, meta, ceil.to_dict(), rows, args.tag)
 
+    end = time.monotonic() + args.budget_s if args.budget_s else float("inf")
     with tqdm(total=len(models) * len(args.workloads), desc="bench", unit="workload") as bar:
-        for name in models:
-            run_model(name, args, device, shapes, ceil, rows, meta, save, bar)
+        for i, name in enumerate(models):
+            # Each model gets an equal share of what is left, so an early finish helps the next one.
+            now = time.monotonic()
+            run_model(name, args, device, shapes, ceil, rows, meta, save, bar, now + (end - now) / (len(models) - i))
     json_path, md_path = save()
     print(f"wrote {json_path} and {md_path}")
     return 0

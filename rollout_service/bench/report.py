@@ -82,10 +82,12 @@ def result_stem(meta: dict, tag: str = "") -> str:
 def render_markdown(meta: dict, ceilings: dict | None, rows: list[Row]) -> str:
     lines = [f"# Benchmark {meta['started_utc']} on {meta['hardware']}", ""]
     lines.append(f"torch {meta['torch']}, transformers {meta['transformers']}, python {meta['python']}; "
-                 f"device {meta['device']}; command `{meta['command']}`")
+                 f"device {meta['device']}; engine backend {meta.get('engine_backend', '?')}; "
+                 f"command `{meta['command']}`")
     if meta.get("loadavg"):
         lines.append(f"Load average (1 min) at start {meta['loadavg']['start'][0]:.2f}, "
-                     f"at end {meta['loadavg'].get('end', [float('nan')])[0]:.2f} on {meta['cpu_count']} CPUs.")
+                     f"at end {meta['loadavg'].get('end', [float('nan')])[0]:.2f} on {meta['cpu_count']} CPUs; "
+                     f"torch threads {meta.get('torch_threads', '?')}.")
     if ceilings:
         lines.append(f"Ceilings: copy {ceilings['bandwidth_Bps'] / 1e9:.1f} GB/s "
                      f"({ceilings['copy_bytes'] >> 20} MiB, read + write), matmul "
