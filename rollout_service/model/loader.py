@@ -96,11 +96,13 @@ def _read_source(source: Any) -> tuple[Any, dict[str, torch.Tensor], Any | None]
 
 def _read_gguf(folder: str, gguf_file: str) -> tuple[Any, dict[str, torch.Tensor], Any]:
     # transformers dequantises GGUF into a float HF model; we only keep its config and tensors.
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    # (Each gguf_file call re-parses the whole file, so no separate AutoConfig read first.)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    config = AutoConfig.from_pretrained(folder, gguf_file=gguf_file, local_files_only=True)
-    arch_flags(config)
-    hf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, local_files_only=True)
+    hf_model = AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=gguf_file, dtype=torch.float32, local_files_only=True
+    )
+    arch_flags(hf_model.config)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file, local_files_only=True)
     return hf_model.config, hf_model.state_dict(), tokenizer
 

@@ -1,0 +1,46 @@
+"""DecoderLM on the embedded SmolLM2-135M-Instruct vs HF transformers on the same weights and tokens."""
+import pytest
+import torch
+
+from rollout_service.model import embedded_model_path, load_model
+from tests.test_model import PagedRunner
+
+MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(smollm2):
+    _, tok = smollm2
+    ids = tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=False)
+    return list(ids)
+
+
+def test_embedded_model_path_points_at_a_gguf():
+    folder, gguf = embedded_model_path()
+    assert gguf.endswith(".gguf") and (torch.serialization.os.path.isfile(f"{folder}/{gguf}"))
+
+
+def test_prefill_and_greedy_decode_match_hf(smollm2, prompt_ids):
+    hf, tok = smollm2
+    model = load_model(hf, tokenizer=tok).model
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt_ids])).logits[0].float()
+        hf_tokens = hf.generate(torch.tensor([prompt_ids]), max_new_tokens=6, do_sample=False)[0, len(prompt_ids):]
+    runner = PagedRunner(model, num_pages=16)
+    got = runner.step({0: prompt_ids})[0]
+    assert len(prompt_ids) >= 20 and (got - ref).abs().max() < 1e-4
+    tokens = [int(got[-1].argmax())]
+    for _ in range(5):  # paged decode of the greedy continuation
+        tokens.append(int(runner.step({0: [tokens[-1]]}, is_prefill=False)[0][-1].argmax()))
+    assert tokens == hf_tokens.tolist()
+    assert "Paris" in tok.decode(tokens)
+
+
+def test_load_by_name_reads_the_embedded_gguf(smollm2, prompt_ids):
+    hf, _ = smollm2
+    loaded = load_model("smollm2-135m")
+    assert loaded.hf_config.model_type == "llama" and loaded.tokenizer is not None
+    assert loaded.tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True,
+                                                return_dict=False) == prompt_ids
+    for name, tensor in hf.state_dict().items():
+        assert torch.equal(loaded.model.get_parameter(name), tensor), name
