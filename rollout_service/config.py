@@ -42,7 +42,6 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_cuda_graphs: bool = True
     cuda_graph_max_batch: int = 256
-    enable_prefix_caching: bool = False
     seed: int = 0
     on_refresh: str = "continue"
 

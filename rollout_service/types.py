@@ -213,7 +213,7 @@ class RolloutResult:
                 reward=d["reward"], metadata=d["metadata"], timings=dict(d["timings"]),
             )
         except (KeyError, TypeError) as e:
-            raise ValueError(f"RolloutResult: malformed record ({type(e).__name__}: {e})") from None
+            raise ValueError(f"malformed result record ({type(e).__name__}: {e})") from None
 
     def to_msgpack(self) -> bytes:
         return msgpack.packb({"schema": WIRE_SCHEMA_VERSION, "kind": "result", **self.to_dict()})
@@ -268,10 +268,13 @@ def save_results(path: str | Path, results: Iterable[RolloutResult]) -> int:
 
 
 def load_results(path: str | Path) -> list[RolloutResult]:
-    with open(path, "rb") as f:
-        unpacker = msgpack.Unpacker(f, raw=False, strict_map_key=False)
-        try:
-            records = list(unpacker)
-        except Exception as e:
-            raise ValueError(f"{path}: corrupt msgpack stream: {type(e).__name__}: {e}") from None
+    data = Path(path).read_bytes()
+    unpacker = msgpack.Unpacker(raw=False, strict_map_key=False)
+    unpacker.feed(data)
+    try:
+        records = list(unpacker)
+    except Exception as e:  # msgpack raises several unrelated types on garbage
+        raise ValueError(f"{path}: corrupt msgpack stream: {type(e).__name__}: {e}") from None
+    if unpacker.tell() != len(data):
+        raise ValueError(f"{path}: truncated msgpack stream ({len(data) - unpacker.tell()} trailing bytes)")
     return [RolloutResult.from_dict(_check_record(r, "result")) for r in records]

@@ -1,0 +1,279 @@
+"""The engine: requests in, RolloutResults out, one device.
+
+add_request -> Scheduler -> ModelRunner -> Sampler -> finished sequences become RolloutResults.
+All mutation happens under one lock, so a weight refresh or an abort from another thread lands between
+two steps.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import random
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from rollout_service.config import EngineConfig
+from rollout_service.engine.kv_cache import KVCache, pages_for
+from rollout_service.engine.model_runner import ModelRunner
+from rollout_service.engine.sampler import Sampler
+from rollout_service.engine.scheduler import Batch, Scheduler
+from rollout_service.engine.sequence import Sequence
+from rollout_service.model.loader import load_model
+from rollout_service.model.weight_update import apply_named_tensors, validate_named_tensors
+from rollout_service.ops.backend import resolve_backend
+from rollout_service.prompts import PromptProcessor
+from rollout_service.types import RolloutRequest, RolloutResult
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Request:
+    request: RolloutRequest
+    seqs: list[Sequence]
+    num_pending: int
+
+
+@dataclass
+class EngineCounters:
+    steps: int = 0
+    prefill_steps: int = 0
+    prompt_prefills: int = 0      # prompts prefilled for the first time (once per request, whatever n)
+    recomputes: int = 0           # prefills redone after preemption
+    generated_tokens: int = 0
+    recent: deque = field(default_factory=lambda: deque(maxlen=64))  # (time, tokens) for tokens/s
+
+
+class Engine:
+    def __init__(self, config: EngineConfig | None = None, model_source: Any = None, tokenizer: Any = None,
+                 **overrides: Any):
+        config = dataclasses.replace(config or EngineConfig(), **overrides)
+        self.config = config
+        self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.backend = resolve_backend(config.backend, self.device)
+        dtype = getattr(torch, config.dtype) if config.dtype else None
+        source = model_source if model_source is not None else config.model
+        loaded = load_model(source, dtype=dtype, device=self.device, backend=self.backend, tokenizer=tokenizer)
+        self.model, self.hf_config, self.tokenizer = loaded.model, loaded.hf_config, loaded.tokenizer
+        self.max_model_len = min(config.max_model_len or 1 << 30, self.hf_config.max_position_embeddings)
+        self.prompts = PromptProcessor(self.tokenizer, self.hf_config.vocab_size)
+        self.eos_ids = self.prompts.eos_ids(self.hf_config)
+        self.kv = self._make_kv_cache()
+        self.scheduler = Scheduler(self.kv.pool, config.page_size, config.max_num_seqs,
+                                   config.max_num_batched_tokens)
+        self.runner = ModelRunner(self.model, self.kv, self.device, self.max_model_len,
+                                  config.enable_cuda_graphs, min(config.cuda_graph_max_batch, config.max_num_seqs))
+        self.sampler = Sampler()
+        self.policy_version = 0
+        self.counters = EngineCounters()
+        self._requests: dict[str, _Request] = {}
+        self._outbox: list[RolloutResult] = []
+        self._seed_rng = random.Random(config.seed)
+        self._lock = threading.RLock()
+
+    # ---- set-up -------------------------------------------------------------------------------------
+    def _make_kv_cache(self) -> KVCache:
+        num_layers, num_kv_heads, head_dim = self.model.kv_cache_spec()
+        dtype = next(self.model.parameters()).dtype
+        ps = self.config.page_size
+        page_bytes = KVCache.bytes_per_page(num_layers, num_kv_heads, head_dim, ps, dtype)
+        num_pages = self.config.num_pages
+        if num_pages is None:
+            if self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+                budget = free * self.config.gpu_memory_utilization - (2 << 30)  # headroom: activations, graphs
+            else:
+                budget = self.config.kv_cache_memory_gb * (1 << 30)
+            wanted = self.config.max_num_seqs * pages_for(self.max_model_len, ps) + 1
+            num_pages = max(2, min(int(budget // page_bytes), wanted))
+        log.info("KV cache: %d pages of %d tokens (%.2f GiB)", num_pages, ps, num_pages * page_bytes / 2**30)
+        return KVCache(num_layers, num_kv_heads, head_dim, ps, num_pages, dtype, self.device)
+
+    # ---- requests -----------------------------------------------------------------------------------
+    def prepare(self, req: RolloutRequest) -> Sequence:
+        """Validate and tokenize a request without enqueuing it (ValueError on bad input)."""
+        if not isinstance(req, RolloutRequest):
+            raise ValueError(f"expected a RolloutRequest, got {type(req).__name__}")
+        if req.request_id in self._requests:
+            raise ValueError(f"request_id {req.request_id!r} is already in flight")
+        ids = self.prompts.encode(req.prompt, req.apply_chat_template)
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len} "
+                             "(room for at least one new token is needed)")
+        longest = min(len(ids) + req.sampling.max_tokens, self.max_model_len)
+        if pages_for(longest, self.config.page_size) > self.kv.pool.num_usable:
+            raise ValueError(f"request needs up to {longest} tokens of KV but the whole cache holds "
+                             f"{self.kv.pool.num_usable * self.config.page_size}")
+        seed = req.sampling.seed if req.sampling.seed is not None else self._seed_rng.getrandbits(63)
+        return Sequence(req.request_id, ids, req.sampling, seed, num_samples=req.sampling.n)
+
+    def add_request(self, req: RolloutRequest, seq: Sequence | None = None) -> None:
+        with self._lock:
+            seq = seq or self.prepare(req)
+            self._requests[req.request_id] = _Request(req, [seq], req.sampling.n)
+            self.scheduler.add(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests or self._outbox)
+
+    def abort(self, request_ids: list[str]) -> list[RolloutResult]:
+        """Finish the given requests now (finish_reason "abort", tokens so far); unknown ids are ignored."""
+        out: list[RolloutResult] = []
+        with self._lock:
+            for rid in request_ids:
+                state = self._requests.get(rid)
+                for seq in list(state.seqs) if state else []:
+                    if not seq.is_finished:
+                        out += self._finish(seq, "abort")
+        return out
+
+    # ---- one step -----------------------------------------------------------------------------------
+    def step(self) -> list[RolloutResult]:
+        with self._lock:
+            out, self._outbox = self._outbox, []
+            batch = self.scheduler.schedule()
+            if batch is None:
+                return out
+            logits = self.runner.run(batch)
+            self.counters.steps += 1
+            if batch.is_prefill:
+                out += self._after_prefill(batch, logits)
+            else:
+                for seq in batch.seqs:
+                    seq.num_computed = seq.num_tokens
+                out += self._sample(batch.seqs, logits)
+            return out
+
+    def run_until_done(self) -> list[RolloutResult]:
+        out: list[RolloutResult] = []
+        while self.has_unfinished():
+            out += self.step()
+        return out
+
+    def _after_prefill(self, batch: Batch, logits: torch.Tensor | None) -> list[RolloutResult]:
+        self.counters.prefill_steps += 1
+        to_sample, rows, row = [], [], 0
+        for i, seq in enumerate(batch.seqs):
+            seq.num_computed += batch.chunk_lens[i]
+            if not batch.completes[i]:
+                continue
+            if seq.num_output_tokens:
+                self.counters.recomputes += 1
+            else:
+                self.counters.prompt_prefills += 1
+            group = [seq] + self._fork(seq)
+            to_sample += group
+            rows += [row] * len(group)
+            row += 1
+        self.scheduler.after_prefill(batch, to_sample)
+        if not to_sample:
+            return []
+        if len(rows) != logits.shape[0]:
+            logits = logits[torch.tensor(rows, device=logits.device)]
+        return self._sample(to_sample, logits)
+
+    def _fork(self, seq: Sequence) -> list[Sequence]:
+        """Give the n - 1 sibling samples the prompt's pages: full pages shared, the partial one copied."""
+        n, seq.num_samples = seq.num_samples, 1
+        pool, partial = self.kv.pool, seq.num_tokens % self.config.page_size != 0
+        shared = seq.pages[:-1] if partial else seq.pages
+        children = []
+        for k in range(1, n):
+            child = seq.fork(seq.sample_index + k)
+            pool.share(shared)
+            child.pages = list(shared)
+            if partial:
+                child.pages += pool.allocate(1)
+                self.kv.copy_page(seq.pages[-1], child.pages[-1])
+            children.append(child)
+        self._requests[seq.request_id].seqs += children
+        return children
+
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[RolloutResult]:
+        out = self.sampler(logits, seqs)
+        token_ids, logprobs = out.token_ids.tolist(), out.logprobs.tolist()
+        top_ids = out.top_ids.tolist() if out.top_ids is not None else None
+        top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+        self.counters.generated_tokens += len(seqs)
+        self.counters.recent.append((time.time(), len(seqs)))
+        finished: list[RolloutResult] = []
+        for i, seq in enumerate(seqs):
+            k = seq.sampling.logprobs
+            top = dict(zip(top_ids[i][:k], top_lps[i][:k])) if k and top_ids is not None else None
+            seq.append(token_ids[i], logprobs[i], self.policy_version, top)
+            reason = self._stop_reason(seq)
+            if reason:
+                finished += self._finish(seq, reason)
+        return finished
+
+    def _stop_reason(self, seq: Sequence) -> str | None:
+        sp, tok = seq.sampling, seq.output_token_ids[-1]
+        if (not sp.ignore_eos and tok in self.eos_ids) or tok in sp.stop_token_ids:
+            return "stop"
+        if sp.stop:
+            text = self.prompts.decode(seq.output_token_ids)
+            hits = [i for i in (text.find(s) for s in sp.stop) if i >= 0]
+            if hits:
+                seq.stop_text_end = min(hits)
+                return "stop"
+        if seq.num_output_tokens >= sp.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _finish(self, seq: Sequence, reason: str) -> list[RolloutResult]:
+        seq.finish_reason, seq.t_finished = reason, time.time()
+        self.scheduler.finish(seq)
+        # an aborted prompt that never forked stands for all of its samples
+        indices = range(seq.sample_index, seq.sample_index + seq.num_samples)
+        state = self._requests[seq.request_id]
+        state.num_pending -= len(indices)
+        if state.num_pending == 0:
+            del self._requests[seq.request_id]
+        return [self._result(seq, state.request, i) for i in indices]
+
+    def _result(self, seq: Sequence, req: RolloutRequest, sample_index: int) -> RolloutResult:
+        text = self.prompts.decode(seq.output_token_ids)
+        if seq.stop_text_end is not None:
+            text = text[:seq.stop_text_end]
+        return RolloutResult(
+            request_id=seq.request_id, sample_index=sample_index, prompt_token_ids=seq.prompt_token_ids,
+            token_ids=list(seq.output_token_ids), logprobs=seq.output_logprobs,
+            token_versions=list(seq.token_versions), finish_reason=seq.finish_reason, text=text,
+            top_logprobs=list(seq.output_top) if seq.sampling.logprobs else None, metadata=req.metadata,
+            timings={"queued": seq.t_arrival, "first_token": seq.t_first_token or seq.t_finished,
+                     "finished": seq.t_finished},
+        )
+
+    # ---- weights ------------------------------------------------------------------------------------
+    def validate_weights(self, named_tensors: Any) -> None:
+        validate_named_tensors(self.model, named_tensors)
+
+    def update_weights(self, named_tensors: Any, version: int) -> None:
+        """Validate every tensor, then swap at a step boundary. In-flight sequences keep their KV and go on
+        with the new weights (token_versions shows the switch), or are aborted if on_refresh="abort"."""
+        if not isinstance(version, int) or isinstance(version, bool):
+            raise ValueError(f"update_weights: version must be an int, got {version!r}")
+        plan = validate_named_tensors(self.model, named_tensors)
+        with self._lock:
+            apply_named_tensors(plan)
+            self.policy_version = version
+            if self.config.on_refresh == "abort":
+                self._outbox += self.abort(list(self._requests))
+
+    # ---- introspection ------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        c, recent = self.counters, list(self.counters.recent)
+        span = recent[-1][0] - recent[0][0] if len(recent) > 1 else 0.0
+        return {
+            "queued": len(self.scheduler.waiting), "running": len(self.scheduler.running),
+            "kv_pages_used": self.kv.pool.num_used, "kv_pages_total": self.kv.pool.num_usable,
+            "tokens_per_s": sum(n for _, n in recent[1:]) / span if span > 0 else 0.0,
+            "policy_version": self.policy_version, "steps": c.steps, "prompt_prefills": c.prompt_prefills,
+            "recomputes": c.recomputes, "preemptions": self.scheduler.num_preemptions,
+            "generated_tokens": c.generated_tokens, "backend": self.backend, "device": str(self.device),
+        }
