@@ -285,3 +285,20 @@ def test_noise_paths_match_full_vocab_argmax(vocab, keep):
     keys = torch.tensor([row_key(s, 0, 3) for s in range(5)])
     want = (x + gumbel(keys, vocab_ids(vocab))).argmax(dim=1)
     assert torch.equal(_gumbel_argmax(x, keys), want)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_tokens_equal_cpu_tokens():
+    vocab = 151_936
+    kinds = [dict(temperature=0.0), dict(), dict(temperature=0.7, top_k=50), dict(top_p=0.9),
+             dict(top_p=0.95, top_k=100, min_p=0.05, logprobs=3, logprobs_mode="scaled"),
+             dict(repetition_penalty=1.2, frequency_penalty=0.5, presence_penalty=0.3, logprobs_mode="raw")]
+    seqs = [make_seq(seed=s, sample_index=s % 3, output=list(range(s % 7)), **kinds[s % len(kinds)])
+            for s in range(32)]
+    logits = torch.randn(32, vocab) * 3
+    logits[::2, :10] += 15  # peaked rows take the top-p prefilter path, flat ones the full sort
+    cpu, gpu = Sampler()(logits, seqs), Sampler()(logits.cuda(), seqs)
+    assert gpu.token_ids.is_cuda
+    assert torch.equal(cpu.token_ids, gpu.token_ids.cpu())
+    torch.testing.assert_close(cpu.logprobs, gpu.logprobs.cpu(), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(cpu.top_logprobs, gpu.top_logprobs.cpu(), rtol=1e-4, atol=1e-4)
