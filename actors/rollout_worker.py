@@ -77,21 +77,21 @@ class RolloutWorker:
 
     # -- requests ---------------------------------------------------------------------------------
     def submit(self, requests: list[RolloutRequest]) -> list[str | None]:
-        """Add requests; all or none. Returns one error message (or None) per request; if any failed,
-        none of them was kept."""
+        """Add requests, all or none: every one is validated and tokenized before any is queued.
+        Returns one error message (or None) per request."""
         errors: list[str | None] = [None] * len(requests)
-        added: list[str] = []
         with self._lock:
+            seqs = []
             for i, req in enumerate(requests):
                 try:
-                    self.engine.add_request(req)
-                    added.append(req.request_id)
+                    seqs.append(self.engine.prepare(req))
                 except ValueError as e:
                     errors[i] = str(e)
-            if any(errors) and added:
-                self.engine.abort(added)
-        if not any(errors):
-            self._wake()
+            if any(errors):
+                return errors
+            for req, seq in zip(requests, seqs):
+                self.engine.add_request(req, seq)
+        self._wake()
         return errors
 
     def poll(self, timeout: float = 1.0) -> tuple[str, list[RolloutResult]]:

@@ -261,12 +261,15 @@ class Router:
             self._log(f"request {rid} failed on resubmission: {msg}")
             self._fill_aborted(t)
 
-    def _fill_aborted(self, t: _Tracked) -> None:
+    def _fill_aborted(self, t: _Tracked) -> list[RolloutResult]:
         """Deliver an empty 'abort' result for every sample that has none, so streams always end."""
+        out = []
         for idx in range(t.request.sampling.n):
             if idx not in t.delivered and t.request.request_id in self._tracked:
-                self._deliver(t, RolloutResult(t.request.request_id, idx, [], [], [], [], "abort",
-                                               metadata=t.request.metadata))
+                out.append(RolloutResult(t.request.request_id, idx, [], [], [], [], "abort",
+                                         metadata=t.request.metadata))
+                self._deliver(t, out[-1])
+        return out
 
     async def _regenerate(self, t: _Tracked) -> None:
         old = (t.worker, t.jobs[-1]) if t.worker is not None else None
@@ -346,12 +349,14 @@ class Router:
                 self._fill_aborted(t)
 
     # -- control ----------------------------------------------------------------------------------
-    async def abort(self, request_ids: list[str]) -> list[str]:
+    async def abort(self, request_ids: list[str]) -> list[RolloutResult]:
+        """Abort requests now. Their remaining samples end with finish_reason "abort" (tokens so far);
+        those results go to the requests' streams (so they finish) and are returned here as well."""
         ts = [self._tracked[r] for r in request_ids if r in self._tracked]
-        await self._abort_tracked(ts, deliver=True)
-        return [t.request.request_id for t in ts]
+        return await self._abort_tracked(ts, deliver=True)
 
-    async def _abort_tracked(self, ts: list[_Tracked], deliver: bool) -> None:
+    async def _abort_tracked(self, ts: list[_Tracked], deliver: bool) -> list[RolloutResult]:
+        out: list[RolloutResult] = []
         by_worker: dict[int, list[str]] = {}
         for t in ts:
             if t.worker is not None:
@@ -362,18 +367,20 @@ class Router:
             except _ACTOR_DOWN:
                 partial = []
             for r in partial if deliver else []:
-                self._on_abort_result(r)
+                self._on_abort_result(r, out)
         for t in ts:
             if deliver:
-                self._fill_aborted(t)
+                out += self._fill_aborted(t)
             else:
                 self._forget(t)
+        return out
 
-    def _on_abort_result(self, r: RolloutResult) -> None:
+    def _on_abort_result(self, r: RolloutResult, out: list[RolloutResult]) -> None:
         rid = self._job_owner.get(r.request_id)
         t = self._tracked.get(rid) if rid is not None else None
         if t is not None and r.sample_index not in t.delivered:
             self._deliver(t, r)
+            out.append(r)
 
     async def update_weights(self, refs: list, version: int) -> str | None:
         """refs = [ObjectRef of PackedWeights] (wrapped so the router never copies the weights)."""

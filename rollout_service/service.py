@@ -116,7 +116,8 @@ class RayBackend:
     def resume(self) -> None:
         ray.get(self.router.resume.remote())
 
-    def abort(self, request_ids: list[str]) -> list[str]:
+    def abort(self, request_ids: list[str]) -> list[RolloutResult]:
+        """Abort now; the "abort" results (tokens so far) also end the requests' streams."""
         return ray.get(self.router.abort.remote(list(request_ids)))
 
     def stats(self) -> list[dict]:

@@ -1,0 +1,74 @@
+"""Shared fixtures of the Ray tests: ONE real multi-node Ray cluster per test session (made on this
+machine with ray.cluster_utils.Cluster: a head and two "rollout nodes" with a custom resource) and a
+tiny random Llama saved as a HF folder. Test modules load this with `pytest_plugins`."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+os.environ.setdefault("RAY_SCHEDULER_EVENTS", "0")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+ROLLOUT_NODE = "rollout_node"   # the custom resource cluster_configs/multi-node.yaml asks for
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=256, max_position_embeddings=512, tie_word_embeddings=False)
+
+
+def tiny_llama(seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(**TINY)).eval()
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """Head node (2 CPUs) + 2 nodes with 1 CPU and {"rollout_node": 1} each; the driver is connected."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    store = 120 * 2**20
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 2, "object_store_memory": store, "include_dashboard": False})
+    nodes = [cluster.add_node(num_cpus=1, resources={ROLLOUT_NODE: 1}, object_store_memory=store)
+             for _ in range(2)]
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, namespace="rollout_service_tests", log_to_driver=True)
+    cluster.rollout_nodes = nodes
+    yield cluster
+    ray.shutdown()
+    cluster.shutdown()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A tiny random Llama saved with save_pretrained (no tokenizer: prompts are token ids)."""
+    path = tmp_path_factory.mktemp("tiny_llama")
+    tiny_llama().save_pretrained(path)
+    return str(path)
+
+
+def tiny_service_config(model_dir: str, **overrides) -> dict:
+    cfg = {
+        "name": "svc", "num_workers": 2,
+        "resources": {"num_cpus": 1, "num_gpus": 0},
+        "engine": {"model": model_dir, "backend": "torch", "dtype": "float32", "device": "cpu",
+                   "num_pages": 256, "max_num_seqs": 32, "enable_cuda_graphs": False},
+        "placement": {"strategy": "SPREAD", "timeout_s": 60},
+    }
+    cfg.update(overrides)
+    return cfg
+
+
+@pytest.fixture(scope="session")
+def make_tiny_llama():
+    """tiny_llama(seed) -> a HF model with the same config as tiny_model_dir (for refreshes)."""
+    return tiny_llama
+
+
+@pytest.fixture(scope="session")
+def service_config(tiny_model_dir):
+    """service_config(**overrides) -> a 2-worker service config dict on the tiny model."""
+    return lambda **overrides: tiny_service_config(tiny_model_dir, **overrides)

@@ -1,0 +1,207 @@
+"""The Ray rollout service on a real local Ray cluster: 2 CPU workers with a tiny random Llama.
+
+Tests run in file order on one service: the fault test (which restarts a worker) comes last."""
+from __future__ import annotations
+
+import time
+
+import msgpack
+import numpy as np
+import pytest
+import ray
+import torch
+
+from rollout_service.client import RolloutClient
+from rollout_service.types import RolloutRequest, SamplingParams
+
+pytest_plugins = ["ray_fixtures"]
+pytestmark = pytest.mark.ray
+
+
+@pytest.fixture(scope="module")
+def client(ray_cluster, service_config):
+    c = RolloutClient.launch(service_config(name="svc-main"))
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="module")
+def local(tiny_model_dir):
+    c = RolloutClient.local(model=tiny_model_dir, backend="torch", dtype="float32", device="cpu", num_pages=256,
+                            enable_cuda_graphs=False)
+    yield c
+    c.close()
+
+
+def _prompts(k: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, 256, (int(torch.randint(3, 30, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(k)]
+
+
+def _requests(prompts, **sampling) -> list[RolloutRequest]:
+    return [RolloutRequest(p, SamplingParams(seed=100 + i, **sampling), request_id=f"q{i}")
+            for i, p in enumerate(prompts)]
+
+
+def test_seeded_results_equal_local_client(client, local):
+    torch.manual_seed(0)
+    prompts = _prompts(12)
+    for sampling in (dict(n=3, temperature=0.9, top_k=50, max_tokens=12, ignore_eos=True),
+                     dict(n=1, temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2)):
+        got = client.generate(_requests(prompts, **sampling))
+        want = local.generate(_requests(prompts, **sampling))
+        assert [(r.request_id, r.sample_index) for r in got] == [(r.request_id, r.sample_index) for r in want]
+        for g, w in zip(got, want):
+            assert g.token_ids == w.token_ids and g.prompt_token_ids == w.prompt_token_ids
+            np.testing.assert_allclose(g.logprobs, w.logprobs, rtol=1e-5, atol=1e-5)
+            assert g.token_versions == [0] * len(g.token_ids) and g.finish_reason == w.finish_reason
+            assert (g.top_logprobs is None) == (w.top_logprobs is None)
+    # least-outstanding-tokens dispatch used both workers
+    assert all(s["generated_tokens"] > 0 for s in client.stats())
+
+
+def test_stream_yields_each_result_once_as_it_finishes(client):
+    short = [RolloutRequest(p, SamplingParams(n=2, max_tokens=2, ignore_eos=True), request_id=f"s{i}")
+             for i, p in enumerate(_prompts(4, seed=1))]
+    long = [RolloutRequest(p, SamplingParams(n=1, max_tokens=300, ignore_eos=True), request_id=f"l{i}")
+            for i, p in enumerate(_prompts(2, seed=2))]
+    arrivals = []
+    for r in client.stream(long + short):
+        arrivals.append((r, time.time()))
+    keys = [(r.request_id, r.sample_index) for r, _ in arrivals]
+    assert sorted(keys) == sorted([(f"s{i}", j) for i in range(4) for j in range(2)] + [("l0", 0), ("l1", 0)])
+    assert len(set(keys)) == len(keys)
+    first_long_done = min(r.timings["finished"] for r, _ in arrivals if r.request_id.startswith("l"))
+    short_seen = [t for r, t in arrivals if r.request_id.startswith("s")]
+    assert max(short_seen) < first_long_done, "short results must reach the client before the long ones finish"
+    assert all(len(r.token_ids) == 300 for r, _ in arrivals if r.request_id.startswith("l"))
+
+
+def test_pause_resume_abort(client):
+    client.pause()
+    it = client.stream([RolloutRequest([5, 6, 7], SamplingParams(max_tokens=4), request_id="p0"),
+                        RolloutRequest([8, 9], SamplingParams(n=2, max_tokens=400, ignore_eos=True),
+                                       request_id="p1")])
+    time.sleep(0.3)
+    s1 = client.stats()
+    time.sleep(0.3)
+    s2 = client.stats()
+    assert all(s["paused"] for s in s2) and sum(s["queued"] + s["running"] for s in s2) == 2
+    assert [s["steps"] for s in s1] == [s["steps"] for s in s2], "a paused service must not step"
+    client.resume()
+    first = next(it)
+    assert first.request_id == "p0" and len(first.token_ids) == 4
+    aborted = client.abort(["p1", "unknown-id"])
+    rest = list(it)
+    assert sorted(r.sample_index for r in rest) == [0, 1] and all(r.finish_reason == "abort" for r in rest)
+    assert all(len(r.token_ids) < 400 for r in rest)
+    assert sorted((r.request_id, r.sample_index) for r in aborted) == [("p1", 0), ("p1", 1)]
+    assert sum(s["running"] + s["queued"] for s in client.stats()) == 0
+
+
+def _bad_records(rng: np.random.Generator, k: int) -> list:
+    """k malformed requests: fuzzed sampling values, empty/over-long/out-of-vocab prompts, garbage bytes."""
+    bad_values = {"n": [0, -3, 1.5, "2", 10**9], "temperature": [-1.0, float("nan"), float("inf"), 1e9, "hot"],
+                  "top_p": [0.0, -0.5, 1.5], "top_k": [0, -2, 2.5], "max_tokens": [0, -1, None],
+                  "min_p": [-0.1, 2.0], "repetition_penalty": [0.0, -1.0], "logprobs": [-1, 21],
+                  "seed": [-5, 2**63], "logprobs_mode": ["bogus"], "stop": [[""], [3]], "bogus_field": [1]}
+    out = []
+    for i in range(k):
+        kind = i % 6
+        if kind == 0:
+            field = list(bad_values)[rng.integers(len(bad_values))]
+            vals = bad_values[field]
+            rec = {"prompt": [1, 2, 3], "sampling": {field: vals[rng.integers(len(vals))]}}
+            out.append(msgpack.packb({"schema": 1, "kind": "request", **rec}))
+        elif kind == 1:
+            out.append({"prompt": [] if i % 2 else ""})
+        elif kind == 2:
+            out.append({"prompt": rng.integers(1, 256, 600).tolist()})       # longer than max_model_len 512
+        elif kind == 3:
+            out.append({"prompt": [1, 2, int(rng.integers(256, 10**6))]})   # out of vocabulary
+        elif kind == 4:
+            out.append(rng.bytes(int(rng.integers(0, 64))))                  # garbage msgpack
+        else:
+            out.append(msgpack.packb({"schema": 1, "kind": "request", "prompt": [1], "sampling": 7}))
+    return out
+
+
+def test_fuzzed_bad_requests_get_clear_errors_and_good_ones_return(client):
+    rng = np.random.default_rng(0)
+    bad = _bad_records(rng, 1000)
+    good_streams = []
+    for i, rec in enumerate(bad):
+        with pytest.raises(ValueError) as e:
+            client._backend.submit([rec])
+        assert str(e.value).startswith("request 0: ") and len(str(e.value)) > 15, str(e.value)
+        if i % 100 == 0:  # good requests interleaved with the bad ones, still in flight meanwhile
+            req = RolloutRequest([1 + i % 200, 2, 3], SamplingParams(n=2, max_tokens=8, ignore_eos=True),
+                                 request_id=f"good{i}")
+            good_streams.append(client._backend.submit([req.to_msgpack()]))
+    results = [r for s in good_streams for r in s]
+    assert sorted((r.request_id, r.sample_index) for r in results) == \
+        sorted((f"good{i}", j) for i in range(0, 1000, 100) for j in range(2))
+    assert all(len(r.token_ids) == 8 and r.finish_reason == "length" for r in results)
+    # a batch with one bad request is refused as a whole, naming it
+    with pytest.raises(ValueError, match="request 1: .*temperature"):
+        client._backend.submit([{"prompt": [1, 2]}, {"prompt": [1], "sampling": {"temperature": -2}}])
+    assert client._backend.info()["in_flight"] == 0
+
+
+def test_refresh_bad_is_refused_everywhere_good_one_switches_version(client, local, make_tiny_llama):
+    new = make_tiny_llama(seed=1).state_dict()
+    before = client.generate([[3, 4, 5]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    bad = dict(new)
+    bad["model.layers.1.mlp.up_proj.weight"] = torch.zeros(7, 64)
+    with pytest.raises(ValueError, match="up_proj.*shape"):
+        client.update_weights(bad, 1)
+    assert [s["policy_version"] for s in client.stats()] == [0, 0]
+    again = client.generate([[3, 4, 5]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert again[0].token_ids == before[0].token_ids
+
+    # a good refresh lands while long requests are in flight: they continue, token_versions show it
+    it = client.stream([RolloutRequest([9, 8, 7], SamplingParams(max_tokens=400, ignore_eos=True),
+                                       request_id=f"inflight{i}") for i in range(2)])
+    time.sleep(0.2)
+    client.update_weights(new, 1)
+    inflight = list(it)
+    assert [s["policy_version"] for s in client.stats()] == [1, 1]
+    for r in inflight:
+        v = r.token_versions
+        assert v == sorted(v) and v[-1] == 1 and set(v) <= {0, 1}
+    assert any(r.token_versions[0] == 0 for r in inflight), "the refresh should land mid-generation"
+
+    after = client.generate([[3, 4, 5]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert after[0].token_versions == [1] * 8 and after[0].token_ids != before[0].token_ids
+    local.update_weights(new, 1)
+    want = local.generate([[3, 4, 5]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert after[0].token_ids == want[0].token_ids
+    with pytest.raises(ValueError, match="version"):
+        client.update_weights(new, 1)  # versions only go forward
+
+
+def test_worker_killed_mid_batch_all_results_once_and_restarted_worker_catches_up(client, make_tiny_llama):
+    backend = client._backend
+    version = backend.info()["policy_version"] + 1
+    client.update_weights(make_tiny_llama(seed=2).state_dict(), version)  # the restarted worker must catch up
+    workers = ray.get(backend.router.__ray_call__.remote(lambda router: router.workers))
+    lengths = [20 + 30 * i for i in range(10)]  # staggered: the first result comes while the rest still run
+    reqs = [RolloutRequest(p, SamplingParams(n=2, max_tokens=lengths[i], ignore_eos=True, seed=i), request_id=f"k{i}")
+            for i, p in enumerate(_prompts(10, seed=3))]
+    it = client.stream(reqs)
+    got = [next(it)]
+    ray.kill(workers[0], no_restart=False)  # Ray restarts it (max_restarts) with an empty engine
+    got += list(it)
+    keys = [(r.request_id, r.sample_index) for r in got]
+    assert len(keys) == len(set(keys)) == 20
+    assert all(len(r.token_ids) == lengths[int(r.request_id[1:])] for r in got)
+    info = backend.info()
+    assert info["worker_deaths"] >= 1 and info["resubmitted"] >= 1
+    deadline = time.time() + 60
+    while not all(backend.info()["alive"]) and time.time() < deadline:
+        time.sleep(0.5)
+    stats = client.stats()
+    assert all(s["alive"] for s in stats) and [s["policy_version"] for s in stats] == [version, version]
+    more = client.generate(_requests(_prompts(6, seed=4), n=1, max_tokens=4))
+    assert len(more) == 6 and all(r.token_versions == [version] * 4 for r in more)
