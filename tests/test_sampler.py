@@ -124,6 +124,21 @@ def test_truncation_mask_mixed_rows():
         assert set(torch.nonzero(~drop[b]).flatten().tolist()) == reference_keep(rows[b], *p)
 
 
+def test_ties_at_the_boundary_are_kept_whatever_the_sort_order():
+    kept = lambda drop: set(torch.nonzero(~drop[0]).flatten().tolist())  # noqa: E731
+    row = torch.tensor([[3.0, 2.0, 2.0, 2.0, 1.0, 0.0]])
+    assert kept(truncation_mask(row, [2], [1.0], [0.0])) == {0, 1, 2, 3}
+    assert kept(truncation_mask(row[:, [5, 3, 0, 1, 4, 2]], [2], [1.0], [0.0])) == {1, 2, 3, 5}
+    row = torch.tensor([[1.0, 2.0, 1.0, 0.0]])  # probs .197 .534 .197 .072: top_p 0.6 keeps 1 and 0, then 2 ties
+    assert kept(truncation_mask(row, [-1], [0.6], [0.0])) == {0, 1, 2}
+    # bf16-rounded logits tie a lot: a wide row must still agree with its own permutation
+    wide = (torch.randn(1, 3000) * 2).bfloat16().float()
+    perm = torch.randperm(3000)
+    a = truncation_mask(wide, [40], [0.7], [0.0])
+    b = truncation_mask(wide[:, perm], [40], [0.7], [0.0])
+    assert torch.equal(a[:, perm], b)
+
+
 @pytest.mark.parametrize("params", [dict(top_k=3), dict(top_p=0.5), dict(min_p=0.3), dict(top_k=4, top_p=0.7)])
 def test_masked_tokens_are_never_sampled(params):
     logits = torch.linspace(2.0, -2.0, 12).unsqueeze(0)

@@ -12,6 +12,9 @@ Truncation (applied to the temperature-scaled logits; dropped tokens get -inf, H
                         highest tokens whose cumulative probability reaches q (the top token always stays)
   min_p m (0 = off):    drop tokens with prob < m * (max prob); the ratio is unchanged by renormalisation,
                         so this is logit < max_logit + log(m) and commutes with top_k / top_p.
+Ties: every rule keeps the tokens whose logit equals that of the last token it keeps (so with ties at
+the boundary slightly more than k tokens, or than the minimal top_p set, survive). This makes the masks
+a function of the logit values alone, whatever order a sort gives equal values (bf16 logits tie often).
 """
 from __future__ import annotations
 
@@ -69,42 +72,52 @@ def apply_penalties(logits: torch.Tensor, prompts: list[list[int]], outputs: lis
 
 def truncation_mask(scaled: torch.Tensor, top_k: list[int], top_p: list[float],
                     min_p: list[float]) -> torch.Tensor:
-    """bool [R, V], True = drop. One sort serves top_k and top_p; top_k alone uses topk."""
-    dev, (num_rows, vocab) = scaled.device, scaled.shape
+    """bool [R, V], True = drop.
+
+    Each rule yields a per-row threshold (keep a token iff its logit >= the threshold, so tokens tied
+    with the last kept one are all kept: the result depends on the values only, never on how a sort
+    orders ties). One sort serves top_k and top_p together; top_k alone needs only topk.
+    """
+    dev, vocab = scaled.device, scaled.shape[1]
     k = torch.tensor([vocab if x == -1 else min(x, vocab) for x in top_k], device=dev)
-    drop: torch.Tensor | None = None
+    threshold = torch.full((scaled.shape[0],), float("-inf"), device=dev)
     if any(p < 1.0 for p in top_p):
-        drop = _top_k_top_p(scaled, k, torch.tensor(top_p, device=dev))
+        threshold = _top_k_top_p_threshold(scaled, k, torch.tensor(top_p, device=dev))
     elif any(x != -1 for x in top_k):
-        drop = _top_k_only(scaled, k, torch.tensor([x != -1 for x in top_k], device=dev))
+        threshold = _top_k_threshold(scaled, k)
     if any(m > 0.0 for m in min_p):
-        # log(0) = -inf, so rows with min_p == 0 drop nothing
-        log_m = torch.tensor(min_p, dtype=scaled.dtype, device=dev).log().unsqueeze(1)
-        low = scaled < scaled.amax(dim=1, keepdim=True) + log_m
-        drop = low if drop is None else drop | low
-    if drop is None:
-        drop = torch.zeros(num_rows, vocab, dtype=torch.bool, device=dev)
-    return drop
+        # prob < m * max prob  <=>  logit < max logit + log(m); log(0) = -inf keeps everything
+        log_m = torch.tensor(min_p, dtype=scaled.dtype, device=dev).log()
+        threshold = torch.maximum(threshold, scaled.amax(dim=1) + log_m)
+    return scaled < threshold.unsqueeze(1)
 
 
-def _top_k_top_p(scaled: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """top_k then top_p. A full sort of a 150k vocabulary is the costly part, so first try the
-    PREFILTER best tokens: a row whose kept set provably lies inside them needs no full sort."""
+def _top_k_threshold(scaled: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """The k-th largest logit of each row (-inf where top_k is off)."""
+    vocab = scaled.shape[1]
+    k_max = int(k[k < vocab].max()) if bool((k < vocab).any()) else vocab
+    values = scaled.topk(k_max, dim=1).values
+    kth = values.gather(1, (k.clamp(max=k_max) - 1).unsqueeze(1)).squeeze(1)
+    return torch.where(k < vocab, kth, torch.full_like(kth, float("-inf")))
+
+
+def _top_k_top_p_threshold(scaled: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Smallest kept logit under top_k then top_p. A full sort of a 150k vocabulary is the costly part,
+    so first look at the PREFILTER best tokens: a row whose kept set provably lies among them needs
+    no full sort."""
     vocab = scaled.shape[1]
     if vocab <= 2 * PREFILTER:
-        values, order = scaled.sort(dim=1, descending=True)
-        return _scatter_back(_sorted_drop(values, k, top_p, None), order)
-    values, order = scaled.topk(PREFILTER, dim=1)
+        return _sorted_threshold(scaled.sort(dim=1, descending=True).values, k, top_p, None)[0]
+    values = scaled.topk(PREFILTER, dim=1).values
     # normalise over the whole row (top_k off) or over the top k (k <= PREFILTER): both are known here
     lse = torch.where(k >= vocab, scaled.logsumexp(dim=1), _masked(values, k).logsumexp(dim=1))
-    drop_sorted, mass = _sorted_drop(values, k, top_p, lse)
-    covered = (k <= PREFILTER) | ((k >= vocab) & (mass >= top_p))
-    drop = torch.ones_like(scaled, dtype=torch.bool).scatter_(1, order, drop_sorted)
+    threshold, head_mass = _sorted_threshold(values, k, top_p, lse)
+    covered = (k <= PREFILTER) | ((k >= vocab) & (head_mass >= top_p))
     if not bool(covered.all()):
         rest = torch.nonzero(~covered).squeeze(1)
-        values, order = scaled[rest].sort(dim=1, descending=True)
-        drop[rest] = _scatter_back(_sorted_drop(values, k[rest], top_p[rest], None), order)
-    return drop
+        full = scaled[rest].sort(dim=1, descending=True).values
+        threshold[rest] = _sorted_threshold(full, k[rest], top_p[rest], None)[0]
+    return threshold
 
 
 def _masked(values: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -112,24 +125,14 @@ def _masked(values: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     return values.masked_fill(rank.unsqueeze(0) >= k.unsqueeze(1), float("-inf"))
 
 
-def _sorted_drop(values: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor, lse: torch.Tensor | None):
-    """Drop mask over descending `values` (a full row, or its head when lse, the row's log-normaliser,
-    is given; then also returns the probability mass of the head)."""
+def _sorted_threshold(values: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor,
+                      lse: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(smallest kept value, mass of `values`) for descending `values`: a whole row, or its head when
+    lse, the row's log-normaliser, is given."""
     masked = _masked(values, k)
     probs = masked.softmax(dim=1) if lse is None else (masked - lse.unsqueeze(1)).exp()
     cum = probs.cumsum(dim=1)
-    # mass strictly before each token: the first token has 0 < top_p, so it is always kept
-    drop = torch.isneginf(masked) | (cum - probs >= top_p.unsqueeze(1))
-    return drop if lse is None else (drop, cum[:, -1])
-
-
-def _scatter_back(drop_sorted: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
-    return torch.empty_like(drop_sorted).scatter_(1, order, drop_sorted)
-
-
-def _top_k_only(scaled: torch.Tensor, k: torch.Tensor, has_k: torch.Tensor) -> torch.Tensor:
-    k_max = int(k[has_k].max())
-    _, order = scaled.topk(k_max, dim=1)
-    keep_sorted = torch.arange(k_max, device=scaled.device).unsqueeze(0) < k.unsqueeze(1)
-    drop = torch.ones_like(scaled, dtype=torch.bool).scatter_(1, order, ~keep_sorted)
-    return drop & has_k.unsqueeze(1)
+    # keep while the mass strictly before a token is < top_p: the top token always stays; a prefix
+    keep = ~torch.isneginf(masked) & (cum - probs < top_p.unsqueeze(1))
+    last = keep.sum(dim=1).clamp(min=1) - 1
+    return values.gather(1, last.unsqueeze(1)).squeeze(1), cum[:, -1]
