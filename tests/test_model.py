@@ -43,14 +43,14 @@ def tiny_hf_model(arch, seed=0):
 class PagedRunner:
     """Drives a DecoderLM over a paged KV cache with shuffled pages: the engine's job, in miniature."""
 
-    def __init__(self, model, num_pages=96, seed=0):
+    def __init__(self, model, num_pages=96, seed=0, page_size=PAGE):
         layers, kv_heads, head_dim = model.kv_cache_spec()
-        dtype = model.lm_head.weight.dtype
-        self.model = model
-        self.kv = [torch.full((num_pages, 2, kv_heads, PAGE, head_dim), float("nan"), dtype=dtype)
-                   for _ in range(layers)]
+        weight = model.lm_head.weight
+        self.model, self.device = model, weight.device
+        self.kv = [torch.full((num_pages, 2, kv_heads, page_size, head_dim), float("nan"), dtype=weight.dtype,
+                              device=self.device) for _ in range(layers)]
         self.free = torch.randperm(num_pages, generator=torch.Generator().manual_seed(seed)).tolist()
-        self.pages, self.lens = {}, {}
+        self.pages, self.lens, self.page_size = {}, {}, page_size
 
     @torch.inference_mode()
     def step(self, chunks, is_prefill=None):
@@ -59,21 +59,21 @@ class PagedRunner:
         for sid, toks in chunks.items():
             n = self.lens.get(sid, 0) + len(toks)
             pages = self.pages.setdefault(sid, [])
-            while len(pages) * PAGE < n:
+            while len(pages) * self.page_size < n:
                 pages.append(self.free.pop())
             self.lens[sid] = n
             tables.append(list(pages))
             q_lens.append(len(toks))
             kv_lens.append(n)
-        meta = make_metadata(tables, q_lens, kv_lens, PAGE, is_prefill=is_prefill)
-        ids = torch.tensor([t for toks in chunks.values() for t in toks])
+        meta = make_metadata(tables, q_lens, kv_lens, self.page_size, is_prefill=is_prefill, device=self.device)
+        ids = torch.tensor([t for toks in chunks.values() for t in toks], device=self.device)
         logits = self.model.compute_logits(self.model(ids, meta.positions, self.kv, meta))
         return dict(zip(chunks, logits.split(q_lens)))
 
 
 def hf_logits(hf, ids):
     with torch.no_grad():
-        return hf(torch.tensor([ids])).logits[0].float()
+        return hf(torch.tensor([ids], device=hf.device)).logits[0].float()
 
 
 def ours(hf):

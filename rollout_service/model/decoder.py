@@ -54,8 +54,7 @@ class Attention(nn.Module):
         if self.qk_norm:
             q = self.ops.rms_norm(q, self.q_norm.weight, self.q_norm.eps)
             k = self.ops.rms_norm(k, self.k_norm.weight, self.k_norm.eps)
-        q, k = self.ops.rope(q, k, positions, cos_sin)
-        self.ops.write_kv(kv_layer, k, v, meta.slot_mapping)
+        q = self.ops.rope_and_write_kv(q, k, v, positions, cos_sin, kv_layer, meta.slot_mapping)
         out = self.ops.attention(q, kv_layer, meta, self.scale)
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
 

@@ -26,6 +26,15 @@ class TorchOps:
     def write_kv(self, kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         attention.write_kv(kv_layer, k, v, slot_mapping)
 
+    def rope_and_write_kv(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+        kv_layer: torch.Tensor, slot_mapping: torch.Tensor,
+    ) -> torch.Tensor:
+        """rope(q, k), then write_kv(k, v); returns the rotated q. One fusable step for kernel backends."""
+        q, k = self.rope(q, k, positions, cos_sin)
+        self.write_kv(kv_layer, k, v, slot_mapping)
+        return q
+
     def attention(
         self, q: torch.Tensor, kv_layer: torch.Tensor, meta: attention.AttentionMetadata, scale: float
     ) -> torch.Tensor:
