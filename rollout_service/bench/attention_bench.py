@@ -1,5 +1,8 @@
 """W4: paged attention of every backend present vs torch SDPA on gathered, contiguous KV.
 
+The torch reference is timed here; the CUDA kernels through their own micro-benchmark
+(rollout_service/ops/kernel_bench.py), fed this run's ceilings.
+
 Decode: B sequences at one context length, one query each; bytes = K+V read once + q + out, so the
 floor is bytes / copy bandwidth. Prefill: causal self-attention over whole prompts; FLOPs = 4 * Hq * D
 * L(L+1)/2 per sequence, floor at the measured matmul rate.
@@ -71,32 +74,29 @@ def _iters(device: torch.device) -> int:
 
 
 def decode_rows(ctx: BenchContext, dtype: torch.dtype) -> list[Row]:
+    """The torch reference backend (the CUDA kernels come from kernel_bench_rows)."""
     dev, rows = ctx.device, []
     elem = torch.empty((), dtype=dtype).element_size()
     for hq, hkv, d in HEAD_SHAPES:
         for batch in ctx.shapes.w4_batches:
             for ctx_len in ctx.shapes.w4_contexts:
                 kv_bytes = batch * ctx_len * 2 * hkv * d * elem
-                nbytes = kv_bytes + 2 * batch * hq * d * elem
-                floor = Cell(1e6 * nbytes / ctx.ceilings.bandwidth_Bps)
-                for be in backends(dev):
-                    name = f"W4 decode[{be}] B{batch} ctx{ctx_len} {hq}/{hkv}x{d}"
-                    row = Row(ctx.bm.name, name, "paged decode attention µs", "µs", False, floor=floor)
-                    row.hf_generate = row.hf_generate_batch = Cell.na("kernel micro-benchmark")
-                    if dev.type == "cpu" and kv_bytes > CPU_MAX_KV_BYTES:
-                        row.engine = row.other_peer = Cell.na("too large for the CPU run")
-                        rows.append(row)
-                        continue
-                    kv, meta = paged_case(batch, [1] * batch, [ctx_len] * batch, hkv, d, dtype, dev, False)
-                    q = torch.randn(batch, hq, d, dtype=dtype, device=dev)
-                    row.engine = ctx.measure(row, "engine", lambda: _time_paged(be, q, kv, meta, d, dev))
-                    row.other_peer = ctx.measure(row, "sdpa", lambda: _time_sdpa(q, kv, meta, hq, dev))
-                    for part in ("engine", "other_peer"):
-                        v = getattr(row, part).value
-                        if v:
-                            row.details[f"{part}_frac_of_copy_bw"] = round(floor.value / v, 3)
-                    rows.append(row)
-                    del kv, meta, q
+                floor = Cell(1e6 * (kv_bytes + 2 * batch * hq * d * elem) / ctx.ceilings.bandwidth_Bps)
+                name = f"W4 decode[torch] B{batch} ctx{ctx_len} {hq}/{hkv}x{d}"
+                row = Row(ctx.bm.name, name, "paged decode attention µs", "µs", False, floor=floor)
+                row.hf_generate = row.hf_generate_batch = Cell.na("kernel micro-benchmark")
+                rows.append(row)
+                if dev.type == "cpu" and kv_bytes > CPU_MAX_KV_BYTES:
+                    row.engine = row.other_peer = Cell.na("too large for the CPU run")
+                    continue
+                kv, meta = paged_case(batch, [1] * batch, [ctx_len] * batch, hkv, d, dtype, dev, False)
+                q = torch.randn(batch, hq, d, dtype=dtype, device=dev)
+                row.engine = ctx.measure(row, "engine", lambda: _time_paged("torch", q, kv, meta, d, dev))
+                row.other_peer = ctx.measure(row, "sdpa", lambda: _time_sdpa(q, kv, meta, hq, dev))
+                for part in ("engine", "other_peer"):
+                    if getattr(row, part).value:
+                        row.details[f"{part}_frac_of_copy_bw"] = round(floor.value / getattr(row, part).value, 3)
+                del kv, meta, q
     return rows
 
 
@@ -128,32 +128,76 @@ def prefill_rows(ctx: BenchContext, dtype: torch.dtype) -> list[Row]:
     for hq, hkv, d in HEAD_SHAPES:
         flops = nseq * 4 * hq * d * length * (length + 1) / 2
         floor = Cell(ctx.ceilings.matmul_flops / 1e12)  # the peak rate is the floor of a rate
-        for be in backends(dev):
-            name = f"W4 prefill[{be}] {nseq}x{length} {hq}/{hkv}x{d}"
-            row = Row(ctx.bm.name, name, "causal prefill attention TFLOP/s", "TFLOP/s", True, floor=floor)
-            row.hf_generate = row.hf_generate_batch = Cell.na("kernel micro-benchmark")
-            kv, meta = paged_case(nseq, [length] * nseq, [length] * nseq, hkv, d, dtype, dev, True)
-            q = torch.randn(nseq * length, hq, d, dtype=dtype, device=dev)
+        name = f"W4 prefill[torch] {nseq}x{length} {hq}/{hkv}x{d}"
+        row = Row(ctx.bm.name, name, "causal prefill attention TFLOP/s", "TFLOP/s", True, floor=floor)
+        row.hf_generate = row.hf_generate_batch = Cell.na("kernel micro-benchmark")
+        kv, meta = paged_case(nseq, [length] * nseq, [length] * nseq, hkv, d, dtype, dev, True)
+        q = torch.randn(nseq * length, hq, d, dtype=dtype, device=dev)
 
-            def paged() -> Cell:
-                from rollout_service.ops import select_ops
-                ops = select_ops(be)
-                sec = time_fn(lambda: ops.attention(q, kv, meta, d ** -0.5), dev, _iters(dev))
-                return Cell(flops / sec / 1e12)
+        def paged() -> Cell:
+            from rollout_service.ops import select_ops
+            ops = select_ops("torch")
+            return Cell(flops / time_fn(lambda: ops.attention(q, kv, meta, d ** -0.5), dev, _iters(dev)) / 1e12)
 
-            def sdpa() -> Cell:
-                k, v = _gather(kv, meta)
-                qq = q.view(nseq, length, hq, d).transpose(1, 2)
-                fn = lambda: F.scaled_dot_product_attention(  # noqa: E731
-                    qq, k[:, :, :length], v[:, :, :length], is_causal=True, enable_gqa=hq != hkv)
-                return Cell(flops / time_fn(fn, dev, _iters(dev)) / 1e12, "torch SDPA, contiguous KV")
+        def sdpa() -> Cell:
+            k, v = _gather(kv, meta)
+            qq = q.view(nseq, length, hq, d).transpose(1, 2)
+            fn = lambda: F.scaled_dot_product_attention(  # noqa: E731
+                qq, k[:, :, :length], v[:, :, :length], is_causal=True, enable_gqa=hq != hkv)
+            return Cell(flops / time_fn(fn, dev, _iters(dev)) / 1e12, "torch SDPA, contiguous KV")
 
-            row.engine = ctx.measure(row, "engine", paged)
-            row.other_peer = ctx.measure(row, "sdpa", sdpa)
-            rows.append(row)
+        row.engine = ctx.measure(row, "engine", paged)
+        row.other_peer = ctx.measure(row, "sdpa", sdpa)
+        rows.append(row)
+        del kv, meta, q
+    return rows
+
+
+def kernel_bench_rows(ctx: BenchContext) -> list[Row]:
+    """CUDA-backend rows from the kernels' own micro-benchmark (rollout_service/ops/kernel_bench.py:
+    CUDA-graph timed, inputs rotated past L2), against this run's copy bandwidth and matmul rate."""
+    from rollout_service.ops import kernel_bench as kb
+
+    s, rows, name = ctx.shapes, [], ctx.bm.name
+    decode = kb.bench_decode_attention(batch_sizes=tuple(s.w4_batches), contexts=tuple(s.w4_contexts),
+                                       hbm_bytes_per_s=ctx.ceilings.bandwidth_Bps)
+    for r in decode:
+        label = f"W4 decode[cuda] B{r['batch']} ctx{r['ctx']} {r['q_heads']}/{r['kv_heads']}x{r['head_dim']}"
+        row = Row(name, label, "paged decode attention µs", "µs", False, engine=Cell(r["us"]),
+                  other_peer=Cell(r["sdpa_us"], "torch SDPA, contiguous KV"),
+                  floor=Cell(r["us"] * r["hbm_frac"]))
+        row.hf_generate = row.hf_generate_batch = Cell.na("kernel micro-benchmark")
+        row.details.update(engine_frac_of_copy_bw=round(r["hbm_frac"], 3),
+                           other_peer_frac_of_copy_bw=round(r["sdpa_hbm_frac"], 3),
+                           num_splits=r["num_splits"], rel_err_vs_sdpa=float(f"{r['rel_err_vs_sdpa']:.2g}"))
+        rows.append(row)
+    prefill = kb.bench_prefill_attention(seq_len=s.w4_prefill_len, batch=s.w4_prefill_seqs)
+    for r in prefill:
+        label = f"W4 prefill[cuda] {r['batch']}x{r['seq_len']} {r['q_heads']}/{r['kv_heads']}x{r['head_dim']}"
+        row = Row(name, label, "causal prefill attention TFLOP/s", "TFLOP/s", True, engine=Cell(r["tflops"]),
+                  other_peer=Cell(r["sdpa_tflops"], "torch SDPA, contiguous KV"),
+                  floor=Cell(ctx.ceilings.matmul_flops / 1e12))
+        row.hf_generate = row.hf_generate_batch = Cell.na("kernel micro-benchmark")
+        row.details["rel_err_vs_sdpa"] = float(f"{r['rel_err_vs_sdpa']:.2g}")
+        rows.append(row)
     return rows
 
 
 def w4_kernels(ctx: BenchContext) -> list[Row]:
+    """The torch reference timed here; the CUDA kernels through their own micro-benchmark."""
     dtype = torch.bfloat16 if ctx.device.type == "cuda" else torch.float32
-    return decode_rows(ctx, dtype) + prefill_rows(ctx, dtype)
+    rows = decode_rows(ctx, dtype) + prefill_rows(ctx, dtype)
+    if "cuda" in backends(ctx.device):
+        found: list[Row] = []
+
+        def run() -> Cell:
+            found.extend(kernel_bench_rows(ctx))
+            return Cell(float(len(found)))
+
+        holder = Row(ctx.bm.name, "W4 cuda kernels", "rollout_service.ops.kernel_bench", "-", True)
+        status = ctx.measure(holder, "kernel_bench", run)
+        if status.value is None:
+            holder.engine = status
+            rows.append(holder)
+        rows += found
+    return rows

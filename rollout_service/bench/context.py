@@ -35,7 +35,7 @@ class Shapes:
     w4_batches: tuple = (1, 32, 128)
     w4_contexts: tuple = (1024, 4096)
     w4_prefill_seqs: int = 4
-    w4_prefill_len: int = 1024
+    w4_prefill_len: int = 4096
 
     def replace(self, **kw) -> "Shapes":
         return dataclasses.replace(self, **kw)
