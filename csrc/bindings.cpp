@@ -35,8 +35,10 @@ void check_index(const at::Tensor& t, const char* name, at::ScalarType type, con
 // [rows, heads, D] with a unit last stride and even outer strides (32-bit fragment loads).
 void check_heads(const at::Tensor& t, const char* name) {
   TORCH_CHECK_VALUE(t.dim() == 3, name, " must be [tokens, heads, head_dim], got ", t.sizes());
-  TORCH_CHECK_VALUE(t.stride(2) == 1 && t.stride(0) % 2 == 0 && t.stride(1) % 2 == 0, name,
-                    " needs a contiguous head_dim and even strides, got strides ", t.strides());
+  TORCH_CHECK_VALUE(t.stride(2) == 1 && t.stride(0) % 2 == 0 && t.stride(1) % 2 == 0 &&
+                        reinterpret_cast<uintptr_t>(t.data_ptr()) % 4 == 0,
+                    name, " needs a contiguous head_dim, even strides and 4-byte alignment, got strides ",
+                    t.strides());
 }
 
 void check_cache(const at::Tensor& cache, const at::Tensor& ref) {

@@ -91,6 +91,7 @@ class CudaGraphRunner:
         # Padding row j owns one page, the scratch page, right after the real pages.
         self.kv_indptr[start + 1 : stop + 1] = self._steps[: stop - start] + nnz_dev
 
+    @torch.no_grad()
     def capture(self) -> None:
         """Capture every bucket, largest first so smaller graphs reuse the pool; on failure run eager."""
         try:

@@ -33,7 +33,7 @@ def _rows_ok(t: torch.Tensor) -> bool:
 
 
 def _heads_ok(t: torch.Tensor) -> bool:
-    return t.dim() == 3 and t.stride(2) == 1 and t.stride(0) % 2 == 0 and t.stride(1) % 2 == 0
+    return t.dim() == 3 and t.stride(2) == 1 and t.stride(0) % 2 == 0 and t.stride(1) % 2 == 0 and _aligned(t, 2)
 
 
 class CudaOps(Ops):
