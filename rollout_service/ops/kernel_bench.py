@@ -111,6 +111,7 @@ def bench_decode_attention(
     hbm_bytes_per_s: float | None = None,
     iters: int = 20,
     reps: int = 7,
+    split_sweep: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64),
 ) -> list[dict]:
     """W4 decode rows: µs of our kernel and of SDPA on contiguous KV, each as a fraction of HBM bandwidth."""
     from rollout_service.ops.cuda_ops import CudaOps
@@ -140,7 +141,14 @@ def bench_decode_attention(
                 t_ours = _graph_time_us(ours, len(cases), iters, reps)
                 t_sdpa = _peer_time_us(sdpa, len(cases), iters, reps)
                 splits = ops.kernels.decode_num_splits(cases[0][0], hk, ctx)
-                rows.append(dict(
+                sweep = {}
+                if batch * hk < torch.cuda.get_device_properties(0).multi_processor_count:
+                    for n in split_sweep:  # data for tuning decode_num_splits
+                        sweep[n] = _graph_time_us(
+                            lambda i, n=n: ops.decode_attention(cases[i][0], cache, cases[i][1], scale, n),
+                            len(cases), iters, reps,
+                        )
+                rows.append(dict(split_sweep_us=sweep,
                     batch=batch, ctx=ctx, q_heads=hq, kv_heads=hk, head_dim=d, num_splits=splits,
                     kv_mb=kv_bytes / 1e6, us=t_ours, hbm_frac=io_bytes / (t_ours * 1e-6) / hbm,
                     sdpa_us=t_sdpa, sdpa_hbm_frac=io_bytes / (t_sdpa * 1e-6) / hbm, rel_err_vs_sdpa=err,
@@ -221,7 +229,8 @@ def main() -> None:
     for r in decode:
         print(f"{r['q_heads']:>3}/{r['kv_heads']} d{r['head_dim']:<3} {r['ctx']:>5} {r['batch']:>4} {r['num_splits']:>6} "
               f"{r['kv_mb']:>7.1f} {r['us']:>8.1f} {100 * r['hbm_frac']:>5.0f} {r['sdpa_us']:>8.1f} "
-              f"{100 * r['sdpa_hbm_frac']:>5.0f} {r['rel_err_vs_sdpa']:>8.1e}")
+              f"{100 * r['sdpa_hbm_frac']:>5.0f} {r['rel_err_vs_sdpa']:>8.1e}  "
+              + " ".join(f"{n}:{t:.1f}" for n, t in r["split_sweep_us"].items()))
     prefill = bench_prefill_attention()
     for r in prefill:
         print(f"prefill {r['q_heads']}/{r['kv_heads']} d{r['head_dim']} B{r['batch']}x{r['seq_len']}: "
