@@ -18,17 +18,17 @@ so=$(find /tmp/rollout_kernels -name '*.so' | head -1)
 [ -n "$so" ] && echo "SASS: HMMA=$(cuobjdump --dump-sass "$so" | grep -c HMMA) LDSM=$(cuobjdump --dump-sass "$so" | grep -c LDSM) LDGSTS=$(cuobjdump --dump-sass "$so" | grep -c LDGSTS)"
 
 start=$(date +%s)
-timeout 240 $PY -m pytest tests/gpu -q -rfEP --maxfail=40 -p no:cacheprovider >"$OUT/tests.log" 2>&1
+timeout 200 $PY -m pytest tests/gpu -q -rfEP --maxfail=40 -p no:cacheprovider >"$OUT/tests.log" 2>&1
 echo "tests rc=$? in $(( $(date +%s) - start ))s"
 grep -E "passed|failed|error" "$OUT/tests.log" | tail -3
 grep -E "^(FAILED|ERROR)|hidden rel err" "$OUT/tests.log" | head -30
 
-timeout 150 $PY -m rollout_service.ops.kernel_bench --json "$OUT/w4.json" 2>&1 | tee "$OUT/bench.log"
+timeout 130 $PY -m rollout_service.ops.kernel_bench --json "$OUT/w4.json" 2>&1 | tee "$OUT/bench.log"
 echo "bench rc=$?"
 
 # Out-of-bounds check of the attention kernels on small cases (Firecracker machines run compute-sanitizer).
 T=tests/gpu/test_attention_kernels.py
-timeout 100 compute-sanitizer --tool memcheck --print-limit 20 $PY -m pytest -q -p no:cacheprovider \
+timeout 60 compute-sanitizer --tool memcheck --print-limit 20 $PY -m pytest -q -p no:cacheprovider \
   "$T::test_decode_odd_lengths_and_page_boundaries[3-14-2-64-dtype0]" \
   "$T::test_prefill_ragged_with_cached_prefix[14-2-64-dtype0]" >"$OUT/memcheck.log" 2>&1
 echo "memcheck rc=$?"; grep -E "ERROR SUMMARY|passed|failed|Invalid" "$OUT/memcheck.log" | head -10
