@@ -45,7 +45,9 @@ QUICK = Shapes(w1_prompt=8, w1_new=8, w2_seqs=4, w2_prompt=8, w2_new=8, w2n_prom
                w2n_prompt=16, w2n_new=8, w3_check_new=4, w4_batches=(1, 4), w4_contexts=(64,),
                w4_prefill_seqs=2, w4_prefill_len=64)
 # Issue 2's CPU benchmark: 32 sequences, prompt 128, 64 new tokens.
-CPU = Shapes(w2_seqs=32, w2_new=64, w4_batches=(1, 32), w4_contexts=(1024,), w4_prefill_len=512)
+# W2n on the CPU: the same token count as W2 (4 prompts x 8 samples x 64 tokens), not 131k tokens.
+CPU = Shapes(w2_seqs=32, w2_new=64, w2n_prompts=4, w2n_prompt=128, w2n_new=64, w4_batches=(1, 32),
+             w4_contexts=(1024,), w4_prefill_len=512)
 
 
 def parse_shape(spec: str) -> tuple[str, object]:

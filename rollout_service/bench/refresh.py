@@ -109,7 +109,8 @@ def object_store_row(ctx: BenchContext, new_sd: dict, nbytes: int, prompts: list
 
         started = not ray.is_initialized()
         if started:
-            ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+            # address="local": always a private instance, never a cluster some other process runs here.
+            ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
         try:
             with open_engine(bm, ctx.backend, len(prompts), 16 + ctx.shapes.w3_check_new, ctx.engine_extra) as client:
                 engine_generate(client, bm, prompts, 1)
