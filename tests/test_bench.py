@@ -88,14 +88,17 @@ def test_quick_refresh_and_kernel_rows(quick_run):
     assert rows["W5"]["engine"]["value"] is None and "GPU" in rows["W5"]["engine"]["note"]
 
 
-def test_failed_part_becomes_na_and_the_rest_still_runs(tmp_path):
+def test_failed_part_becomes_na_and_the_rest_still_runs_repeated(tmp_path):
     rc = main(["--quick", "--model", "tiny-llama", "--workloads", "W1", "--out", str(tmp_path),
-               "--engine-opt", "no_such_option=1", "--skip", "hf_generate_batch"])
+               "--engine-opt", "no_such_option=1", "--skip", "hf_generate_batch", "--repeats", "2"])
     assert rc == 0
     _, doc, md = _load(str(tmp_path))
     (row,) = doc["rows"]
     assert row["engine"]["value"] is None and row["engine"]["note"].startswith("error:")
     assert row["hf_generate"]["value"] > 0
+    # Two runs, the best (fastest ms/step) kept.
+    runs = row["details"]["hf_generate_runs"]
+    assert len(runs) == 2 and row["hf_generate"]["value"] == pytest.approx(min(runs), rel=1e-3)
     assert row["hf_generate_batch"]["note"] == "skipped by --skip"
     assert row["ratios"]["engine/hf_generate"] is None
     assert "no_such_option" in " ".join(doc["meta"]["errors"])

@@ -71,6 +71,7 @@ class BenchContext:
     skip: set = field(default_factory=set)     # "W2n", "hf_static", "llama3-8b:W2n", "llama3-8b:hf_static"
     deadline: float = float("inf")             # time.monotonic() after which remaining parts are skipped
     static_peer: str = "auto"                  # "auto" (GPU only), "on", "off"
+    repeats: int = 1                           # runs per generation measurement; the best is kept
     progress: Callable[[str], None] = lambda msg: None
     errors: list = field(default_factory=list)
 
@@ -83,7 +84,19 @@ class BenchContext:
         alone or as MODEL:NAME."""
         return name in self.skip or f"{self.bm.name}:{name}" in self.skip
 
-    def measure(self, row: Row, part: str, fn: Callable[[], Cell]) -> Cell:
+    def measure(self, row: Row, part: str, fn: Callable[[], Cell], repeat: bool = False) -> Cell:
+        """fn() as a cell, or n/a with the reason. With repeat, fn runs `repeats` times and the best
+        value is kept (all are in row.details): on a shared machine the best run is the least disturbed."""
+        cells = [self._measure_once(row, part, fn) for _ in range(self.repeats if repeat else 1)]
+        values = [c.value for c in cells if c.value is not None]
+        if len(cells) > 1:
+            row.details[f"{part}_runs"] = [float(f"{v:.4g}") for v in values]
+        if not values:
+            return cells[0]
+        pick = max if row.higher_is_better else min
+        return next(c for c in cells if c.value == pick(values))
+
+    def _measure_once(self, row: Row, part: str, fn: Callable[[], Cell]) -> Cell:
         if self.skipped(part):
             return Cell.na("skipped by --skip")
         if time.monotonic() > self.deadline:

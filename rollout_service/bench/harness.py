@@ -47,6 +47,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="skip a workload or part, optionally per model: W2n, hf_generate_batch, llama3-8b:hf_static")
     p.add_argument("--static-peer", default="auto", choices=["auto", "on", "off"],
                    help="HF static cache + compile peer for W1 (auto: GPU only)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="runs of each W1/W2/W2n measurement, best kept (for a shared machine)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads for every contender (default: torch's own choice)")
     p.add_argument("--budget-s", type=float, default=None,
@@ -120,7 +122,8 @@ def run_model(name: str, args, device: torch.device, shapes: Shapes, ceil, rows:
     meta["models"][name] = {"weights": bm.weights, "dtype": str(bm.dtype).replace("torch.", ""),
                             "params": sum(p.numel() for p in bm.hf_model.parameters())}
     ctx = BenchContext(bm, ceil, shapes, args.backend, engine_opts(args.engine_opt), set(args.skip),
-                       deadline, args.static_peer, progress=lambda m: bar.set_postfix_str(m, refresh=True))
+                       deadline, args.static_peer, args.repeats,
+                       progress=lambda m: bar.set_postfix_str(m, refresh=True))
     for wl in [w for w in WORKLOADS if w in args.workloads]:
         if ctx.skipped(wl):
             rows.append(Row(name, wl, "-", "-", True, engine=Cell.na("skipped by --skip")))
@@ -154,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"started_utc": now_utc(), "hardware": hardware_name(device), "device": str(device),
             "torch": torch.__version__, "transformers": transformers.__version__,
             "python": platform.python_version(), "cpu_count": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(), "backend": args.backend,
+            "torch_threads": torch.get_num_threads(), "repeats": args.repeats, "backend": args.backend,
             "quick": args.quick, "shapes": vars(shapes), "command": shlex.join(["bench", *(argv or sys.argv[1:])]),
             "models": {}}
     if hasattr(os, "getloadavg"):

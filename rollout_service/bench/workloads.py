@@ -72,9 +72,9 @@ def w1_latency(ctx: BenchContext) -> list[Row]:
         row.details["hf_static_first_call_s"] = round(first_s, 1)
         return Cell(decode_ms_per_step(run), "HF static cache + compile")
 
-    row.engine = ctx.measure(row, "engine", engine)
-    row.hf_generate = ctx.measure(row, "hf_generate", generate)
-    row.hf_generate_batch = ctx.measure(row, "hf_generate_batch", generate_batch)
+    row.engine = ctx.measure(row, "engine", engine, repeat=True)
+    row.hf_generate = ctx.measure(row, "hf_generate", generate, repeat=True)
+    row.hf_generate_batch = ctx.measure(row, "hf_generate_batch", generate_batch, repeat=True)
     row.other_peer = ctx.measure(row, "hf_static", static)
     kv = bm.kv_bytes_per_token() * (s.w1_prompt + s.w1_new / 2)
     floor_s = decode_step_floor(_weights_bytes(ctx), kv, bm.decode_params(), 1, ctx.ceilings)
@@ -125,9 +125,9 @@ def _throughput_row(ctx: BenchContext, name: str, metric: str, prompts: list[lis
                                f"expected {total}")
         return Cell(total / run.seconds)
 
-    row.engine = ctx.measure(row, "engine", engine)
-    row.hf_generate = ctx.measure(row, "hf_generate", generate)
-    row.hf_generate_batch = ctx.measure(row, "hf_generate_batch", generate_batch)
+    row.engine = ctx.measure(row, "engine", engine, repeat=True)
+    row.hf_generate = ctx.measure(row, "hf_generate", generate, repeat=True)
+    row.hf_generate_batch = ctx.measure(row, "hf_generate_batch", generate_batch, repeat=True)
     row.other_peer = Cell.na("none for this workload")
     row.floor = Cell(_rollout_floor(ctx, len(prompts), len(prompts[0]), len(prompts) * n, new))
     if temperature == 0 and "engine" in runs and "hf" in runs:
