@@ -4,6 +4,8 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>
 
+#include <optional>
+
 #include "kernels.h"
 
 namespace rk = rollout_kernels;
@@ -66,7 +68,7 @@ void check_rows(const at::Tensor& t, const char* name, const at::Tensor& ref) {
                     " rows must be contiguous and 16-byte aligned");
 }
 
-void norm_impl(at::Tensor& out, const at::Tensor& x, const c10::optional<at::Tensor>& residual,
+void norm_impl(at::Tensor& out, const at::Tensor& x, const std::optional<at::Tensor>& residual,
                const at::Tensor& weight, double eps) {
   const rk::DType dtype = half_dtype(x, "x");
   check_rows(x, "x", x);
@@ -86,7 +88,7 @@ void norm_impl(at::Tensor& out, const at::Tensor& x, const c10::optional<at::Ten
 }
 
 void rms_norm(at::Tensor out, at::Tensor x, at::Tensor weight, double eps) {
-  norm_impl(out, x, c10::nullopt, weight, eps);
+  norm_impl(out, x, std::nullopt, weight, eps);
 }
 
 void add_rms_norm(at::Tensor out, at::Tensor x, at::Tensor residual, at::Tensor weight, double eps) {
