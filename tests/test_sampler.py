@@ -291,7 +291,7 @@ def test_top_p_prefilter_matches_brute_force():
 @pytest.mark.parametrize("vocab,keep", [(40_000, None), (3000, 40)])
 def test_noise_paths_match_full_vocab_argmax(vocab, keep):
     from rollout_service.engine.random import gumbel, row_key, vocab_ids
-    from rollout_service.engine.sampler import _gumbel_argmax
+    from rollout_service.engine.sampler import _draw
 
     x = torch.randn(5, vocab) * 2
     if keep is not None:  # few finite candidates: only they get noise
@@ -299,7 +299,8 @@ def test_noise_paths_match_full_vocab_argmax(vocab, keep):
         x = x[:, torch.randperm(vocab)]
     keys = torch.tensor([row_key(s, 0, 3) for s in range(5)])
     want = (x + gumbel(keys, vocab_ids(vocab))).argmax(dim=1)
-    assert torch.equal(_gumbel_argmax(x, keys), want)
+    kept = x.topk(keep, dim=1) if keep is not None else None
+    assert torch.equal(_draw(x, keys, kept), want)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -317,3 +318,17 @@ def test_cuda_tokens_equal_cpu_tokens():
     assert torch.equal(cpu.token_ids, gpu.token_ids.cpu())
     torch.testing.assert_close(cpu.logprobs, gpu.logprobs.cpu(), rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(cpu.top_logprobs, gpu.top_logprobs.cpu(), rtol=1e-4, atol=1e-4)
+
+
+def test_kept_candidate_path_matches_full_path_in_sampler():
+    logits = torch.randn(8, 2000) * 2
+    seqs = [make_seq(seed=s, top_k=20, temperature=0.8, logprobs=4) for s in range(8)]
+    fast = Sampler()(logits, seqs)  # every row keeps 20 of 2000: only the kept tokens get noise
+    mate = make_seq(seed=99)  # an untruncated batch mate forces the full-vocabulary path
+    full = Sampler()(torch.cat([logits, torch.randn(1, 2000)]), seqs + [mate])
+    assert torch.equal(fast.token_ids, full.token_ids[:8])
+    torch.testing.assert_close(fast.logprobs, full.logprobs[:8])
+    torch.testing.assert_close(fast.top_logprobs, full.top_logprobs[:8])
+    assert torch.equal(fast.top_ids, full.top_ids[:8])
+    want = (logits / 0.8).topk(20, dim=1).values.log_softmax(dim=1)
+    torch.testing.assert_close(fast.top_logprobs, want[:, :4])

@@ -82,19 +82,25 @@ class Sampler:
                                     rp.repetition, rp.frequency, rp.presence)
         tokens = torch.empty(batch, dtype=torch.int64, device=dev)
         sources = {"raw": logits}
+        kept_lse = None
         greedy = [i for i in range(batch) if rp.temperature[i] == 0]
         sampled = [i for i in range(batch) if rp.temperature[i] != 0]
         if greedy:
             _assign(tokens, greedy, _rows(penalised, greedy).argmax(dim=1))
         if sampled:
-            temps = torch.tensor([t if t != 0 else 1.0 for t in rp.temperature], device=dev).unsqueeze(1)
-            scaled = penalised / temps
-            truncated = _truncate(scaled, sampled, rp)
+            scaled = penalised
+            if any(rp.temperature[i] != 1.0 for i in sampled):
+                temps = torch.tensor([t if t != 0 else 1.0 for t in rp.temperature], device=dev)
+                scaled = penalised / temps.unsqueeze(1)
+            truncated, kept = _truncate(scaled, sampled, rp)
             keys = torch.tensor([row_key(seqs[i].seed, seqs[i].sample_index, seqs[i].num_output_tokens)
                                  for i in sampled], dtype=torch.int64, device=dev)
-            _assign(tokens, sampled, _gumbel_argmax(_rows(truncated, sampled), keys))
+            _assign(tokens, sampled, _draw(_rows(truncated, sampled), keys, kept))
             sources.update(scaled=scaled, processed=truncated)
-        return _report(sources, rp.modes, tokens, min(rp.num_top, vocab))
+            if kept is not None:
+                kept_lse = torch.full((batch,), float("nan"), device=dev)
+                _assign(kept_lse, sampled, kept[0].logsumexp(dim=1))
+        return _report(sources, rp.modes, tokens, min(rp.num_top, vocab), kept_lse)
 
 
 def _checked(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -121,33 +127,42 @@ def _assign(out: torch.Tensor, rows: list[int], values: torch.Tensor) -> None:
         out[torch.tensor(rows, device=out.device)] = values
 
 
-def _truncate(scaled: torch.Tensor, sampled: list[int], rp: _RowParams) -> torch.Tensor:
-    """scaled with top_k / top_p / min_p drops at -inf, computed only for the rows that ask for any."""
+def _truncate(scaled: torch.Tensor, sampled: list[int], rp: _RowParams):
+    """(scaled with top_k / top_p / min_p drops at -inf, kept). Only rows that ask for truncation pay
+    for it. kept = (values, ids) [S, M] holding every surviving token of the sampled rows, when all
+    of them are truncated to at most 1/_FEW_CANDIDATES of the vocabulary; else None."""
     rows = [i for i in sampled if rp.top_k[i] != -1 or rp.top_p[i] < 1.0 or rp.min_p[i] > 0.0]
     if not rows:
-        return scaled
-    drop = truncation_mask(_rows(scaled, rows), [rp.top_k[i] for i in rows], [rp.top_p[i] for i in rows],
+        return scaled, None
+    sub = _rows(scaled, rows)
+    drop = truncation_mask(sub, [rp.top_k[i] for i in rows], [rp.top_p[i] for i in rows],
                            [rp.min_p[i] for i in rows])
+    sub = sub.masked_fill(drop, float("-inf"))
     if len(rows) == scaled.shape[0]:
-        return scaled.masked_fill(drop, float("-inf"))
-    truncated = scaled.clone()
-    idx = torch.tensor(rows, device=scaled.device)
-    truncated[idx] = truncated[idx].masked_fill(drop, float("-inf"))
-    return truncated
+        truncated = sub
+    else:
+        truncated = scaled.clone()
+        truncated[torch.tensor(rows, device=scaled.device)] = sub
+    kept = None
+    if len(rows) == len(sampled):  # then sub holds exactly the sampled rows, in order
+        vocab = scaled.shape[1]
+        most = vocab - int(drop.sum(dim=1, dtype=torch.int32).min())
+        if most * _FEW_CANDIDATES <= vocab:
+            kept = sub.topk(most, dim=1)
+    return truncated, kept
 
 
-def _gumbel_argmax(x: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """Per row b: argmax over vocab ids v of x[b, v] + gumbel(keys[b], v).
+def _draw(x: torch.Tensor, keys: torch.Tensor, kept) -> torch.Tensor:
+    """Per row b: argmax over vocab ids v of x[b, v] + gumbel(keys[b], v), a draw from softmax(x[b]).
 
     The noise of a token depends only on (key, token id), so the same winner comes out of any subset of
-    columns that holds every finite entry: when truncation left few candidates, only those get noise.
+    columns that holds every finite entry: with `kept`, only the surviving tokens get noise.
     """
-    batch, vocab = x.shape
-    candidates = int(torch.isfinite(x).sum(dim=1).max())
-    if 0 < candidates * _FEW_CANDIDATES <= vocab:
-        values, ids = x.topk(candidates, dim=1)
+    if kept is not None:
+        values, ids = kept
         best = (values + gumbel(keys, ids)).argmax(dim=1, keepdim=True)
         return ids.gather(1, best).squeeze(1)
+    batch, vocab = x.shape
     if x.device.type != "cpu":
         return (x + gumbel(keys, vocab_ids(vocab, x.device))).argmax(dim=1)
     # on CPU the ~20 elementwise passes of the hash run much faster on cache-sized column blocks
@@ -163,8 +178,11 @@ def _gumbel_argmax(x: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     return best_id
 
 
-def _report(sources: dict[str, torch.Tensor], modes: list[str], tokens: torch.Tensor, k: int) -> SamplerOutput:
-    """Log-probs of the chosen tokens (and the top-k) under each row's mode's distribution."""
+def _report(sources: dict[str, torch.Tensor], modes: list[str], tokens: torch.Tensor, k: int,
+            kept_lse: torch.Tensor | None) -> SamplerOutput:
+    """Log-probs of the chosen tokens (and the top k) under each row's mode's distribution, as
+    x - logsumexp(x): one reduction, no [B, V] log_softmax. For "processed" rows the normaliser comes
+    from the kept tokens when known (exp of the many -inf entries is slow on CPU)."""
     batch, dev = tokens.shape[0], tokens.device
     groups: dict[str, list[int]] = {}
     for i, mode in enumerate(modes):
@@ -174,13 +192,13 @@ def _report(sources: dict[str, torch.Tensor], modes: list[str], tokens: torch.Te
     top_lps = torch.empty(batch, k, dtype=torch.float32, device=dev) if k else None
     for mode, rows in groups.items():
         x, tok = _rows(sources[mode], rows), _rows(tokens, rows).unsqueeze(1)
-        if k:
-            lsm = x.log_softmax(dim=1)
-            _assign(logprobs, rows, lsm.gather(1, tok).squeeze(1))
-            values, ids = lsm.topk(k, dim=1)
-            _assign(top_lps, rows, values)
-            _assign(top_ids, rows, ids)
+        if mode == "processed" and kept_lse is not None:
+            lse = _rows(kept_lse, rows).unsqueeze(1)
         else:
-            # one reduction instead of a full [R, V] log_softmax when only the chosen token is wanted
-            _assign(logprobs, rows, (x.gather(1, tok) - x.logsumexp(dim=1, keepdim=True)).squeeze(1))
+            lse = x.logsumexp(dim=1, keepdim=True)
+        _assign(logprobs, rows, (x.gather(1, tok) - lse).squeeze(1))
+        if k:
+            values, ids = x.topk(k, dim=1)
+            _assign(top_lps, rows, values - lse)
+            _assign(top_ids, rows, ids)
     return SamplerOutput(tokens, logprobs, top_ids, top_lps)
