@@ -147,7 +147,9 @@ class ServiceConfig:
     max_restarts: how often Ray restarts a crashed worker; its unfinished requests go to live workers
         meanwhile, and a restarted worker is given the latest weights before it serves again.
     detached: keep the service alive after the launching process exits (connect to it by `name`).
-    address: Ray address to join (None: $RAY_ADDRESS, else a new local Ray instance).
+    address: Ray cluster to join when this process is not connected yet: None = $RAY_ADDRESS (set
+        inside `ray job submit`), else a new local Ray instance; "auto" = the cluster started with
+        `ray start` on this machine; or "HOST:PORT".
     prompts / output / apply_chat_template: the launch job's input (JSONL; None = built-in sample set)
         and msgpack results file.
     """

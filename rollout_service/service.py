@@ -16,11 +16,14 @@ from rollout_service.weights import publish
 
 
 def ensure_ray(address: str | None = None, namespace: str | None = None) -> None:
-    """Join `address` / $RAY_ADDRESS if given (a job or a cluster), else start a local Ray instance."""
+    """Use the Ray this process is connected to; else join `address` / $RAY_ADDRESS (set inside a Ray
+    job); else start a new local instance. A cluster merely running on this machine is joined only
+    when asked (`address: auto`), so two users' services never land in each other's clusters."""
     if ray.is_initialized():
         return
-    address = address or os.environ.get("RAY_ADDRESS")
-    ray.init(address=address, namespace=namespace, log_to_driver=True, include_dashboard=False if not address else None)
+    address = address or os.environ.get("RAY_ADDRESS") or "local"
+    ray.init(address=address, namespace=namespace, log_to_driver=True,
+             **({"include_dashboard": False} if address == "local" else {}))
 
 
 def resolve_auto(config: ServiceConfig) -> ServiceConfig:

@@ -1,0 +1,106 @@
+"""Learner: the learner side of an RL loop, as a plain class or a Ray actor (`LearnerActor`).
+
+It holds the policy (a transformers CausalLM), asks the rollout service for samples, recomputes the
+sampled tokens' log-probs under its current weights (importance ratios against the behaviour
+log-probs the service returned), takes clipped policy-gradient steps, and pushes the new weights as
+the next policy version. A training loop (e.g. GRPO) is a few lines over these methods.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+import ray
+import torch
+
+from rollout_service.types import RolloutResult, SamplingParams
+
+
+def load_policy(model: Any) -> torch.nn.Module:
+    """A trainable transformers model from a HF folder, "smollm2-135m" (embedded GGUF) or a live module."""
+    from transformers import AutoModelForCausalLM
+    if isinstance(model, torch.nn.Module):
+        return model
+    if model == "smollm2-135m":
+        from rollout_service.model.loader import embedded_model_path
+        folder, gguf = embedded_model_path()
+        return AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf, dtype=torch.float32)
+    return AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+
+
+def group_advantages(rewards: Sequence[float], group_size: int, eps: float = 1e-6) -> np.ndarray:
+    """GRPO advantages: each reward minus its group's mean, over the group's std (groups of n samples
+    of one prompt, in prompt-major order)."""
+    r = np.asarray(rewards, dtype=np.float64)
+    if group_size < 1 or r.size % group_size:
+        raise ValueError(f"{r.size} rewards do not split into groups of {group_size}")
+    g = r.reshape(-1, group_size)
+    return ((g - g.mean(1, keepdims=True)) / (g.std(1, keepdims=True) + eps)).reshape(-1).astype(np.float32)
+
+
+class Learner:
+    def __init__(self, model: Any, service: str = "rollout_service", namespace: str = "rollout_service",
+                 lr: float = 1e-5, clip: float = 0.2, seed: int = 0):
+        from rollout_service.client import RolloutClient
+        from rollout_service.service import RayBackend
+
+        torch.manual_seed(seed)
+        self.model = load_policy(model).train()
+        self.client = RolloutClient(RayBackend.connect(service, namespace=namespace))
+        self.version = int(self.client._backend.info()["policy_version"])
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr)
+        self.clip = clip
+
+    def rollout(self, prompts: list, sampling: SamplingParams | dict | None = None,
+                metadata: list | None = None) -> list[RolloutResult]:
+        if isinstance(sampling, dict):
+            sampling = SamplingParams.from_dict(sampling)
+        return self.client.generate(prompts, sampling, metadata=metadata)
+
+    def token_logprobs(self, results: list[RolloutResult], temperature: float = 1.0) -> list[torch.Tensor]:
+        """log p(token_ids[i] | prefix) under the current weights, per result (with grad)."""
+        out = []
+        for r in results:
+            ids = torch.tensor([r.prompt_token_ids + r.token_ids])
+            logits = self.model(input_ids=ids).logits[0, len(r.prompt_token_ids) - 1:-1].float()
+            logp = torch.log_softmax(logits / max(temperature, 1e-6), dim=-1)
+            out.append(logp.gather(1, torch.tensor(r.token_ids)[:, None])[:, 0])
+        return out
+
+    def behaviour_gap(self, results: list[RolloutResult], temperature: float = 1.0) -> float:
+        """Largest |learner log-prob - behaviour log-prob| over all tokens (0 when on-policy and exact)."""
+        with torch.no_grad():
+            mine = self.token_logprobs(results, temperature)
+        return max(float((m - torch.from_numpy(r.logprobs)).abs().max()) for m, r in zip(mine, results)
+                   if len(r.token_ids))
+
+    def policy_step(self, results: list[RolloutResult], advantages: Sequence[float],
+                    temperature: float = 1.0) -> dict:
+        """One clipped policy-gradient step (PPO-style ratio to the behaviour policy, token-mean)."""
+        if len(advantages) != len(results):
+            raise ValueError(f"{len(advantages)} advantages for {len(results)} results")
+        self.optimizer.zero_grad()
+        losses, ratios = [], []
+        for r, lp, a in zip(results, self.token_logprobs(results, temperature), advantages):
+            if not len(r.token_ids):
+                continue
+            ratio = torch.exp(lp - torch.from_numpy(r.logprobs))
+            clipped = torch.clamp(ratio, 1 - self.clip, 1 + self.clip)
+            losses.append(-torch.minimum(ratio * a, clipped * a).mean())
+            ratios.append(ratio.detach().mean())
+        loss = torch.stack(losses).mean()
+        loss.backward()
+        self.optimizer.step()
+        return {"loss": float(loss), "mean_ratio": float(torch.stack(ratios).mean())}
+
+    def push_weights(self) -> int:
+        """Send the current weights to every rollout worker as the next policy version."""
+        self.version += 1
+        self.client.update_weights({k: v.detach() for k, v in self.model.state_dict().items()}, self.version)
+        return self.version
+
+    def service_stats(self) -> list[dict]:
+        return self.client.stats()
+
+
+LearnerActor = ray.remote(Learner)

@@ -1,0 +1,88 @@
+"""ServiceConfig: YAML files in cluster_configs/ load; unknown keys and bad values are named."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rollout_service.config import EngineConfig, ServiceConfig
+
+CONFIGS = Path(__file__).resolve().parents[1] / "cluster_configs"
+
+
+@pytest.mark.parametrize("name", ["local-cpu", "local-gpu", "multi-node"])
+def test_shipped_service_configs_load_and_round_trip(name):
+    cfg = ServiceConfig.from_yaml(str(CONFIGS / f"{name}.yaml"))
+    assert isinstance(cfg.engine, EngineConfig)
+    again = ServiceConfig.from_dict(yaml.safe_load(yaml.safe_dump(cfg.to_dict())))
+    assert again == cfg
+    cfg.sampling_params()  # the sampling defaults are valid SamplingParams
+
+
+def test_shipped_configs_say_what_the_issue_asks():
+    cpu = ServiceConfig.from_yaml(str(CONFIGS / "local-cpu.yaml"))
+    assert cpu.num_workers == 2 and cpu.resources.num_gpus == 0 and cpu.engine.model == "smollm2-135m"
+    gpu = ServiceConfig.from_yaml(str(CONFIGS / "local-gpu.yaml"))
+    assert gpu.num_workers == "auto" and gpu.resources.num_gpus == 1
+    multi = ServiceConfig.from_yaml(str(CONFIGS / "multi-node.yaml"))
+    assert multi.placement.strategy == "STRICT_SPREAD" and multi.resources.custom
+    launcher = yaml.safe_load((CONFIGS / "ray-cluster.yaml").read_text())
+    assert {"cluster_name", "provider", "available_node_types", "head_node_type"} <= set(launcher)
+    assert any("RAY_AUTH_MODE=token" in c for c in launcher["head_start_ray_commands"])
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"num_workerz": 2}, r"unknown key\(s\) \['num_workerz'\]"),
+    ({"engine": {"modle": "x"}}, r"ServiceConfig.engine: unknown key\(s\) \['modle'\]"),
+    ({"resources": {"gpus": 1}}, r"ServiceConfig.resources: unknown key\(s\) \['gpus'\]"),
+    ({"num_workers": 0}, r"ServiceConfig.num_workers=0"),
+    ({"num_workers": "many"}, r"ServiceConfig.num_workers='many'"),
+    ({"num_workers": True}, r"ServiceConfig.num_workers=True"),
+    ({"resources": {"num_cpus": -1}}, r"resources.num_cpus=-1"),
+    ({"resources": {"num_gpus": "lots"}}, r"resources.num_gpus='lots'"),
+    ({"resources": {"custom": {"rollout_node": 0}}}, r"resources.custom"),
+    ({"resources": {"custom": {"GPU": 1}}}, r"use num_cpus / num_gpus"),
+    ({"placement": {"strategy": "RANDOM"}}, r"placement.strategy='RANDOM'"),
+    ({"placement": {"timeout_s": 0}}, r"placement.timeout_s=0"),
+    ({"sampling": {"temperature": -1}}, r"ServiceConfig.sampling: SamplingParams.temperature"),
+    ({"sampling": {"nn": 2}}, r"ServiceConfig.sampling: SamplingParams: unknown field"),
+    ({"max_staleness": -1}, r"max_staleness=-1"),
+    ({"max_staleness": 0.5}, r"max_staleness=0.5"),
+    ({"max_restarts": -2}, r"max_restarts=-2"),
+    ({"detached": "yes"}, r"detached='yes'"),
+    ({"engine": {"page_size": 7}}, r"EngineConfig.page_size=7"),
+    ({"name": ""}, r"ServiceConfig.name=''"),
+    ({"engine": 3}, r"ServiceConfig.engine=3"),
+])
+def test_bad_values_are_named(bad, message):
+    with pytest.raises(ValueError, match=message):
+        ServiceConfig.from_dict(bad)
+
+
+def test_yaml_errors_name_the_file(tmp_path):
+    p = tmp_path / "svc.yaml"
+    p.write_text("num_workers: [1,\n")
+    with pytest.raises(ValueError, match=r"svc.yaml.*invalid YAML"):
+        ServiceConfig.from_yaml(str(p))
+    p.write_text("- 1\n- 2\n")
+    with pytest.raises(ValueError, match=r"svc.yaml.*expected a mapping"):
+        ServiceConfig.from_yaml(str(p))
+    p.write_text("placement:\n  stratgy: PACK\n")
+    with pytest.raises(ValueError, match=r"placement: unknown key\(s\) \['stratgy'\]"):
+        ServiceConfig.from_yaml(str(p))
+    with pytest.raises(ValueError, match="cannot read"):
+        ServiceConfig.from_yaml(str(tmp_path / "missing.yaml"))
+
+
+def test_load_merges_overrides_key_by_key():
+    cfg = ServiceConfig.load(str(CONFIGS / "local-cpu.yaml"), num_workers=3,
+                             engine={"max_num_seqs": 8}, sampling={"max_tokens": 4})
+    assert cfg.num_workers == 3 and cfg.engine.max_num_seqs == 8 and cfg.engine.model == "smollm2-135m"
+    assert cfg.sampling["max_tokens"] == 4 and cfg.sampling["n"] == 2
+    assert ServiceConfig.load(cfg) == cfg and ServiceConfig.load(cfg.to_dict()) == cfg
+    assert ServiceConfig.load(None).num_workers == 2
+    with pytest.raises(ValueError, match="expected a YAML path"):
+        ServiceConfig.load(42)
+    with pytest.raises(ValueError, match="unknown key"):
+        ServiceConfig.load(cfg, bogus=1)
