@@ -245,11 +245,15 @@ cudaError_t launch_decode(const DecodeParams& p, cudaStream_t stream) {
 }  // namespace
 
 int decode_num_splits(int batch, int num_kv_heads, int max_pages, int num_sms) {
+  // Tuned on an H200 (csrc/NOTES.md, split sweep): the largest power of two that keeps the grid within
+  // ~2 CTAs per SM, while each split keeps >= 4 pages (1k context) to >= 16 pages (4k+) so the 4 warps'
+  // merge and the reduce kernel stay amortised; at most 32.
   const int ctas = batch * num_kv_heads;
   if (ctas >= num_sms || max_pages < 8) return 1;
-  int splits = (2 * num_sms + ctas - 1) / ctas;  // about two CTAs per SM
-  splits = min(splits, max_pages / 4);            // a split keeps every warp busy with >= 1 page
-  return max(1, min(splits, 64));
+  const int min_pages = min(16, max(4, max_pages / 16));
+  int splits = 1;
+  while (splits < 32 && ctas * splits * 2 <= 2 * num_sms && (splits * 2) * min_pages <= max_pages) splits *= 2;
+  return splits;
 }
 
 cudaError_t decode_attention(const DecodeParams& p, cudaStream_t stream) {

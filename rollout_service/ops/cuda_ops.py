@@ -4,6 +4,11 @@ Every method falls back to the torch reference for inputs its kernel does not co
 bf16/fp16, head_dim other than 64/128, page_size other than 16, odd strides), so the backend is always
 correct and only sometimes slower. Differences from the reference, both intended and documented:
 rope() rotates q and k in place, and add_rms_norm() writes x + residual into `residual` in place.
+
+Every input the extension would reject is caught here first (and sent to the torch reference), because
+on the H200 image (torch 2.11, extension built by its /opt/gcc) an exception thrown inside the extension
+crashed the process instead of raising; see csrc/NOTES.md. `self.kernels` is therefore an unchecked,
+internal API: call it only with inputs these predicates accept.
 """
 from __future__ import annotations
 
@@ -55,7 +60,8 @@ class CudaOps(Ops):
     def _norm_args(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
         if not (x.is_cuda and x.dtype in _HALF and weight.dtype == x.dtype and x.shape[-1] % 8 == 0):
             return None
-        if not (weight.is_contiguous() and _aligned(weight)):
+        if not (weight.device == x.device and weight.shape == x.shape[-1:] and weight.is_contiguous()
+                and _aligned(weight)):
             return None
         rows = x.view(-1, x.shape[-1]) if x.is_contiguous() else x.reshape(-1, x.shape[-1])
         return rows if _rows_ok(rows) else None
@@ -73,7 +79,8 @@ class CudaOps(Ops):
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
         rows = self._norm_args(x, weight)
-        ok = rows is not None and residual.shape == x.shape and residual.dtype == x.dtype and residual.is_contiguous()
+        ok = (rows is not None and residual.shape == x.shape and residual.dtype == x.dtype
+              and residual.device == x.device and residual.is_contiguous())
         if not ok or not _aligned(residual):
             self._fallback("add_rms_norm", f"{x.dtype} {tuple(x.shape)}")
             return super().add_rms_norm(x, residual, weight, eps)
@@ -86,16 +93,22 @@ class CudaOps(Ops):
     def _rope_ok(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> bool:
         return (
             q.is_cuda and q.dtype in _HALF and k.dtype == q.dtype and _heads_ok(q) and _heads_ok(k)
-            and positions.dtype == torch.int64 and positions.is_contiguous()
-            and cos_sin.dtype in (torch.float32, q.dtype) and cos_sin.is_contiguous()
-            and cos_sin.shape[-1] == q.shape[-1] == k.shape[-1]
+            and q.shape[0] == k.shape[0] and q.shape[2] == k.shape[2] and q.shape[2] % 2 == 0
+            and positions.dtype == torch.int64 and positions.shape == (q.shape[0],) and positions.is_contiguous()
+            and cos_sin.dtype in (torch.float32, q.dtype) and cos_sin.dim() == 2 and cos_sin.is_contiguous()
+            and cos_sin.shape[1] == q.shape[2]
+            and q.device == k.device == positions.device == cos_sin.device
         )
 
     def _cache_ok(self, kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> bool:
         return (
-            kv_layer.is_contiguous() and kv_layer.dtype == k.dtype == v.dtype and k.dtype in _HALF
+            k.is_cuda and kv_layer.is_contiguous() and kv_layer.dtype == k.dtype == v.dtype and k.dtype in _HALF
             and _heads_ok(k) and _heads_ok(v) and v.shape == k.shape
-            and slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()
+            and kv_layer.dim() == 5 and kv_layer.shape[1] == 2 and kv_layer.shape[2] == k.shape[1]
+            and kv_layer.shape[4] == k.shape[2]
+            and slot_mapping.dtype == torch.int64 and slot_mapping.shape == (k.shape[0],)
+            and slot_mapping.is_contiguous()
+            and k.device == v.device == kv_layer.device == slot_mapping.device
         )
 
     def rope(
@@ -137,10 +150,13 @@ class CudaOps(Ops):
             return False
         if q.shape[1] % num_kv_heads != 0:
             return False
-        if not meta.is_prefill and q.shape[1] // num_kv_heads > MAX_DECODE_GROUP:
+        batch = meta.kv_indptr.shape[0] - 1
+        if meta.qo_indptr.shape[0] != batch + 1 or meta.kv_last_page_len.shape[0] != batch:
             return False
-        return all(
-            t.dtype == torch.int32 and t.is_cuda
+        if not meta.is_prefill and (q.shape[1] // num_kv_heads > MAX_DECODE_GROUP or q.shape[0] != batch):
+            return False
+        return kv_layer.device == q.device and all(
+            t.dtype == torch.int32 and t.device == q.device and t.dim() == 1 and t.is_contiguous()
             for t in (meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len)
         )
 

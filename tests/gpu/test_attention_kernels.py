@@ -87,3 +87,12 @@ def test_prefill_long_prompt_matches_torch_ops(cuda_ops, hq, hk, d):
     out = cuda_ops.attention(q, cache, meta, d**-0.5)
     assert rel_err(out, reference_attention(q, cache, tables, q_lens, kv_lens, d**-0.5)) < TOL[torch.bfloat16]
     assert rel_err(out, paged_attention(q, cache, meta, d**-0.5).float()) < TOL[torch.bfloat16]
+
+
+def test_unsupported_head_dim_falls_back_to_reference(cuda_ops):
+    kv_lens = [40, 3]
+    cache, tables = random_paged_cache(kv_lens, 2, 96, torch.bfloat16)
+    meta = make_metadata(tables, [1, 1], kv_lens, 16, is_prefill=False, device="cuda")
+    q = torch.randn(2, 4, 96, dtype=torch.bfloat16, device="cuda")
+    out = cuda_ops.attention(q, cache, meta, 0.1)
+    torch.testing.assert_close(out, paged_attention(q, cache, meta, 0.1), rtol=0, atol=0)
