@@ -67,6 +67,15 @@ def test_penalties_match_per_element_reference():
     assert not torch.equal(got[5], logits[5])  # the reference is not trivially the identity
 
 
+def test_penalties_leave_rows_without_tokens_untouched():
+    logits = torch.randn(3, 10)
+    got = apply_penalties(logits, [[], [4], [0, 0]], [[], [], [0, 0, 3]], [1.5, 1.0, 1.0], [0.7, 0.7, 0.0],
+                          [0.4, 0.4, 0.0])
+    assert torch.equal(got[0], logits[0])  # nothing to penalise: its padding (token 0) stays untouched
+    assert torch.equal(got[1], logits[1])  # presence/frequency look at the output only
+    assert torch.equal(got[2], logits[2])  # all penalties neutral
+
+
 def test_greedy_uses_penalised_logits_but_reports_raw():
     logits = torch.tensor([[5.0, 4.9, 0.0, -1.0]])
     seq = make_seq(temperature=0.0, output=[0, 0], frequency_penalty=1.0)

@@ -23,30 +23,31 @@ import torch
 
 PREFILTER = 1024  # candidates looked at before falling back to a full sort for top_p
 
-def _padded(token_lists: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
-    """int64 [R, L] with each row padded by `pad` (L >= 1 so scatter always has a column)."""
+
+def _padded(token_lists: list[list[int]], vocab_size: int, device: torch.device
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int64 [R, L] token ids, bool [R, L] real-entry mask). Each row is padded with its own first
+    token (0 if empty), so an idempotent scatter writes the same value at a pad as at that token."""
     width = max(1, max(len(t) for t in token_lists))
-    rows = np.full((len(token_lists), width), pad, dtype=np.int64)
+    ids = np.zeros((len(token_lists), width), dtype=np.int64)
+    real = np.zeros((len(token_lists), width), dtype=bool)
     for i, t in enumerate(token_lists):  # numpy row copies: ~4x faster than building padded lists
-        rows[i, :len(t)] = t
-    return torch.from_numpy(rows).to(device)
-
-
-def token_counts(token_lists: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
-    """float32 [R, V]: how often each vocab id occurs in each row's list (scatter_add, padding in column V)."""
-    for t in token_lists:
-        if t and (min(t) < 0 or max(t) >= vocab_size):
-            raise ValueError(f"token id {max(t) if max(t) >= vocab_size else min(t)} is outside the "
-                             f"vocabulary of the logits (size {vocab_size})")
-    tokens = _padded(token_lists, vocab_size, device)
-    counts = torch.zeros(tokens.shape[0], vocab_size + 1, dtype=torch.float32, device=device)
-    counts.scatter_add_(1, tokens, torch.ones_like(tokens, dtype=torch.float32))
-    return counts[:, :vocab_size]
+        if t:
+            if min(t) < 0 or max(t) >= vocab_size:
+                bad = min(t) if min(t) < 0 else max(t)
+                raise ValueError(f"token id {bad} is outside the vocabulary of the logits (size {vocab_size})")
+            ids[i, :len(t)], ids[i, len(t):], real[i, :len(t)] = t, t[0], True
+    return torch.from_numpy(ids).to(device), torch.from_numpy(real).to(device)
 
 
 def apply_penalties(logits: torch.Tensor, prompts: list[list[int]], outputs: list[list[int]],
                     repetition: list[float], frequency: list[float], presence: list[float]) -> torch.Tensor:
-    """Penalised copy of logits [B, V]; rows whose three penalties are neutral are returned unchanged."""
+    """Penalised copy of logits [B, V] (logits itself when no row has a penalty).
+
+    Sparse: only the [R, L] entries of the rows' own tokens are gathered, changed and scattered back;
+    the dense work is one copy of the rows. Duplicated tokens are harmless: the idempotent steps write
+    the same value for every copy, and the frequency step adds the same amount once per occurrence.
+    """
     rows = [i for i in range(len(outputs))
             if repetition[i] != 1.0 or frequency[i] != 0.0 or presence[i] != 0.0]
     if not rows:
@@ -54,23 +55,25 @@ def apply_penalties(logits: torch.Tensor, prompts: list[list[int]], outputs: lis
     dev, vocab = logits.device, logits.shape[1]
     every = len(rows) == logits.shape[0]
     idx = None if every else torch.tensor(rows, device=dev)
-    sub = logits if every else logits[idx]
-    params = torch.tensor([[repetition[i], frequency[i], presence[i]] for i in rows], device=dev)
+    work = logits.clone() if every else logits[idx]
+    # a row with no tokens to penalise gets neutral values, so its padding (token 0) stays untouched
+    params = torch.tensor([[repetition[i] if prompts[i] or outputs[i] else 1.0,
+                            frequency[i] if outputs[i] else 0.0,
+                            presence[i] if outputs[i] else 0.0] for i in rows], device=dev)
     rep, freq, pres = (params[:, j:j + 1] for j in range(3))
-
-    counts = token_counts([outputs[i] for i in rows], vocab, dev)
-    in_output = counts > 0
     if any(repetition[i] != 1.0 for i in rows):
-        # only rows with a repetition penalty need their (possibly long) prompt scattered
-        prompt_lists = [prompts[i] if repetition[i] != 1.0 else [] for i in rows]
-        seen = in_output | (token_counts(prompt_lists, vocab, dev) > 0)
-        sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
-    sub = sub - freq * counts - pres * in_output.to(sub.dtype)
+        seen, _ = _padded([prompts[i] + outputs[i] if repetition[i] != 1.0 else [] for i in rows], vocab, dev)
+        x = work.gather(1, seen)
+        work.scatter_(1, seen, torch.where(x > 0, x / rep, x * rep))
+    if any(frequency[i] != 0.0 or presence[i] != 0.0 for i in rows):
+        out, real = _padded([outputs[i] for i in rows], vocab, dev)
+        work.scatter_(1, out, work.gather(1, out) - pres)                # once per distinct token
+        work.scatter_add_(1, out, (-freq).expand_as(out) * real)          # once per occurrence
     if every:
-        return sub
-    out = logits.clone()
-    out[idx] = sub
-    return out
+        return work
+    result = logits.clone()
+    result[idx] = work
+    return result
 
 
 def truncation_mask(scaled: torch.Tensor, top_k: list[int], top_p: list[float],
