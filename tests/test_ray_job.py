@@ -74,8 +74,12 @@ def test_job_submit_of_the_launch_entrypoint_runs_and_prints_its_summary(ray_hea
     (tmp_path / "svc.yaml").write_text(yaml.safe_dump(cfg))
     cmd = [RAY, "job", "submit", "--address", address, "--working-dir", str(REPO), "--",
            sys.executable, "-m", "rollout_service.launch", "--config", str(tmp_path / "svc.yaml")]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
-    out = proc.stdout + proc.stderr
+    for _ in range(30):  # the dashboard port opens before its job agent is ready to take a job
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+        out = proc.stdout + proc.stderr
+        if "No available agent to submit job" not in out:
+            break
+        time.sleep(2)
     assert proc.returncode == 0, out[-3000:]
     assert "succeeded" in out and "rollout summary" in out
     summary = json.loads(next(ln for ln in out.splitlines() if ln.startswith("SUMMARY_JSON "))[len("SUMMARY_JSON "):])
