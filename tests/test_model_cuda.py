@@ -6,7 +6,7 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 from rollout_service.model import load_model
 from rollout_service.ops import select_ops
 from rollout_service.ops.attention import make_metadata
-from tests.test_model import ARCHS, PagedRunner, hf_logits, tiny_hf_model
+from test_model import ARCHS, PagedRunner, hf_logits, tiny_hf_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

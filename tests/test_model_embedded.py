@@ -1,9 +1,11 @@
 """DecoderLM on the embedded SmolLM2-135M-Instruct vs HF transformers on the same weights and tokens."""
+import os
+
 import pytest
 import torch
 
 from rollout_service.model import embedded_model_path, load_model
-from tests.test_model import PagedRunner
+from test_model import PagedRunner
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -17,7 +19,7 @@ def prompt_ids(smollm2):
 
 def test_embedded_model_path_points_at_a_gguf():
     folder, gguf = embedded_model_path()
-    assert gguf.endswith(".gguf") and (torch.serialization.os.path.isfile(f"{folder}/{gguf}"))
+    assert gguf.endswith(".gguf") and os.path.isfile(os.path.join(folder, gguf))
 
 
 def test_prefill_and_greedy_decode_match_hf(smollm2, prompt_ids):
