@@ -18,8 +18,11 @@ Per row (each sequence uses its own SamplingParams; rows never influence one ano
    K most likely tokens of that same distribution, best first (rows that asked for fewer get extra
    columns for the caller to trim; tokens dropped by truncation show -inf in "processed" mode).
 
-Work no row needs is skipped: no penalties -> no token counts; no top_k / top_p -> no sort (top_k alone
-uses topk); all greedy -> no scaling and no noise. top_k and top_p share one sort.
+Cost: work no row needs is skipped (no penalties -> untouched logits; temperature 1 -> no division;
+no top_k / top_p -> no sort, top_k alone -> topk only; all greedy -> no noise). Penalties touch only
+the rows' own token ids (gather/scatter). top_k and top_p share one sort, and a top_p row whose kept
+set lies in its 1024 best tokens needs no full sort at all. When every sampled row keeps few tokens,
+only those get noise. On CPU the noise is made in cache-sized blocks. None of this changes a token.
 """
 from __future__ import annotations
 
@@ -30,7 +33,6 @@ import torch
 from rollout_service.engine.logits_processors import apply_penalties, truncation_mask
 from rollout_service.engine.random import gumbel, row_key, vocab_ids
 from rollout_service.engine.sequence import Sequence
-
 
 _FEW_CANDIDATES = 8       # noise only the kept tokens when at most 1/8 of the vocabulary is kept
 _CPU_BLOCK = 1 << 16      # elements per block of the CPU noise loop (~0.5 MiB of int64)
