@@ -14,42 +14,16 @@
 from __future__ import annotations
 
 import asyncio
-import itertools
-import uuid
-from dataclasses import dataclass, field
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
+from actors.ledger import Ledger, Tracked, decode_request
 from actors.placement import create_workers
 from rollout_service.config import ServiceConfig
 from rollout_service.types import RolloutRequest, RolloutResult
 
 _ACTOR_DOWN = (RayActorError, getattr(ray.exceptions, "ActorUnavailableError", RayActorError))
-
-
-@dataclass
-class _Tracked:
-    request: RolloutRequest
-    stream: str
-    cost_per_sample: int
-    delivered: set[int] = field(default_factory=set)
-    jobs: list[str] = field(default_factory=list)   # engine request ids of every dispatch, newest last
-    worker: int | None = None                       # worker of the newest job (None: waiting)
-    fresh_as_of: int = -1                           # policy version the newest job was dispatched at
-
-    @property
-    def missing(self) -> int:
-        return self.request.sampling.n - len(self.delivered)
-
-
-@dataclass
-class _Stream:
-    expected: int
-    results: list[RolloutResult] = field(default_factory=list)
-    delivered: int = 0
-    event: asyncio.Event = field(default_factory=asyncio.Event)
-    request_ids: list[str] = field(default_factory=list)
 
 
 def error_text(e: BaseException) -> str:
@@ -65,17 +39,6 @@ def error_text(e: BaseException) -> str:
     return f"{type(e).__name__}: {text}"
 
 
-def cost_estimate(req: RolloutRequest) -> int:
-    p = req.prompt
-    if isinstance(p, str):
-        prompt = len(p) // 4 + 1
-    elif p and isinstance(p[0], dict):
-        prompt = sum(len(m["content"]) // 4 + 4 for m in p)
-    else:
-        prompt = len(p)
-    return prompt + req.sampling.max_tokens
-
-
 class Router:
     def __init__(self, config: ServiceConfig):
         self.config = config
@@ -85,16 +48,13 @@ class Router:
         self._alive = [False] * n
         self._gone = [False] * n           # dead for good (no restarts left)
         self._incarnation: list[str | None] = [None] * n
-        self._tracked: dict[str, _Tracked] = {}
-        self._job_owner: dict[str, str] = {}     # engine request id -> user request id
-        self._streams: dict[str, _Stream] = {}
-        self._ids = itertools.count()
+        self.ledger = Ledger()
         self._version = 0
         self._weights_ref = None
         self._paused = False
         self._closed = False
         self._tasks: list[asyncio.Task] = []
-        self.counters = {"resubmitted": 0, "duplicates_dropped": 0, "stale_regenerated": 0, "worker_deaths": 0}
+        self.counters = {"resubmitted": 0, "stale_regenerated": 0, "worker_deaths": 0}
 
     # -- start-up ---------------------------------------------------------------------------------
     async def start(self) -> str | None:
@@ -113,20 +73,6 @@ class Router:
         return None
 
     # -- requests ---------------------------------------------------------------------------------
-    def _decode(self, item) -> RolloutRequest:
-        try:
-            if isinstance(item, RolloutRequest):
-                return item
-            if isinstance(item, (bytes, bytearray, memoryview)):
-                return RolloutRequest.from_msgpack(bytes(item))
-            if isinstance(item, dict):
-                return RolloutRequest.from_dict(item)
-        except ValueError:
-            raise
-        except Exception as e:  # malformed records raise all sorts of things; the caller gets a ValueError
-            raise ValueError(f"malformed request record: {type(e).__name__}: {e}") from None
-        raise ValueError(f"expected a RolloutRequest, a dict or msgpack bytes, got {type(item).__name__}")
-
     async def submit(self, items: list) -> dict:
         """Accept a batch (all or none). Returns {"stream": id} or {"errors": [(index, message), ...]}."""
         if self._closed:
@@ -134,8 +80,8 @@ class Router:
         reqs, errors, seen = [], [], set()
         for i, item in enumerate(items):
             try:
-                r = self._decode(item)
-                if r.request_id in self._tracked or r.request_id in seen:
+                r = decode_request(item)
+                if r.request_id in self.ledger.tracked or r.request_id in seen:
                     raise ValueError(f"request_id {r.request_id!r} is already in flight")
                 seen.add(r.request_id)
                 reqs.append(r)
@@ -147,29 +93,16 @@ class Router:
             return {"errors": [(-1, "empty batch")]}
         if not any(self._alive) and all(self._gone):
             return {"errors": [(-1, "no rollout worker is alive")]}
-        sid = uuid.uuid4().hex
-        self._streams[sid] = _Stream(expected=sum(r.sampling.n for r in reqs),
-                                              request_ids=[r.request_id for r in reqs])
-        tracked = []
-        for r in reqs:
-            t = self._tracked[r.request_id] = _Tracked(r, sid, cost_estimate(r))
-            tracked.append(t)
+        sid, tracked = self.ledger.open_stream(reqs)
         errors = await self._dispatch(tracked, report_errors=True)
         if errors:
             await self._abort_tracked(tracked, deliver=False)
-            del self._streams[sid]
+            self.ledger.close_stream(sid)
             index = {r.request_id: i for i, r in enumerate(reqs)}
             return {"errors": [(index.get(rid, -1), msg) for rid, msg in errors]}
         return {"stream": sid}
 
-    def _loads(self) -> list[int]:
-        loads = [0] * len(self.workers)
-        for t in self._tracked.values():
-            if t.worker is not None:
-                loads[t.worker] += t.cost_per_sample * t.missing
-        return loads
-
-    async def _dispatch(self, tracked: list[_Tracked], report_errors: bool = False) -> list[tuple[str, str]]:
+    async def _dispatch(self, tracked: list[Tracked], report_errors: bool = False) -> list[tuple[str, str]]:
         """Send each request (as a new job) to the least-loaded live worker. With no live worker the
         requests wait (worker None) until one comes back. Returns (request_id, error) pairs."""
         live = [i for i, a in enumerate(self._alive) if a]
@@ -177,16 +110,11 @@ class Router:
             for t in tracked:
                 t.worker = None
             return []
-        loads = self._loads()
+        loads = self.ledger.loads(len(self.workers))
         batches: dict[int, list[RolloutRequest]] = {}
         for t in sorted(tracked, key=lambda t: -t.cost_per_sample * t.missing):
             i = min(live, key=lambda j: loads[j])
-            job_id = f"{t.request.request_id}#{next(self._ids)}"
-            job = RolloutRequest(prompt=t.request.prompt, sampling=t.request.sampling, request_id=job_id,
-                                 metadata=t.request.metadata, apply_chat_template=t.request.apply_chat_template)
-            t.jobs.append(job_id)
-            t.worker, t.fresh_as_of = i, self._version
-            self._job_owner[job_id] = t.request.request_id
+            job = self.ledger.new_job(t, i, self._version)
             loads[i] += t.cost_per_sample * t.missing
             batches.setdefault(i, []).append(job)
         calls = {i: self.workers[i].submit.remote(jobs) for i, jobs in batches.items()}
@@ -195,7 +123,7 @@ class Router:
             try:
                 for job, err in zip(batches[i], await ref):
                     if err is not None:
-                        errors.append((self._job_owner[job.request_id], err))
+                        errors.append((self.ledger.owner(job.request_id).request.request_id, err))
             except _ACTOR_DOWN:
                 pass  # its poll loop sees the death and moves these jobs on
         if errors and not report_errors:  # cannot happen for requests accepted before; do not lose them
@@ -223,10 +151,8 @@ class Router:
                 self._on_result(r)
 
     def _on_result(self, r: RolloutResult) -> None:
-        rid = self._job_owner.get(r.request_id)
-        t = self._tracked.get(rid) if rid is not None else None
-        if t is None or r.sample_index in t.delivered:
-            self.counters["duplicates_dropped"] += 1
+        t = self.ledger.is_new(r)
+        if t is None:
             return
         k = self.config.max_staleness
         if k is not None and r.token_versions and r.finish_reason != "abort" \
@@ -236,42 +162,15 @@ class Router:
                 self.counters["stale_regenerated"] += 1
                 self._spawn(self._regenerate(t))
             return
-        self._deliver(t, r)
-
-    def _deliver(self, t: _Tracked, r: RolloutResult) -> None:
-        r.request_id = t.request.request_id
-        r.metadata = t.request.metadata
-        t.delivered.add(r.sample_index)
-        s = self._streams.get(t.stream)
-        if s is not None:
-            s.results.append(r)
-            s.delivered += 1
-            s.event.set()
-        if t.missing == 0:
-            self._forget(t)
-
-    def _forget(self, t: _Tracked) -> None:
-        self._tracked.pop(t.request.request_id, None)
-        for j in t.jobs:
-            self._job_owner.pop(j, None)
+        self.ledger.deliver(t, r)
 
     def _fail(self, rid: str, msg: str) -> None:
-        t = self._tracked.get(rid)
+        t = self.ledger.tracked.get(rid)
         if t is not None:
             self._log(f"request {rid} failed on resubmission: {msg}")
-            self._fill_aborted(t)
+            self.ledger.fill_aborted(t)
 
-    def _fill_aborted(self, t: _Tracked) -> list[RolloutResult]:
-        """Deliver an empty 'abort' result for every sample that has none, so streams always end."""
-        out = []
-        for idx in range(t.request.sampling.n):
-            if idx not in t.delivered and t.request.request_id in self._tracked:
-                out.append(RolloutResult(t.request.request_id, idx, [], [], [], [], "abort",
-                                         metadata=t.request.metadata))
-                self._deliver(t, out[-1])
-        return out
-
-    async def _regenerate(self, t: _Tracked) -> None:
+    async def _regenerate(self, t: Tracked) -> None:
         old = (t.worker, t.jobs[-1]) if t.worker is not None else None
         await self._dispatch([t])
         if old is not None and self._alive[old[0]]:
@@ -283,35 +182,21 @@ class Router:
     async def next_results(self, sid: str, timeout: float = 1.0) -> tuple[list[RolloutResult], bool]:
         """Results of stream `sid` delivered since the last call (waits up to `timeout` for one);
         the flag says whether the stream is complete (it is then forgotten)."""
-        s = self._streams.get(sid)
-        if s is None:
-            raise ValueError(f"unknown or finished stream {sid!r}")
-        if not s.results and s.delivered < s.expected:
-            try:
-                await asyncio.wait_for(s.event.wait(), timeout)
-            except asyncio.TimeoutError:
-                pass
-        out, s.results = s.results, []
-        s.event.clear()
-        done = s.delivered >= s.expected
-        if done:
-            del self._streams[sid]
-        if not out and not done and not any(self._alive) and all(self._gone):
+        out, done = await self.ledger.next_results(sid, timeout)
+        if not out and not done and all(self._gone):
             raise RuntimeError("every rollout worker is dead; the stream cannot finish")
         return out, done
 
     async def close_stream(self, sid: str) -> None:
         """The consumer went away: abort what is still running for it."""
-        s = self._streams.pop(sid, None)
-        if s is not None:
-            await self._abort_tracked([self._tracked[r] for r in s.request_ids if r in self._tracked], deliver=False)
+        await self._abort_tracked(self.ledger.close_stream(sid), deliver=False)
 
     # -- faults -----------------------------------------------------------------------------------
     async def _worker_down(self, i: int) -> None:
         if self._alive[i]:
             self._alive[i] = False
             self.counters["worker_deaths"] += 1
-        lost = [t for t in self._tracked.values() if t.worker == i]
+        lost = self.ledger.on_worker(i)
         if lost:
             self.counters["resubmitted"] += len(lost)
             await self._dispatch(lost)
@@ -338,24 +223,24 @@ class Router:
                 continue
             self._incarnation[i] = h["incarnation"]
             self._alive[i] = True
-            waiting = [t for t in self._tracked.values() if t.worker is None or t.worker == i]
+            waiting = self.ledger.on_worker(None) + self.ledger.on_worker(i)
             if waiting:
                 await self._dispatch(waiting)
             return
         self._gone[i] = True
         self._log(f"worker {i} is gone for good")
         if not any(self._alive):
-            for t in list(self._tracked.values()):
-                self._fill_aborted(t)
+            for t in list(self.ledger.tracked.values()):
+                self.ledger.fill_aborted(t)
 
     # -- control ----------------------------------------------------------------------------------
     async def abort(self, request_ids: list[str]) -> list[RolloutResult]:
         """Abort requests now. Their remaining samples end with finish_reason "abort" (tokens so far);
         those results go to the requests' streams (so they finish) and are returned here as well."""
-        ts = [self._tracked[r] for r in request_ids if r in self._tracked]
+        ts = [self.ledger.tracked[r] for r in request_ids if r in self.ledger.tracked]
         return await self._abort_tracked(ts, deliver=True)
 
-    async def _abort_tracked(self, ts: list[_Tracked], deliver: bool) -> list[RolloutResult]:
+    async def _abort_tracked(self, ts: list[Tracked], deliver: bool) -> list[RolloutResult]:
         out: list[RolloutResult] = []
         by_worker: dict[int, list[str]] = {}
         for t in ts:
@@ -367,20 +252,16 @@ class Router:
             except _ACTOR_DOWN:
                 partial = []
             for r in partial if deliver else []:
-                self._on_abort_result(r, out)
+                t = self.ledger.owner(r.request_id)
+                if t is not None and r.sample_index not in t.delivered:
+                    self.ledger.deliver(t, r)
+                    out.append(r)
         for t in ts:
             if deliver:
-                out += self._fill_aborted(t)
+                out += self.ledger.fill_aborted(t)
             else:
-                self._forget(t)
+                self.ledger.forget(t)
         return out
-
-    def _on_abort_result(self, r: RolloutResult, out: list[RolloutResult]) -> None:
-        rid = self._job_owner.get(r.request_id)
-        t = self._tracked.get(rid) if rid is not None else None
-        if t is not None and r.sample_index not in t.delivered:
-            self._deliver(t, r)
-            out.append(r)
 
     async def update_weights(self, refs: list, version: int) -> str | None:
         """refs = [ObjectRef of PackedWeights] (wrapped so the router never copies the weights)."""
@@ -432,8 +313,10 @@ class Router:
 
     def info(self) -> dict:
         return {"name": self.config.name, "policy_version": self._version, "num_workers": len(self.workers),
-                "alive": list(self._alive), "in_flight": len(self._tracked), "streams": len(self._streams),
-                "paused": self._paused, "loads": self._loads(), **self.counters}
+                "alive": list(self._alive), "in_flight": len(self.ledger.tracked),
+                "streams": len(self.ledger.streams), "paused": self._paused,
+                "loads": self.ledger.loads(len(self.workers)), "duplicates_dropped": self.ledger.duplicates_dropped,
+                **self.counters}
 
     async def shutdown(self) -> None:
         self._closed = True

@@ -11,7 +11,7 @@ from typing import Any, Iterator
 import ray
 
 from rollout_service.config import ServiceConfig
-from rollout_service.types import RolloutRequest, RolloutResult
+from rollout_service.types import RolloutResult
 from rollout_service.weights import publish
 
 

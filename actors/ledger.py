@@ -1,0 +1,162 @@
+"""Ledger: the router's book of requests — what each client asked for, which job (dispatch) of it
+runs where, what was delivered, and the client streams results wait in.
+
+Each dispatch of a request is a "job" with its own engine request id, so the same request can be in
+flight twice (resubmitted after a fault, regenerated when stale) and every result still maps back
+to it. A (request_id, sample_index) is delivered once; later copies are dropped.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import uuid
+from dataclasses import dataclass, field
+
+from rollout_service.types import RolloutRequest, RolloutResult
+
+
+@dataclass
+class Tracked:
+    request: RolloutRequest
+    stream: str
+    cost_per_sample: int
+    delivered: set[int] = field(default_factory=set)
+    jobs: list[str] = field(default_factory=list)   # engine request ids of every dispatch, newest last
+    worker: int | None = None                       # worker of the newest job (None: waiting for one)
+    fresh_as_of: int = -1                           # policy version the newest job was dispatched at
+
+    @property
+    def missing(self) -> int:
+        return self.request.sampling.n - len(self.delivered)
+
+
+@dataclass
+class Stream:
+    expected: int
+    request_ids: list[str]
+    results: list[RolloutResult] = field(default_factory=list)
+    delivered: int = 0
+    event: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+def cost_estimate(req: RolloutRequest) -> int:
+    """Outstanding-token cost of one sample: prompt tokens (estimated for text) + max_tokens."""
+    p = req.prompt
+    if isinstance(p, str):
+        prompt = len(p) // 4 + 1
+    elif p and isinstance(p[0], dict):
+        prompt = sum(len(m["content"]) // 4 + 4 for m in p)
+    else:
+        prompt = len(p)
+    return prompt + req.sampling.max_tokens
+
+
+def decode_request(item) -> RolloutRequest:
+    """A RolloutRequest from a request, a dict or msgpack bytes (untrusted: never unpickled)."""
+    try:
+        if isinstance(item, RolloutRequest):
+            return item
+        if isinstance(item, (bytes, bytearray, memoryview)):
+            return RolloutRequest.from_msgpack(bytes(item))
+        if isinstance(item, dict):
+            return RolloutRequest.from_dict(item)
+    except ValueError:
+        raise
+    except Exception as e:  # malformed records raise all sorts of things; the caller gets a ValueError
+        raise ValueError(f"malformed request record: {type(e).__name__}: {e}") from None
+    raise ValueError(f"expected a RolloutRequest, a dict or msgpack bytes, got {type(item).__name__}")
+
+
+class Ledger:
+    def __init__(self):
+        self.tracked: dict[str, Tracked] = {}
+        self.streams: dict[str, Stream] = {}
+        self._job_owner: dict[str, str] = {}   # engine request id -> client request id
+        self._ids = itertools.count()
+        self.duplicates_dropped = 0
+
+    def open_stream(self, reqs: list[RolloutRequest]) -> tuple[str, list[Tracked]]:
+        sid = uuid.uuid4().hex
+        self.streams[sid] = Stream(sum(r.sampling.n for r in reqs), [r.request_id for r in reqs])
+        ts = [Tracked(r, sid, cost_estimate(r)) for r in reqs]
+        self.tracked.update((t.request.request_id, t) for t in ts)
+        return sid, ts
+
+    def close_stream(self, sid: str) -> list[Tracked]:
+        """Forget a stream; returns its requests that are still running."""
+        s = self.streams.pop(sid, None)
+        return [self.tracked[r] for r in (s.request_ids if s else []) if r in self.tracked]
+
+    def new_job(self, t: Tracked, worker: int, version: int) -> RolloutRequest:
+        job_id = f"{t.request.request_id}#{next(self._ids)}"
+        t.jobs.append(job_id)
+        t.worker, t.fresh_as_of = worker, version
+        self._job_owner[job_id] = t.request.request_id
+        r = t.request
+        return RolloutRequest(prompt=r.prompt, sampling=r.sampling, request_id=job_id, metadata=r.metadata,
+                              apply_chat_template=r.apply_chat_template)
+
+    def owner(self, job_id: str) -> Tracked | None:
+        rid = self._job_owner.get(job_id)
+        return self.tracked.get(rid) if rid is not None else None
+
+    def is_new(self, r: RolloutResult) -> Tracked | None:
+        """The request a worker's result belongs to, or None (counted) if it is a late duplicate."""
+        t = self.owner(r.request_id)
+        if t is None or r.sample_index in t.delivered:
+            self.duplicates_dropped += 1
+            return None
+        return t
+
+    def deliver(self, t: Tracked, r: RolloutResult) -> None:
+        r.request_id = t.request.request_id
+        r.metadata = t.request.metadata
+        t.delivered.add(r.sample_index)
+        s = self.streams.get(t.stream)
+        if s is not None:
+            s.results.append(r)
+            s.delivered += 1
+            s.event.set()
+        if t.missing == 0:
+            self.forget(t)
+
+    def forget(self, t: Tracked) -> None:
+        self.tracked.pop(t.request.request_id, None)
+        for j in t.jobs:
+            self._job_owner.pop(j, None)
+
+    def fill_aborted(self, t: Tracked) -> list[RolloutResult]:
+        """Deliver an empty "abort" result for every sample that has none, so its stream ends."""
+        out = []
+        for idx in range(t.request.sampling.n):
+            if idx not in t.delivered and t.request.request_id in self.tracked:
+                out.append(RolloutResult(t.request.request_id, idx, [], [], [], [], "abort",
+                                         metadata=t.request.metadata))
+                self.deliver(t, out[-1])
+        return out
+
+    def on_worker(self, i: int | None) -> list[Tracked]:
+        return [t for t in self.tracked.values() if t.worker == i]
+
+    def loads(self, num_workers: int) -> list[int]:
+        loads = [0] * num_workers
+        for t in self.tracked.values():
+            if t.worker is not None:
+                loads[t.worker] += t.cost_per_sample * t.missing
+        return loads
+
+    async def next_results(self, sid: str, timeout: float) -> tuple[list[RolloutResult], bool]:
+        s = self.streams.get(sid)
+        if s is None:
+            raise ValueError(f"unknown or finished stream {sid!r}")
+        if not s.results and s.delivered < s.expected:
+            try:
+                await asyncio.wait_for(s.event.wait(), timeout)
+            except asyncio.TimeoutError:
+                pass
+        out, s.results = s.results, []
+        s.event.clear()
+        done = s.delivered >= s.expected
+        if done:
+            del self.streams[sid]
+        return out, done
