@@ -6,6 +6,7 @@ instance) and `RolloutClient.connect(name)` attaches to a running one; both wrap
 from __future__ import annotations
 
 import os
+import time
 from typing import Any, Iterator
 
 import ray
@@ -40,9 +41,10 @@ def resolve_auto(config: ServiceConfig) -> ServiceConfig:
 class RayBackend:
     """The client backend interface: submit, update_weights, pause, resume, abort, stats, close."""
 
-    def __init__(self, router: Any, name: str, owner: bool):
+    def __init__(self, router: Any, name: str, owner: bool, namespace: str = "rollout_service"):
         self.router = router
         self.name = name
+        self.namespace = namespace
         self._owner = owner  # a launched service is shut down by close(); a connected one is left running
 
     @classmethod
@@ -71,7 +73,7 @@ class RayBackend:
             ray.get(router.shutdown.remote())
             ray.kill(router)
             raise ValueError(f"rollout service {cfg.name!r} failed to start: {err}")
-        return cls(router, cfg.name, owner=True)
+        return cls(router, cfg.name, owner=True, namespace=cfg.namespace)
 
     @classmethod
     def connect(cls, name: str = "rollout_service", namespace: str = "rollout_service",
@@ -81,7 +83,7 @@ class RayBackend:
             router = ray.get_actor(name, namespace=namespace)
         except ValueError:
             raise ValueError(f"no rollout service named {name!r} in namespace {namespace!r} on this Ray cluster") from None
-        return cls(router, name, owner=False)
+        return cls(router, name, owner=False, namespace=namespace)
 
     # -- the backend interface --------------------------------------------------------------------
     def submit(self, requests: list) -> Iterator[RolloutResult]:
@@ -137,7 +139,19 @@ class RayBackend:
                 ray.get(self.router.shutdown.remote())
             finally:
                 ray.kill(self.router)
+            _wait_name_released(self.name, self.namespace)
         self.router = None
+
+
+def _wait_name_released(name: str, namespace: str, timeout: float = 10.0) -> None:
+    """ray.kill is asynchronous: wait until the name is free so a relaunch under it succeeds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            ray.get_actor(name, namespace=namespace)
+        except ValueError:
+            return
+        time.sleep(0.1)
 
 
 def _message(e: BaseException) -> str:

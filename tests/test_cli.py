@@ -47,6 +47,11 @@ def test_stats_of_a_running_service(ray_cluster, service_config, capsys):
         assert cli.main(["stats", "--name", "svc-stats"]) == 0
         out = capsys.readouterr().out
         assert "policy version 0" in out and out.count("True") >= 2
+        # another process (another Ray job) attaches to the named service
+        proc = subprocess.run([sys.executable, "-m", "rollout_service.cli", "stats", "--name", "svc-stats",
+                               "--address", ray_cluster.address], cwd=REPO, capture_output=True, text=True,
+                              timeout=120)
+        assert proc.returncode == 0 and "policy version 0" in proc.stdout, proc.stdout + proc.stderr[-2000:]
     finally:
         b.close()
     assert cli.main(["stats", "--name", "svc-stats"]) == 2
