@@ -94,6 +94,10 @@ def test_bad_shapes_are_value_errors():
         Sampler()(torch.randn(2, 8), [make_seq()])
     with pytest.raises(ValueError, match="shape"):
         Sampler()(torch.randn(8), [make_seq()])
+    unseeded = make_seq()
+    unseeded.seed = None
+    with pytest.raises(ValueError, match="seed"):
+        Sampler()(torch.randn(1, 8), [unseeded])
 
 
 # ---------------------------------------------------------------- truncation

@@ -112,6 +112,10 @@ def _checked(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         raise ValueError(f"Sampler: logits has {logits.shape[0]} rows but {len(seqs)} sequences were given")
     if logits.shape[1] == 0:
         raise ValueError("Sampler: logits has an empty vocabulary dimension")
+    for s in seqs:
+        if not (isinstance(s.seed, int) and isinstance(s.sample_index, int)) or s.seed < 0 or s.sample_index < 0:
+            raise ValueError(f"Sampler: {s!r} needs an int seed >= 0 and sample_index >= 0, "
+                             f"got seed={s.seed!r}, sample_index={s.sample_index!r}")
     return logits.float()
 
 
