@@ -27,6 +27,7 @@ only those get noise. On CPU the noise is made in cache-sized blocks. None of th
 from __future__ import annotations
 
 from dataclasses import dataclass
+from numbers import Integral
 
 import torch
 
@@ -95,8 +96,8 @@ class Sampler:
                 temps = torch.tensor([t if t != 0 else 1.0 for t in rp.temperature], device=dev)
                 scaled = penalised / temps.unsqueeze(1)
             truncated, kept = _truncate(scaled, sampled, rp)
-            keys = torch.tensor([row_key(seqs[i].seed, seqs[i].sample_index, seqs[i].num_output_tokens)
-                                 for i in sampled], dtype=torch.int64, device=dev)
+            keys = torch.tensor([row_key(int(s.seed), int(s.sample_index), s.num_output_tokens)
+                                 for s in (seqs[i] for i in sampled)], dtype=torch.int64, device=dev)
             _assign(tokens, sampled, _draw(_rows(truncated, sampled), keys, kept))
             sources.update(scaled=scaled, processed=truncated)
             if kept is not None:
@@ -113,7 +114,8 @@ def _checked(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     if logits.shape[1] == 0:
         raise ValueError("Sampler: logits has an empty vocabulary dimension")
     for s in seqs:
-        if not (isinstance(s.seed, int) and isinstance(s.sample_index, int)) or s.seed < 0 or s.sample_index < 0:
+        ok = isinstance(s.seed, Integral) and isinstance(s.sample_index, Integral)
+        if not ok or s.seed < 0 or s.sample_index < 0:
             raise ValueError(f"Sampler: {s!r} needs an int seed >= 0 and sample_index >= 0, "
                              f"got seed={s.seed!r}, sample_index={s.sample_index!r}")
     return logits.float()
