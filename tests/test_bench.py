@@ -125,6 +125,9 @@ def test_ratio_direction_and_floor():
     assert decode_step_floor(50, 50, 10, 1, ceil) == 1.0
     # Compute bound at a large batch: 2 * 10 * 100 / 1000 = 2 s.
     assert decode_step_floor(50, 50, 10, 100, ceil) == 2.0
+    # A faster read-only stream (CPU) lowers the memory-bound floor: 100 B / 200 B/s.
+    ceil.read_Bps = 200.0
+    assert decode_step_floor(50, 50, 10, 1, ceil) == 0.5
     md = render_markdown({"started_utc": "2026-01-01T00:00:00Z", "hardware": "H", "torch": "t",
                           "transformers": "tf", "python": "p", "device": "cpu", "command": "c"},
                          None, [tput])

@@ -81,7 +81,7 @@ def decode_rows(ctx: BenchContext, dtype: torch.dtype) -> list[Row]:
         for batch in ctx.shapes.w4_batches:
             for ctx_len in ctx.shapes.w4_contexts:
                 kv_bytes = batch * ctx_len * 2 * hkv * d * elem
-                floor = Cell(1e6 * (kv_bytes + 2 * batch * hq * d * elem) / ctx.ceilings.bandwidth_Bps)
+                floor = Cell(1e6 * (kv_bytes + 2 * batch * hq * d * elem) / ctx.ceilings.stream_Bps)
                 name = f"W4 decode[torch] B{batch} ctx{ctx_len} {hq}/{hkv}x{d}"
                 row = Row(ctx.bm.name, name, "paged decode attention µs", "µs", False, floor=floor)
                 row.hf_generate = row.hf_generate_batch = Cell.na("kernel micro-benchmark")

@@ -21,9 +21,16 @@ class Ceilings:
     matmul_n: int
     matmul_dtype: str
     matmul_flops: float      # FLOP/s, fastest of the timed matmuls
+    read_Bps: float = 0.0    # CPU only: a read-only pass (sum); a CPU copy also reads the destination
+                             # lines before writing them, so copy bandwidth understates what reads get
+
+    @property
+    def stream_Bps(self) -> float:
+        """Bandwidth the floors use: the better of copy and read-only."""
+        return max(self.bandwidth_Bps, self.read_Bps)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {**asdict(self), "stream_Bps": self.stream_Bps}
 
 
 def sync(device: torch.device) -> None:
@@ -54,6 +61,13 @@ def measure_bandwidth(device: torch.device, nbytes: int, iters: int) -> float:
     return 2 * nbytes / seconds
 
 
+def measure_read(device: torch.device, nbytes: int, iters: int) -> float:
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
+    seconds = time_fn(lambda: src.sum(), device, iters, best=True)
+    del src
+    return nbytes / seconds
+
+
 def measure_matmul(device: torch.device, n: int, dtype: torch.dtype, iters: int) -> float:
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
@@ -73,9 +87,12 @@ def measure_ceilings(device: torch.device, quick: bool = False) -> Ceilings:
             nbytes, n, iters = 32 << 20, 256, 2
     bw = measure_bandwidth(device, nbytes, iters)
     flops = measure_matmul(device, n, dtype, iters)
+    read = 0.0
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return Ceilings(str(device), nbytes, bw, n, str(dtype).replace("torch.", ""), flops)
+    else:
+        read = measure_read(device, nbytes, iters)
+    return Ceilings(str(device), nbytes, bw, n, str(dtype).replace("torch.", ""), flops, read)
 
 
 def decode_step_floor(weight_bytes: float, kv_bytes: float, params: float, batch: int,
@@ -84,9 +101,9 @@ def decode_step_floor(weight_bytes: float, kv_bytes: float, params: float, batch
     multiply-add done at peak, whichever takes longer. Weights are read once per step (they're
     shared by the batch); each sequence reads its own KV."""
     # Copy bandwidth counts read + write; a read-only stream moves the same bytes per second.
-    return max((weight_bytes + kv_bytes) / ceil.bandwidth_Bps, 2 * params * batch / ceil.matmul_flops)
+    return max((weight_bytes + kv_bytes) / ceil.stream_Bps, 2 * params * batch / ceil.matmul_flops)
 
 
 def prefill_floor(weight_bytes: float, params: float, tokens: int, ceil: Ceilings) -> float:
     """Seconds to prefill `tokens` prompt tokens: weight read or 2*params FLOPs per token."""
-    return max(weight_bytes / ceil.bandwidth_Bps, 2 * params * tokens / ceil.matmul_flops)
+    return max(weight_bytes / ceil.stream_Bps, 2 * params * tokens / ceil.matmul_flops)

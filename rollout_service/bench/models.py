@@ -117,7 +117,7 @@ def load_bench_model(name: str, device: torch.device, dtype: torch.dtype | None 
         torch.manual_seed(seed)
         # Build straight on the device: an 8B model initialised on the CPU would take minutes.
         with torch.device(device):
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype).to(device)
         weights = f"random (seed {seed})"
     model.eval()
     model.generation_config.pad_token_id = 0

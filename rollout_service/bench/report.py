@@ -89,8 +89,9 @@ def render_markdown(meta: dict, ceilings: dict | None, rows: list[Row]) -> str:
                      f"at end {meta['loadavg'].get('end', [float('nan')])[0]:.2f} on {meta['cpu_count']} CPUs; "
                      f"torch threads {meta.get('torch_threads', '?')}.")
     if ceilings:
+        read = f", read-only {ceilings['read_Bps'] / 1e9:.1f} GB/s" if ceilings.get("read_Bps") else ""
         lines.append(f"Ceilings: copy {ceilings['bandwidth_Bps'] / 1e9:.1f} GB/s "
-                     f"({ceilings['copy_bytes'] >> 20} MiB, read + write), matmul "
+                     f"({ceilings['copy_bytes'] >> 20} MiB, read + write){read}, matmul "
                      f"{ceilings['matmul_flops'] / 1e12:.3g} TFLOP/s ({ceilings['matmul_dtype']} "
                      f"{ceilings['matmul_n']}^3).")
     lines += ["", "Ratios are engine performance / peer performance (> 1: engine faster; for times, peer "
