@@ -26,8 +26,13 @@ def test_tensor_hash_matches_python_reference_bit_for_bit():
 
 
 def test_row_keys_are_distinct_across_counters():
-    keys = {row_key(seed, idx, step) for seed in range(20) for idx in range(5) for step in range(20)}
-    assert len(keys) == 20 * 5 * 20
+    keys = {row_key(seed, 0, step) for seed in range(100) for step in range(20)}
+    assert len(keys) == 100 * 20
+
+
+def test_sample_k_uses_the_stream_of_seed_plus_k():
+    assert all(row_key(s, k, t) == row_key(s + k, 0, t) for s in (0, 7, 2**62) for k in range(5) for t in range(3))
+    assert row_key(5, 1, 0) != row_key(5, 0, 0)
 
 
 def test_uniforms_are_uniform_in_open_interval():

@@ -204,7 +204,9 @@ class Engine:
         finished: list[RolloutResult] = []
         for i, seq in enumerate(seqs):
             k = seq.sampling.logprobs
-            top = dict(zip(top_ids[i][:k], top_lps[i][:k])) if k and top_ids is not None else None
+            # alternatives outside a truncated distribution (-inf) are not alternatives
+            top = ({t: lp for t, lp in zip(top_ids[i][:k], top_lps[i][:k]) if lp != float("-inf")}
+                   if k and top_ids is not None else None)
             seq.append(token_ids[i], logprobs[i], self.policy_version, top)
             reason = self._stop_reason(seq)
             if reason:

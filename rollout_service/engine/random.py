@@ -6,7 +6,9 @@ recompute, or on the device (the same integer ops give the same bits on CPU and 
 state is carried anywhere.
 
 Construction:
-  row key  k = mix(((mix(((mix(seed + G) ^ sample_index) + G) ^ step) + G)   -- exact, in Python ints
+  row key  k = mix((mix(seed + sample_index + G) ^ step) + G)                  -- exact, in Python ints
+(sample k of a request seeded s draws the stream of seed s + k: an n = 8 request reproduces eight n = 1
+requests seeded s, s + 1, ..., s + 7)
   element  h[v] = mix(k + (v + 1) * G)   for vocab id v                      -- torch int64, per [B, V]
 where mix is the splitmix64 finaliser and G = 0x9E3779B97F4A7C15 (h[v] is element v of the splitmix64
 stream seeded with k). Torch has no uint64, so the tensor version keeps the 64 bits in int64: + and *
@@ -44,8 +46,7 @@ def splitmix64_int(z: int) -> int:
 
 def row_key(seed: int, sample_index: int, step: int) -> int:
     """64-bit key (as a signed int64 value) of one sequence's draw at one step."""
-    k = splitmix64_int(seed + GOLDEN)
-    k = splitmix64_int((k ^ sample_index) + GOLDEN)
+    k = splitmix64_int(seed + sample_index + GOLDEN)
     k = splitmix64_int((k ^ step) + GOLDEN)
     return _signed(k)
 

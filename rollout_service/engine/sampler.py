@@ -7,7 +7,7 @@ Per row (each sequence uses its own SamplingParams; rows never influence one ano
 3. Other rows: scaled = penalised / temperature; truncated = scaled with the tokens dropped by top_k,
    top_p and min_p set to -inf (logits_processors.py); processed = log_softmax(truncated).
    token = argmax(truncated + gumbel), an exact draw from softmax(truncated) (Gumbel-max), where the
-   Gumbel noise is a counter-based hash of (seed, sample_index, step = num_output_tokens, vocab id)
+   Gumbel noise is a counter-based hash of (seed + sample_index, step = num_output_tokens, vocab id)
    (random.py): a sequence's token depends only on its own counters and logits, whatever the batch,
    the device, or a preemption and recompute in between.
 4. logprobs[b] = log-prob of the chosen token under the row's logprobs_mode:
