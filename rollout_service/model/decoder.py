@@ -16,6 +16,24 @@ from rollout_service.ops.backend import Ops, select_ops
 from rollout_service.ops.rope import build_cos_sin_cache, rope_head_dim
 
 
+def fuse_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight (and bias) for several projections of the same input: one GEMM instead of several.
+
+    Each module's Parameter becomes a view into the fused tensor, so HF-named parameters, the state dict and
+    in-place weight refreshes (param.copy_) keep working and update the fused weight too.
+    """
+    weight = torch.cat([m.weight.detach() for m in linears])
+    bias = torch.cat([m.bias.detach() for m in linears]) if linears[0].bias is not None else None
+    row = 0
+    for m in linears:
+        rows = m.weight.shape[0]
+        m.weight = nn.Parameter(weight[row:row + rows], requires_grad=False)
+        if bias is not None:
+            m.bias = nn.Parameter(bias[row:row + rows], requires_grad=False)
+        row += rows
+    return weight, bias
+
+
 class RMSNorm(nn.Module):
     """Holds the weight; the computation is the ops backend's."""
 
@@ -42,15 +60,24 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.qk_norm = flags.qk_norm
+        self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self.qkv_sizes = [self.num_heads * self.head_dim] + [self.num_kv_heads * self.head_dim] * 2
+
+    def fuse(self) -> None:
+        self.qkv = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata,
         cos_sin: torch.Tensor,
     ) -> torch.Tensor:
         tokens = x.shape[0]
-        q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        if self.qkv is not None:
+            q, k, v = F.linear(x, *self.qkv).split(self.qkv_sizes, dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(tokens, self.num_heads, self.head_dim)
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q = self.ops.rms_norm(q, self.q_norm.weight, self.q_norm.eps)
             k = self.ops.rms_norm(k, self.k_norm.weight, self.k_norm.eps)
@@ -66,9 +93,17 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, inter, bias=flags.mlp_bias)
         self.up_proj = nn.Linear(hidden, inter, bias=flags.mlp_bias)
         self.down_proj = nn.Linear(inter, hidden, bias=flags.mlp_bias)
+        self.gate_up: tuple[torch.Tensor, torch.Tensor | None] | None = None
+
+    def fuse(self) -> None:
+        self.gate_up = fuse_linears([self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up is not None:
+            gate, up = F.linear(x, *self.gate_up).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -140,6 +175,7 @@ class DecoderLM(nn.Module):
             model = cls(config, ops, max_positions)
         model = model.to(dtype=dtype).to_empty(device=device)
         model.tie_embeddings()  # moving off the meta device re-creates Parameters, untying them
+        model.fuse_projections()
         model.cos_sin = build_cos_sin_cache(config, model.max_positions, dtype, device)
         return model
 
@@ -150,6 +186,12 @@ class DecoderLM(nn.Module):
     def tie_embeddings(self) -> None:
         if self.tied_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def fuse_projections(self) -> None:
+        """Fuse q/k/v and gate/up weights (see fuse_linears); loading then fills the fused tensors."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
 
     def kv_cache_spec(self) -> tuple[int, int, int]:
         """(num_layers, num_kv_heads, head_dim) for allocating the paged KV cache."""
