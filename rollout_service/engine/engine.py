@@ -66,8 +66,11 @@ class Engine:
         self.kv = self._make_kv_cache()
         self.scheduler = Scheduler(self.kv.pool, config.page_size, config.max_num_seqs,
                                    config.max_num_batched_tokens)
-        self.runner = ModelRunner(self.model, self.kv, self.device, self.max_model_len,
-                                  config.enable_cuda_graphs, min(config.cuda_graph_max_batch, config.max_num_seqs))
+        # Graphs fix every buffer at its largest shape; only the CUDA kernels read the pages through CSR
+        # indices whose cost follows the real lengths (the torch reference gathers whole padded tables).
+        use_graphs = config.enable_cuda_graphs and self.backend == "cuda"
+        self.runner = ModelRunner(self.model, self.kv, self.device, self.max_model_len, use_graphs,
+                                  min(config.cuda_graph_max_batch, config.max_num_seqs))
         self.sampler = Sampler()
         self.policy_version = 0
         self.counters = EngineCounters()
