@@ -46,11 +46,15 @@ def _wait_for_dashboard(port: int, head: subprocess.Popen, timeout: float = 90) 
 def ray_head(tmp_path):
     """A Ray head on 127.0.0.1 in the foreground (--block), so stopping it stops only its processes."""
     gcs, dash = _free_port(), _free_port()
+    # every port explicit: the session's test cluster already holds Ray's default ones on this machine
+    extra = [f"--{flag}={_free_port()}" for flag in ("dashboard-agent-listen-port", "dashboard-agent-grpc-port",
+                                                    "runtime-env-agent-port", "metrics-export-port",
+                                                    "ray-client-server-port")]
     env = {**os.environ, "RAY_AUTH_MODE": "token"}
     log = open(tmp_path / "head.log", "w")
     head = subprocess.Popen([RAY, "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={gcs}",
                              "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", "--include-dashboard=true",
-                             "--num-cpus=3", "--disable-usage-stats"], env=env, stdout=log, stderr=subprocess.STDOUT,
+                             "--num-cpus=3", "--disable-usage-stats", *extra], env=env, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
     try:
         _wait_for_dashboard(dash, head)
@@ -74,7 +78,7 @@ def test_job_submit_of_the_launch_entrypoint_runs_and_prints_its_summary(ray_hea
     (tmp_path / "svc.yaml").write_text(yaml.safe_dump(cfg))
     cmd = [RAY, "job", "submit", "--address", address, "--working-dir", str(REPO), "--",
            sys.executable, "-m", "rollout_service.launch", "--config", str(tmp_path / "svc.yaml")]
-    for _ in range(30):  # the dashboard port opens before its job agent is ready to take a job
+    for _ in range(15):  # the dashboard port opens before its job agent is ready to take a job
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
         out = proc.stdout + proc.stderr
         if "No available agent to submit job" not in out:
