@@ -205,3 +205,23 @@ def test_worker_killed_mid_batch_all_results_once_and_restarted_worker_catches_u
     assert all(s["alive"] for s in stats) and [s["policy_version"] for s in stats] == [version, version]
     more = client.generate(_requests(_prompts(6, seed=4), n=1, max_tokens=4))
     assert len(more) == 6 and all(r.token_versions == [version] * 4 for r in more)
+
+
+def test_on_refresh_abort_ends_in_flight_requests(ray_cluster, service_config, make_tiny_llama):
+    from rollout_service.service import RayBackend
+    cfg = service_config(name="svc-abort-on-refresh", num_workers=1)
+    cfg["engine"] = {**cfg["engine"], "on_refresh": "abort"}
+    backend = RayBackend.launch(cfg)
+    try:
+        it = backend.submit([RolloutRequest([4, 5, 6], SamplingParams(n=2, max_tokens=400, ignore_eos=True),
+                                            request_id="r")])
+        time.sleep(0.3)
+        backend.update_weights(make_tiny_llama(seed=5).state_dict(), 1)
+        results = list(it)
+        assert sorted(r.sample_index for r in results) == [0, 1]
+        assert all(r.finish_reason == "abort" and 0 < len(r.token_ids) < 400 for r in results)
+        assert all(set(r.token_versions) == {0} for r in results)
+        fresh = list(backend.submit([RolloutRequest([4, 5, 6], SamplingParams(max_tokens=3))]))
+        assert fresh[0].token_versions == [1, 1, 1] and fresh[0].finish_reason == "length"
+    finally:
+        backend.close()
