@@ -71,6 +71,7 @@ def test_quick_greedy_rows_check_tokens_against_hf(quick_run):
         (row,) = [r for r in doc["rows"] if r["workload"] == name]
         # fp32 tiny model on the CPU: the engine's greedy tokens equal HF's almost everywhere.
         assert row["details"]["greedy_agreement_with_hf_generate"] >= 0.9
+        assert row["details"]["engine_backend"] == "torch"  # what the engine reported, on the CPU
 
 
 def test_quick_refresh_and_kernel_rows(quick_run):

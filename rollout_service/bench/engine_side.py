@@ -68,3 +68,14 @@ def engine_ms_per_step(client, bm: BenchModel, prompt: list[int], max_new: int) 
     first = min(engine_generate(client, bm, [prompt], 1).seconds for _ in range(2))
     full = engine_generate(client, bm, [prompt], max_new)
     return 1000 * (full.seconds - first) / (max_new - 1), full
+
+
+def engine_facts(client) -> dict:
+    """What the engine says about the run just timed (backend in use, preemptions), for the notes."""
+    try:
+        stats = client.stats()
+    except Exception:  # noqa: BLE001 - facts are optional; the timing stands without them
+        return {}
+    st = stats[0] if isinstance(stats, list) and stats else stats
+    keys = ("backend", "preemptions", "recomputes")
+    return {f"engine_{k}": st[k] for k in keys if isinstance(st, dict) and k in st}

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from .ceilings import decode_step_floor, prefill_floor
 from .context import BenchContext
-from .engine_side import engine_generate, engine_ms_per_step, open_engine
+from .engine_side import engine_facts, engine_generate, engine_ms_per_step, open_engine
 from .models import random_prompts
 from .peers import decode_ms_per_step, has_generate_batch, hf_generate, hf_generate_batch, hf_static_compiled
 from .report import Cell, Row
@@ -53,6 +53,7 @@ def w1_latency(ctx: BenchContext) -> list[Row]:
         with open_engine(bm, ctx.backend, 1, s.w1_prompt + s.w1_new, ctx.engine_extra) as client:
             engine_generate(client, bm, [prompt[:8]], 2)
             ms, runs["engine"] = engine_ms_per_step(client, bm, prompt, s.w1_new)
+            row.details.update(engine_facts(client))
         return Cell(ms)
 
     def generate() -> Cell:
@@ -114,6 +115,7 @@ def _throughput_row(ctx: BenchContext, name: str, metric: str, prompts: list[lis
         with open_engine(bm, ctx.backend, len(prompts) * n, len(prompts[0]) + new, ctx.engine_extra) as client:
             engine_generate(client, bm, warm, 2)
             runs["engine"] = engine_generate(client, bm, prompts, new, n, temperature, seed=0)
+            row.details.update(engine_facts(client))
         return Cell(total / runs["engine"].seconds)
 
     def generate() -> Cell:
@@ -175,6 +177,7 @@ def w5_graphs(ctx: BenchContext) -> list[Row]:
         with open_engine(bm, ctx.backend, 1, s.w1_prompt + s.w1_new, extra) as client:
             engine_generate(client, bm, [prompt[:8]], 2)
             ms, _ = engine_ms_per_step(client, bm, prompt, s.w1_new)
+            row.details.update(engine_facts(client))
         return Cell(ms, "engine, graphs off" if not graphs else "")
 
     row.engine = ctx.measure(row, "engine", lambda: run(True))
