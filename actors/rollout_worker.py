@@ -21,9 +21,12 @@ from rollout_service.types import RolloutRequest, RolloutResult
 
 class RolloutWorker:
     def __init__(self, engine_config: dict, worker_index: int = 0, model_source: Any = None):
+        from transformers.utils import logging as hf_logging
+
         from rollout_service.config import EngineConfig
         from rollout_service.engine.engine import Engine
 
+        hf_logging.disable_progress_bar()  # N workers' load bars would interleave in the driver's log
         self.worker_index = worker_index
         # A restarted actor gets a new incarnation: the router uses it to tell that the engine is empty.
         self.incarnation = uuid.uuid4().hex

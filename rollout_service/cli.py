@@ -45,7 +45,8 @@ def summary_table(s: dict) -> Table:
         t.add_row(k, str(s[k]))
     t.add_row("finish_reasons", ", ".join(f"{k}={v}" for k, v in sorted(s["finish_reasons"].items())))
     for w in s.get("per_worker", []):
-        t.add_row(f"worker {w['worker']} tokens/s", str(w.get("tokens_per_s")))
+        tps = w.get("tokens_per_s")
+        t.add_row(f"worker {w['worker']} tokens/s", "dead" if tps is None else f"{tps:.1f}")
     return t
 
 
@@ -60,7 +61,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
     for c in cols:
         t.add_column(c, justify="right")
     for s in stats:
-        t.add_row(*(str(s.get(c)) for c in cols))
+        t.add_row(*(f"{v:.1f}" if isinstance(v, float) else str(v) for v in (s.get(c) for c in cols)))
     console.print(t)
     return 0
 
