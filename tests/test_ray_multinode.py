@@ -3,6 +3,7 @@ and two nodes advertising the custom resource `rollout_node`), plus staleness an
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 import ray
@@ -13,11 +14,12 @@ from rollout_service.types import RolloutRequest, SamplingParams
 
 pytest_plugins = ["ray_fixtures"]
 pytestmark = pytest.mark.ray
+MULTI_NODE = str(Path(__file__).resolve().parents[1] / "cluster_configs" / "multi-node.yaml")
 
 
 @pytest.fixture(scope="module")
 def backend(ray_cluster, tiny_model_dir):
-    cfg = ServiceConfig.load("cluster_configs/multi-node.yaml", name="svc-multi", max_restarts=0, max_staleness=0,
+    cfg = ServiceConfig.load(MULTI_NODE, name="svc-multi", max_restarts=0, max_staleness=0,
                              engine={"model": tiny_model_dir, "num_pages": 256, "kv_cache_memory_gb": 0.05})
     b = RayBackend.launch(cfg)
     yield b
@@ -25,7 +27,7 @@ def backend(ray_cluster, tiny_model_dir):
 
 
 def test_workers_land_one_per_rollout_node(ray_cluster, backend):
-    cfg = ServiceConfig.from_yaml("cluster_configs/multi-node.yaml")
+    cfg = ServiceConfig.from_yaml(MULTI_NODE)
     assert cfg.placement.strategy == "STRICT_SPREAD" and cfg.resources.custom == {"rollout_node": 1}
     nodes = [s["node_id"] for s in backend.stats()]
     rollout_nodes = {n.node_id for n in ray_cluster.rollout_nodes}
@@ -38,7 +40,7 @@ def test_workers_land_one_per_rollout_node(ray_cluster, backend):
 def test_placement_that_cannot_fit_fails_clearly(ray_cluster, tiny_model_dir):
     # three STRICT_SPREAD workers need three rollout nodes; the cluster has two
     with pytest.raises(ValueError, match="cannot place 3 rollout worker.*STRICT_SPREAD"):
-        RayBackend.launch("cluster_configs/multi-node.yaml", name="svc-too-big", num_workers=3,
+        RayBackend.launch(MULTI_NODE, name="svc-too-big", num_workers=3,
                           placement={"timeout_s": 3}, engine={"model": tiny_model_dir})
 
 
