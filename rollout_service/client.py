@@ -94,10 +94,11 @@ class RolloutClient:
         return cls(RayBackend.launch(config, **overrides))
 
     @classmethod
-    def connect(cls, name: str = "rollout_service") -> "RolloutClient":
+    def connect(cls, name: str = "rollout_service", namespace: str = "rollout_service",
+                address: str | None = None) -> "RolloutClient":
         """Attach to a running, named service."""
         from rollout_service.service import RayBackend
-        return cls(RayBackend.connect(name))
+        return cls(RayBackend.connect(name, namespace=namespace, address=address))
 
     @property
     def engine(self) -> Any:
