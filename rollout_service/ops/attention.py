@@ -134,22 +134,30 @@ def make_metadata(
         is_prefill = any(q != 1 for q in q_lens)
     max_pages = max((len(p) for p in page_tables), default=0)
 
-    def ints(values: list[int], dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype, device=device)
-
+    # Two host-to-device copies per step (one int64, one int32 buffer) instead of one per field.
+    wide = _pack([slots, positions], torch.int64, device)
+    narrow = _pack([_cumsum(q_lens), _cumsum([len(p) for p in page_tables]),
+                    [page for pages in page_tables for page in pages], [(n - 1) % page_size + 1 for n in kv_lens],
+                    kv_lens, [page for p in page_tables for page in p + [0] * (max_pages - len(p))]],
+                   torch.int32, device)
     return AttentionMetadata(
         is_prefill=is_prefill,
-        slot_mapping=ints(slots, torch.int64),
-        positions=ints(positions, torch.int64),
-        qo_indptr=ints(_cumsum(q_lens), torch.int32),
-        kv_indptr=ints(_cumsum([len(p) for p in page_tables]), torch.int32),
-        kv_indices=ints([page for pages in page_tables for page in pages], torch.int32),
-        kv_last_page_len=ints([(n - 1) % page_size + 1 for n in kv_lens], torch.int32),
-        kv_lens=ints(kv_lens, torch.int32),
-        block_tables=ints([p + [0] * (max_pages - len(p)) for p in page_tables], torch.int32).view(-1, max_pages),
+        slot_mapping=wide[0],
+        positions=wide[1],
+        qo_indptr=narrow[0],
+        kv_indptr=narrow[1],
+        kv_indices=narrow[2],
+        kv_last_page_len=narrow[3],
+        kv_lens=narrow[4],
+        block_tables=narrow[5].view(-1, max_pages),
         max_q_len=max(q_lens, default=0),
         max_kv_len=max(kv_lens, default=0),
     )
+
+
+def _pack(fields: list[list[int]], dtype: torch.dtype, device: torch.device | str) -> list[torch.Tensor]:
+    flat = torch.tensor([v for f in fields for v in f], dtype=dtype).to(device)
+    return list(flat.split([len(f) for f in fields]))
 
 
 def _cumsum(values: list[int]) -> list[int]:
