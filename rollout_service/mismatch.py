@@ -1,0 +1,108 @@
+"""Logprob mismatch between the rollout engine (behaviour policy) and a learner's recompute.
+
+An RL learner computes importance ratios exp(learner_logprob - rollout_logprob) on the sampled tokens.
+They are only as good as the agreement of the two numerics: with the same weights on both sides the
+gap should be float noise (<= 1e-4 mean in fp32), and anything larger is off-policy drift the loss must
+correct for (see the truncated importance weight in actors/grpo.py). This module recomputes the
+learner side with a transformers CausalLM and reports the gap.
+
+Rollouts must be sampled with logprobs_mode "scaled" (or "processed" with no top-k/top-p/min-p and no
+penalties) and the learner must recompute at the same temperature, else the two sides measure
+different distributions and the report is meaningless.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from rollout_service.types import RolloutResult
+
+
+def token_logprobs(model: torch.nn.Module, results: Sequence[RolloutResult], temperature: float = 1.0
+                   ) -> list[torch.Tensor]:
+    """log p(token_ids[i] | prompt + earlier tokens) per result, in one right-padded forward.
+
+    Gradients flow when grad mode is on (a learner's loss); right padding keeps every real token's
+    positions and causal context identical to an unpadded forward."""
+    if temperature <= 0:
+        raise ValueError(f"temperature={temperature}: logprobs are recomputed at a sampling temperature > 0")
+    if not results:
+        return []
+    device = next(model.parameters()).device
+    seqs = [list(r.prompt_token_ids) + list(r.token_ids) for r in results]
+    width = max(len(s) for s in seqs)
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    mask = torch.zeros(len(seqs), width, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, :len(s)] = torch.tensor(s)
+        mask[i, :len(s)] = 1
+    logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits
+    out = []
+    for i, r in enumerate(results):
+        start, n = len(r.prompt_token_ids), len(r.token_ids)
+        rows = logits[i, start - 1:start - 1 + n].float()
+        if temperature != 1.0:
+            rows = rows / temperature
+        target = torch.tensor(r.token_ids, dtype=torch.long, device=device)
+        out.append(rows.gather(1, target[:, None])[:, 0] - torch.logsumexp(rows, dim=-1))
+    return out
+
+
+def learner_logprobs(model: torch.nn.Module, results: Sequence[RolloutResult], temperature: float = 1.0,
+                     micro_batch: int = 16) -> list[np.ndarray]:
+    """The learner's float32 log-probs of every result's sampled tokens (no grad, in micro-batches)."""
+    if micro_batch < 1:
+        raise ValueError(f"micro_batch={micro_batch} must be >= 1")
+    out: list[np.ndarray] = []
+    with torch.no_grad():
+        for i in range(0, len(results), micro_batch):
+            out += [t.cpu().numpy().astype(np.float32)
+                    for t in token_logprobs(model, results[i:i + micro_batch], temperature)]
+    return out
+
+
+def logprob_mismatch(results: Sequence[RolloutResult], learner: Sequence[np.ndarray | torch.Tensor]) -> dict:
+    """Compare rollout (behaviour) log-probs with a learner's, token by token.
+
+    Returns mean_abs / max_abs |learner - rollout|, mean_signed (learner - rollout), n_tokens,
+    n_sequences, kl (k3 estimate of KL(rollout || learner) on the sampled tokens, >= 0), the mean
+    and max importance ratio exp(learner - rollout), and the rollout policy versions seen."""
+    if len(results) != len(learner):
+        raise ValueError(f"{len(learner)} learner log-prob arrays for {len(results)} results")
+    rollout, mine, versions = [], [], set()
+    for i, (r, lp) in enumerate(zip(results, learner)):
+        lp = lp.detach().cpu().numpy() if isinstance(lp, torch.Tensor) else np.asarray(lp)
+        if lp.shape != (len(r.token_ids),):
+            raise ValueError(f"result {i}: {lp.shape[0] if lp.ndim else 0} learner log-probs for "
+                             f"{len(r.token_ids)} sampled tokens")
+        rollout.append(np.asarray(r.logprobs, dtype=np.float64))
+        mine.append(lp.astype(np.float64))
+        versions.update(r.token_versions)
+    b = np.concatenate(rollout) if rollout else np.zeros(0)
+    a = np.concatenate(mine) if mine else np.zeros(0)
+    if not np.all(np.isfinite(b)):
+        raise ValueError("rollout log-probs hold -inf/nan: sample with logprobs_mode='scaled' to compare")
+    if b.size == 0:
+        return {"mean_abs": 0.0, "max_abs": 0.0, "mean_signed": 0.0, "kl": 0.0, "ratio_mean": 1.0,
+                "ratio_max": 1.0, "n_tokens": 0, "n_sequences": len(results), "versions": sorted(versions)}
+    diff = a - b
+    log_ratio = -diff  # log(rollout / learner) per token, for the k3 estimator
+    return {
+        "mean_abs": float(np.abs(diff).mean()),
+        "max_abs": float(np.abs(diff).max()),
+        "mean_signed": float(diff.mean()),
+        "kl": float(np.mean(np.exp(-log_ratio) - 1 + log_ratio)),
+        "ratio_mean": float(np.exp(diff).mean()),
+        "ratio_max": float(np.exp(diff).max()),
+        "n_tokens": int(b.size),
+        "n_sequences": len(results),
+        "versions": sorted(int(v) for v in versions),
+    }
+
+
+def mismatch_report(model: torch.nn.Module, results: Sequence[RolloutResult], temperature: float = 1.0,
+                    micro_batch: int = 16) -> dict:
+    """Recompute with `model` and compare: the one call a learner makes on a batch of results."""
+    return logprob_mismatch(results, learner_logprobs(model, results, temperature, micro_batch))
