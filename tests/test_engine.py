@@ -2,7 +2,7 @@
 bad input. Every reference is HF transformers on the same weights."""
 import pytest
 import torch
-from conftest import tiny_hf_model
+from tiny_models import tiny_hf_model
 
 from rollout_service import RolloutClient, RolloutRequest, SamplingParams
 from rollout_service.engine.engine import Engine
