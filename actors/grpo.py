@@ -122,8 +122,9 @@ class GRPOLearner:
         for j in range(0, len(live), c.micro_batch):
             chunk = live[j:j + c.micro_batch]
             lps = token_logprobs(self.policy, [results[i] for i in chunk], c.temperature)
-            loss = sum(grpo_token_loss(lp, torch.from_numpy(results[i].logprobs).to(lp.device), float(adv[i]),
-                                       c.clip_eps, c.tis_cap) for i, lp in zip(chunk, lps)) / n_tokens
+            old = [torch.as_tensor(np.array(results[i].logprobs), device=lp.device) for i, lp in zip(chunk, lps)]
+            loss = sum(grpo_token_loss(lp, o, float(adv[i]), c.clip_eps, c.tis_cap)
+                       for i, lp, o in zip(chunk, lps, old)) / n_tokens
             loss.backward()
             loss_total += loss.item()
             learner_lp.update({i: lp.detach() for i, lp in zip(chunk, lps)})
