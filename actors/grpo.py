@@ -67,10 +67,13 @@ def grpo_token_loss(new_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, 
 
 class GRPOLearner:
     """policy: a transformers CausalLM or a source for `load_policy`; client: a RolloutClient, or the name
-    of a running Ray service to attach to. reward_fn(text, metadata) -> float."""
+    of a running Ray service to attach to. reward_fn(result) -> float (default: the arithmetic task's
+    reward of result.text against result.metadata["answer"]); prompt_fn(problem) -> prompt (default:
+    problem.messages(), the chat prompt)."""
 
     def __init__(self, policy: Any, client: Any, config: GRPOConfig | dict | None = None,
-                 reward_fn: Callable[[str, Any], float] | None = None, version: int = 0,
+                 reward_fn: Callable[[RolloutResult], float] | None = None,
+                 prompt_fn: Callable[[Any], Any] | None = None, version: int = 0,
                  namespace: str = "rollout_service", num_threads: int | None = None):
         if num_threads:
             torch.set_num_threads(num_threads)
@@ -82,19 +85,23 @@ class GRPOLearner:
             from rollout_service.service import RayBackend
             client = RolloutClient(RayBackend.connect(client, namespace=namespace))
         self.client = client
-        self.reward_fn = reward_fn or (lambda text, meta: tasks.reward(text, meta["answer"]))
+        self.reward_fn = reward_fn or (lambda r: tasks.reward(r.text, r.metadata["answer"]))
+        self.prompt_fn = prompt_fn or (lambda p: p.messages())
         self.version = version
         self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=self.config.lr,
                                            weight_decay=self.config.weight_decay)
 
     # -- rollouts --------------------------------------------------------------------------------
-    def rollout(self, problems: Sequence[tasks.Problem]) -> tuple[list[RolloutResult], float]:
+    def rollout(self, problems: Sequence[Any]) -> tuple[list[RolloutResult], float]:
         """G samples per problem (prompt-major), each prompt with its own seed; returns (results, seconds)."""
         c = self.config
-        reqs = [RolloutRequest(prompt=p.messages(), metadata=p.to_metadata(), sampling=SamplingParams(
-            n=c.group_size, temperature=c.temperature, max_tokens=c.max_tokens, logprobs_mode="scaled",
-            seed=(c.seed * 1_000_003 + self.version * 10_007 + i * c.group_size) % 2**62))
-            for i, p in enumerate(problems)]
+        reqs = []
+        for i, p in enumerate(problems):
+            seed = (c.seed * 1_000_003 + self.version * 10_007 + i * c.group_size) % 2**62
+            sampling = SamplingParams(n=c.group_size, temperature=c.temperature, max_tokens=c.max_tokens,
+                                      logprobs_mode="scaled", seed=seed)
+            reqs.append(RolloutRequest(prompt=self.prompt_fn(p), sampling=sampling,
+                                       metadata=getattr(p, "to_metadata", lambda: None)()))
         start = time.perf_counter()
         results = self.client.generate(reqs)
         return results, time.perf_counter() - start
@@ -102,7 +109,7 @@ class GRPOLearner:
     def evaluate(self, problems: Sequence[tasks.Problem], max_tokens: int | None = None) -> dict:
         """Greedy accuracy and well-formed rate on `problems` with the service's current weights."""
         sp = SamplingParams(n=1, temperature=0.0, max_tokens=max_tokens or self.config.max_tokens)
-        results = self.client.generate([p.messages() for p in problems], sp)
+        results = self.client.generate([self.prompt_fn(p) for p in problems], sp)
         correct = [tasks.is_correct(r.text, p.answer) for r, p in zip(results, problems)]
         formed = [tasks.parse_answer(r.text) is not None for r in results]
         return {"accuracy": float(np.mean(correct)), "format_rate": float(np.mean(formed)),
@@ -143,13 +150,13 @@ class GRPOLearner:
         self.client.update_weights({k: v.detach() for k, v in self.policy.state_dict().items()}, self.version)
         return self.version
 
-    def step(self, problems: Sequence[tasks.Problem], full_mismatch: bool = False) -> dict:
+    def step(self, problems: Sequence[Any], full_mismatch: bool = False) -> dict:
         """Rollout -> reward -> update -> push. Returns the step's figures (JSON-ready). The step's
         mismatch covers the samples the learner trained on (it recomputes those anyway);
         full_mismatch=True also recomputes every sample before the update (one extra no-grad pass)."""
         version_used = self.version
         results, rollout_s = self.rollout(problems)
-        rewards = [self.reward_fn(r.text, r.metadata) for r in results]
+        rewards = [float(self.reward_fn(r)) for r in results]
         full = mismatch_report(self.policy, results, self.config.temperature, self.config.micro_batch) \
             if full_mismatch else None
         stats = self.train_on(results, rewards)

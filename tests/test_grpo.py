@@ -1,0 +1,115 @@
+"""GRPO learner, logprob mismatch report and the arithmetic task set (tiny random models; seconds)."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from actors.grpo import GRPOConfig, GRPOLearner, grpo_token_loss
+from actors.learner import group_advantages
+from rollout_service import tasks
+from rollout_service.client import RolloutClient
+from rollout_service.mismatch import learner_logprobs, logprob_mismatch, token_logprobs
+from rollout_service.types import RolloutResult
+from tiny_models import tiny_hf_model
+
+
+def _result(prompt, tokens, logprobs, version=0):
+    return RolloutResult(request_id="r", sample_index=0, prompt_token_ids=list(prompt), token_ids=list(tokens),
+                         logprobs=np.asarray(logprobs, dtype=np.float32), token_versions=[version] * len(tokens),
+                         finish_reason="length")
+
+
+def test_logprob_mismatch_figures():
+    results = [_result([1, 2], [3, 4], [-1.0, -2.0]), _result([5], [6, 7, 8], [-0.5, -0.5, -0.5], version=3)]
+    learner = [np.array([-1.1, -2.0]), np.array([-0.5, -0.2, -0.5])]
+    rep = logprob_mismatch(results, learner)
+    assert rep["n_tokens"] == 5 and rep["n_sequences"] == 2 and rep["versions"] == [0, 3]
+    assert rep["max_abs"] == pytest.approx(0.3, abs=1e-6)
+    assert rep["mean_abs"] == pytest.approx(0.4 / 5, abs=1e-6)
+    assert rep["mean_signed"] == pytest.approx(0.2 / 5, abs=1e-6)
+    d = np.array([-0.1, 0, 0, 0.3, 0])
+    assert rep["kl"] == pytest.approx(float(np.mean(np.exp(d) - 1 - d)), rel=1e-5) and rep["kl"] > 0
+    same = logprob_mismatch(results, [r.logprobs.copy() for r in results])
+    assert same["max_abs"] == 0.0 and same["kl"] == 0.0
+
+
+def test_logprob_mismatch_rejects_bad_input():
+    results = [_result([1], [2, 3], [-1.0, -1.0])]
+    with pytest.raises(ValueError, match="learner log-prob arrays"):
+        logprob_mismatch(results, [])
+    with pytest.raises(ValueError, match="result 0"):
+        logprob_mismatch(results, [np.zeros(3)])
+    with pytest.raises(ValueError, match="scaled"):
+        logprob_mismatch([_result([1], [2], [-np.inf])], [np.zeros(1)])
+
+
+def test_padded_recompute_matches_one_sequence_forward():
+    torch.manual_seed(0)
+    model = tiny_hf_model("llama")
+    results = [_result([5, 9, 11], [3, 4, 7, 8], np.zeros(4)), _result([2], [6], np.zeros(1))]
+    padded = learner_logprobs(model, results, temperature=0.7)
+    for r, lp in zip(results, padded):
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([r.prompt_token_ids + r.token_ids])).logits[0].float() / 0.7
+        ref = torch.log_softmax(logits, -1)[len(r.prompt_token_ids) - 1:-1].gather(
+            1, torch.tensor(r.token_ids)[:, None])[:, 0]
+        np.testing.assert_allclose(lp, ref.numpy(), atol=1e-5)
+    with pytest.raises(ValueError, match="temperature"):
+        token_logprobs(model, results, temperature=0)
+
+
+def test_group_advantages_normalise_within_groups():
+    adv = group_advantages([1, 0, 0, 0, 0.1, 0.1, 0.1, 0.1], group_size=4)
+    assert adv[:4].sum() == pytest.approx(0, abs=1e-5) and adv[0] > 0 > adv[1]
+    assert np.all(adv[4:] == 0)  # a tied group teaches nothing
+    with pytest.raises(ValueError):
+        group_advantages([1, 0, 0], group_size=2)
+
+
+def test_loss_truncates_importance_weight():
+    old = torch.zeros(3)
+    new = torch.tensor([0.0, math.log(5.0), math.log(0.5)], requires_grad=True)
+    loss = grpo_token_loss(new, old, advantage=-1.0, clip_eps=0.2, tis_cap=2.0)
+    loss.backward()
+    # token 0: ratio 1 -> grad 1; token 1: ratio 5 (unclipped for A<0) -> weight capped at 2;
+    # token 2: ratio 0.5 < 1 - eps, clipped for A<0 -> no gradient.
+    np.testing.assert_allclose(new.grad.numpy(), [1.0, 2.0, 0.0], atol=1e-6)
+
+
+def test_task_reward_and_split():
+    assert tasks.parse_answer("3 + 4 = 7\n\nmore") == 7 and tasks.parse_answer("Answer: 12") == 12
+    assert tasks.parse_answer("To add 3 and 4 we") is None
+    assert tasks.reward("7", 7) == pytest.approx(1 + tasks.FORMAT_REWARD)
+    assert tasks.reward("8", 7) == pytest.approx(tasks.FORMAT_REWARD) and tasks.reward("seven", 7) == 0
+    train, held = tasks.split(64)
+    assert len(held) == 64 and not set(train) & set(held) and tasks.split(64) == (train, held)
+    assert all(p.answer >= 0 for p in train + held)
+    with pytest.raises(ValueError):
+        tasks.split(0)
+
+
+def test_two_grpo_steps_on_a_tiny_model():
+    torch.manual_seed(0)
+    policy = tiny_hf_model("llama", seed=1)
+    client = RolloutClient.local(policy, backend="torch", dtype="float32", enable_cuda_graphs=False,
+                                 kv_cache_memory_gb=0.01, max_num_seqs=16)
+    cfg = GRPOConfig(group_size=4, prompts_per_step=2, max_tokens=6, lr=1e-3, seed=3)
+    learner = GRPOLearner(policy, client, cfg, prompt_fn=lambda p: [1, 2 + p, 3],
+                          reward_fn=lambda r: float(np.mean([t % 2 == 0 for t in r.token_ids])))
+    before = {k: v.clone() for k, v in learner.policy.state_dict().items()}
+    rows = [learner.step([0, 1], full_mismatch=True), learner.step([2, 3])]
+    assert [r["step"] for r in rows] == [1, 2] and [r["policy_version_sampled"] for r in rows] == [0, 1]
+    assert client.engine.policy_version == 2 and all(r["staleness"] == 0 for r in rows)
+    assert all(math.isfinite(r["loss"]) and r["rollout_tokens"] == 2 * 4 * 6 for r in rows)
+    assert rows[0]["mismatch_full_tokens"] == 48 and rows[0]["mismatch_full_mean"] <= 1e-4
+    assert rows[0]["trained_samples"] > 0 and rows[0]["mismatch_tokens"] > 0 and rows[0]["mismatch_max"] <= 1e-3
+    changed = [k for k, v in learner.policy.state_dict().items() if not torch.equal(v, before[k])]
+    assert changed, "the update left every weight unchanged"
+    # the engine serves the pushed weights: its log-probs match the learner's again after two updates
+    results, _ = learner.rollout([5])
+    rep = logprob_mismatch(results, learner_logprobs(learner.policy, results))
+    assert rep["versions"] == [2] and rep["mean_abs"] <= 1e-4
+    client.close()
