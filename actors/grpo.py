@@ -88,12 +88,14 @@ class GRPOLearner:
         self.reward_fn = reward_fn or (lambda r: tasks.reward(r.text, r.metadata["answer"]))
         self.prompt_fn = prompt_fn or (lambda p: p.messages())
         self.version = version
+        self._pending: dict | None = None
         self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=self.config.lr,
                                            weight_decay=self.config.weight_decay)
 
     # -- rollouts --------------------------------------------------------------------------------
-    def rollout(self, problems: Sequence[Any]) -> tuple[list[RolloutResult], float]:
-        """G samples per problem (prompt-major), each prompt with its own seed; returns (results, seconds)."""
+    def submit(self, problems: Sequence[Any]) -> dict:
+        """Dispatch G samples per problem now (each prompt with its own seed); collect() gathers them.
+        Submitting the next batch before an update lets the workers generate while the learner trains."""
         c = self.config
         reqs = []
         for i, p in enumerate(problems):
@@ -102,9 +104,17 @@ class GRPOLearner:
                                       logprobs_mode="scaled", seed=seed)
             reqs.append(RolloutRequest(prompt=self.prompt_fn(p), sampling=sampling,
                                        metadata=getattr(p, "to_metadata", lambda: None)()))
+        return {"problems": list(problems), "order": {r.request_id: i for i, r in enumerate(reqs)},
+                "stream": self.client.stream(reqs), "version": self.version}
+
+    def collect(self, pending: dict) -> tuple[list[RolloutResult], float]:
+        """(prompt-major results, seconds spent waiting for them)."""
         start = time.perf_counter()
-        results = self.client.generate(reqs)
+        results = sorted(pending["stream"], key=lambda r: (pending["order"][r.request_id], r.sample_index))
         return results, time.perf_counter() - start
+
+    def rollout(self, problems: Sequence[Any]) -> tuple[list[RolloutResult], float]:
+        return self.collect(self.submit(problems))
 
     def evaluate(self, problems: Sequence[tasks.Problem], max_tokens: int | None = None) -> dict:
         """Greedy accuracy and well-formed rate on `problems` with the service's current weights."""
@@ -150,30 +160,40 @@ class GRPOLearner:
         self.client.update_weights({k: v.detach() for k, v in self.policy.state_dict().items()}, self.version)
         return self.version
 
-    def step(self, problems: Sequence[Any], full_mismatch: bool = False) -> dict:
-        """Rollout -> reward -> update -> push. Returns the step's figures (JSON-ready). The step's
-        mismatch covers the samples the learner trained on (it recomputes those anyway);
-        full_mismatch=True also recomputes every sample before the update (one extra no-grad pass)."""
-        version_used = self.version
-        results, rollout_s = self.rollout(problems)
+    def step(self, problems: Sequence[Any], full_mismatch: bool = False,
+             prefetch: Sequence[Any] | None = None) -> dict:
+        """Rollout -> reward -> update -> push. Returns the step's figures (JSON-ready).
+
+        The step's mismatch covers the samples the learner trained on (it recomputes those anyway);
+        full_mismatch=True also recomputes every sample before the update (one extra no-grad pass).
+        prefetch: the next step's problems, submitted before this update (one-step off-policy: their
+        early tokens come from this step's policy, so the next step sees staleness 1)."""
+        pending = self._pending
+        if pending is not None and pending["problems"] != list(problems):
+            raise ValueError("step(problems) differs from the problems prefetched by the previous step")
+        pending = pending or self.submit(problems)
+        results, rollout_s = self.collect(pending)
+        self._pending = self.submit(prefetch) if prefetch is not None else None
         rewards = [float(self.reward_fn(r)) for r in results]
         full = mismatch_report(self.policy, results, self.config.temperature, self.config.micro_batch) \
             if full_mismatch else None
         stats = self.train_on(results, rewards)
         push_start = time.perf_counter()
         self.push_weights()
-        oldest = min((min(r.token_versions) for r in results if r.token_versions), default=version_used)
+        oldest = min((min(r.token_versions) for r in results if r.token_versions), default=self.version - 1)
         gen_tokens = sum(len(r.token_ids) for r in results)
+        span = max(r.timings.get("finished", 0) for r in results) - min(r.timings.get("queued", 0) for r in results)
         return {
-            "step": self.version, "policy_version_sampled": version_used,
+            "step": self.version, "policy_version_submitted": pending["version"], "policy_version_oldest": oldest,
             "reward_mean": float(np.mean(rewards)),
             "correct_rate": float(np.mean([r >= 1.0 for r in rewards])),
             "format_rate": float(np.mean([r > 0 for r in rewards])),
             "loss": stats["loss"], "grad_norm": stats["grad_norm"], "trained_samples": stats["trained_samples"],
             "mismatch_mean": stats["mismatch"]["mean_abs"], "mismatch_max": stats["mismatch"]["max_abs"],
             "mismatch_tokens": stats["mismatch"]["n_tokens"], "kl_rollout_learner": stats["mismatch"]["kl"],
-            "staleness": version_used - oldest if results else 0,
-            "rollout_tokens": gen_tokens, "rollout_s": rollout_s, "rollout_tokens_per_s": gen_tokens / rollout_s,
+            "staleness": (self.version - 1) - oldest,
+            "rollout_tokens": gen_tokens, "rollout_wait_s": rollout_s, "rollout_span_s": span,
+            "rollout_tokens_per_s": gen_tokens / span if span > 0 else None,
             "learner_s": stats["learner_s"], "push_s": time.perf_counter() - push_start,
             "mean_completion_tokens": gen_tokens / max(1, len(results)),
             **({"mismatch_full_mean": full["mean_abs"], "mismatch_full_max": full["max_abs"],

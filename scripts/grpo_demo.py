@@ -69,6 +69,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int)
     ap.add_argument("--eval-every", type=int)
     ap.add_argument("--out", default="benchmarks/results/grpo-local")
+    ap.add_argument("--overlap", action="store_true",
+                    help="one-step off-policy: submit the next batch before each update (staleness 1)")
     args = ap.parse_args()
     t_start = time.perf_counter()
     service_cfg, grpo_cfg, demo = load_config(args.config)
@@ -89,14 +91,14 @@ def main() -> None:
         learner = GRPOActor.options(num_cpus=0).remote(
             "smollm2-135m", service_cfg["name"], grpo_cfg, namespace=service_cfg.get("namespace", "rollout_service"),
             num_threads=demo.get("learner_threads", 2))
-        rows = run(learner, ray, sampler, heldout, steps, eval_every, grpo_cfg, out)
+        rows = run(learner, ray, sampler, heldout, steps, eval_every, grpo_cfg, out, args.overlap)
     finally:
         client.close()
     wall = time.perf_counter() - t_start
     plot(rows, out / "grpo.png")
     evals = [r for r in rows if r.get("heldout_accuracy") is not None]
     summary = {"command": " ".join(shlex.quote(a) for a in [sys.executable.split("/")[-1], *sys.argv]),
-               "wall_s": wall, "steps": steps, "grpo": grpo_cfg, "service": service_cfg,
+               "wall_s": wall, "steps": steps, "overlap": args.overlap, "grpo": grpo_cfg, "service": service_cfg,
                "heldout_size": len(heldout), "accuracy_before": rows[0]["heldout_accuracy_before"],
                "accuracy_after": evals[-1]["heldout_accuracy"] if evals else None,
                "mismatch_step1_full_mean": rows[0].get("mismatch_full_mean"),
@@ -107,14 +109,18 @@ def main() -> None:
                                                "mismatch_step1_full_mean", "mismatch_step1_full_max")}))
 
 
-def run(learner, ray, sampler, heldout, steps, eval_every, grpo_cfg, out: Path) -> list[dict]:
+def run(learner, ray, sampler, heldout, steps, eval_every, grpo_cfg, out: Path, overlap: bool) -> list[dict]:
     before = ray.get(learner.evaluate.remote(heldout))
     rows = []
     bar = tqdm(range(1, steps + 1), desc="GRPO", unit="step")
     with open(out / "steps.jsonl", "w") as log:
+        k = grpo_cfg.get("prompts_per_step", 8)
+        problems = sampler.sample(k)
         for step in bar:
-            problems = sampler.sample(grpo_cfg.get("prompts_per_step", 8))
-            row = ray.get(learner.step.remote(problems, full_mismatch=step == 1))
+            following = sampler.sample(k)
+            row = ray.get(learner.step.remote(problems, full_mismatch=step == 1,
+                                              prefetch=following if overlap and step < steps else None))
+            problems = following
             row["heldout_accuracy"] = row["heldout_format_rate"] = None
             if step % eval_every == 0 or step == steps:
                 ev = ray.get(learner.evaluate.remote(heldout))

@@ -101,7 +101,7 @@ def test_two_grpo_steps_on_a_tiny_model():
                           reward_fn=lambda r: float(np.mean([t % 2 == 0 for t in r.token_ids])))
     before = {k: v.clone() for k, v in learner.policy.state_dict().items()}
     rows = [learner.step([0, 1], full_mismatch=True), learner.step([2, 3])]
-    assert [r["step"] for r in rows] == [1, 2] and [r["policy_version_sampled"] for r in rows] == [0, 1]
+    assert [r["step"] for r in rows] == [1, 2] and [r["policy_version_oldest"] for r in rows] == [0, 1]
     assert client.engine.policy_version == 2 and all(r["staleness"] == 0 for r in rows)
     assert all(math.isfinite(r["loss"]) and r["rollout_tokens"] == 2 * 4 * 6 for r in rows)
     assert rows[0]["mismatch_full_tokens"] == 48 and rows[0]["mismatch_full_mean"] <= 1e-4
@@ -112,4 +112,12 @@ def test_two_grpo_steps_on_a_tiny_model():
     results, _ = learner.rollout([5])
     rep = logprob_mismatch(results, learner_logprobs(learner.policy, results))
     assert rep["versions"] == [2] and rep["mean_abs"] <= 1e-4
+    # prefetching: the next batch is submitted before the update; a step must then train on exactly it
+    learner.step([6], prefetch=[7])
+    with pytest.raises(ValueError, match="prefetched"):
+        learner.step([8])
+    row = learner.step([7])
+    # submitted under version 2, but a local engine generates lazily, at collect time, with version 3
+    assert row["step"] == 4 and row["policy_version_submitted"] == 2 and row["policy_version_oldest"] == 3
+    assert row["staleness"] == 0
     client.close()
