@@ -61,7 +61,9 @@ def fp32_margin(model, prompt: list[int], tokens: list[int], step: int) -> float
 
 
 def test_cuda_backend_greedy_tokens_match_torch_backend(runs):
-    """Identical for 256 tokens, or first diverging at a near-tie that bf16 rounding may flip either way."""
+    """Identical for 256 tokens, or first diverging at a near-tie that bf16 rounding may flip either way
+    (fp32 top-2 margin under 0.1 logit: a bf16 logit of magnitude ~10 is only resolved to 0.06). A kernel bug
+    shows as a divergence where one token clearly wins."""
     report = {}
     for ref, got in zip(runs[("torch", False)], runs[("cuda", False)]):
         n = first_divergence(ref.token_ids, got.token_ids)
@@ -69,8 +71,7 @@ def test_cuda_backend_greedy_tokens_match_torch_backend(runs):
                                                                              ref.token_ids, n), 4))
     print("first divergence per prompt, (step, fp32 top-2 logit margin) (None = identical for all", STEPS,
           "tokens):", report)
-    assert sum(v is None for v in report.values()) >= len(report) // 2, report
-    assert all(v is None or v[1] < 0.25 for v in report.values()), report  # bf16 noise, not a bug
+    assert all(v is None or v[1] < 0.1 for v in report.values()), report
 
 
 def test_cuda_backend_logprobs_close_in_bf16(runs):
