@@ -7,6 +7,7 @@ aborted run: one broken peer must not cost the numbers of everything else.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -109,5 +110,8 @@ class BenchContext:
             msg = str(exc).splitlines()[0][:200] if str(exc) else ""
             return Cell.na(f"error: {type(exc).__name__}: {msg}")
         finally:
+            # Whatever a part left behind (a failed peer's cache, an engine in a reference cycle) must
+            # not cost the next part its memory.
+            gc.collect()
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()

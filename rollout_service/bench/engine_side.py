@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import math
 import time
 from contextlib import contextmanager
@@ -36,6 +37,7 @@ def open_engine(bm: BenchModel, backend: str, num_seqs: int, max_len: int, extra
     finally:
         client.close()
         del client
+        gc.collect()  # the engine may sit in reference cycles; its KV pool and weights go now
         if bm.device.type == "cuda":
             torch.cuda.empty_cache()
 

@@ -110,7 +110,8 @@ def _call_generate_batch(bm: BenchModel, prompts, cfg: GenerationConfig, cb_conf
         return bm.hf_model.generate_batch(prompts, generation_config=cfg, progress_bar=False)
 
 
-@torch.inference_mode()
+# Not under inference_mode: generate_batch runs its loop in a thread of its own, and 5.17 does not carry
+# the caller's inference mode there (its cache set-up then fails on "inference tensors").
 def hf_generate_batch(bm: BenchModel, prompts: list[list[int]], max_new: int, n: int = 1,
                       temperature: float = 0.0) -> PeerRun:
     """Timed from the first request's start to the last one's finish when the outputs carry their
@@ -130,6 +131,10 @@ def hf_generate_batch(bm: BenchModel, prompts: list[list[int]], max_new: int, n:
         base, _, child = key.partition("__child#")
         return int(base.split("_")[-1]), int(child) + 1 if child else 0
     outs = [out[k] for k in sorted(out, key=order)]
+    got, want = sum(len(o.generated_tokens) for o in outs), len(prompts) * n * max_new
+    if got != want:
+        # generate_batch logs a failure in its own thread and returns what it has: surface it here.
+        raise RuntimeError(f"generate_batch returned {got} tokens, expected {want} (see its log above)")
     spans = [getattr(o, "lifespan", (-1, -1)) for o in outs]
     seconds = call
     if outs and all(a > 0 and b > 0 for a, b in spans):
