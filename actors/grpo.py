@@ -73,7 +73,7 @@ class GRPOLearner:
 
     def __init__(self, policy: Any, client: Any, config: GRPOConfig | dict | None = None,
                  reward_fn: Callable[[RolloutResult], float] | None = None,
-                 prompt_fn: Callable[[Any], Any] | None = None, version: int = 0,
+                 prompt_fn: Callable[[Any], Any] | None = None, version: int | None = None,
                  namespace: str = "rollout_service", num_threads: int | None = None):
         if num_threads:
             torch.set_num_threads(num_threads)
@@ -87,7 +87,7 @@ class GRPOLearner:
         self.client = client
         self.reward_fn = reward_fn or (lambda r: tasks.reward(r.text, r.metadata["answer"]))
         self.prompt_fn = prompt_fn or (lambda p: p.messages())
-        self.version = version
+        self.version = _service_version(client) if version is None else version
         self._pending: dict | None = None
         self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=self.config.lr,
                                            weight_decay=self.config.weight_decay)
@@ -202,6 +202,14 @@ class GRPOLearner:
 
     def state(self) -> dict:
         return {"version": self.version, "config": asdict(self.config)}
+
+
+def _service_version(client: Any) -> int:
+    """The policy version the service serves now, so pushed versions keep increasing after a restart."""
+    if client.engine is not None:
+        return int(client.engine.policy_version)
+    info = getattr(client._backend, "info", None)
+    return int(info()["policy_version"]) if info else 0
 
 
 GRPOActor = ray.remote(GRPOLearner)
