@@ -91,7 +91,8 @@ def test_quick_refresh_and_kernel_rows(quick_run):
 
 def test_failed_part_becomes_na_and_the_rest_still_runs_repeated(tmp_path):
     rc = main(["--quick", "--model", "tiny-llama", "--workloads", "W1", "--out", str(tmp_path),
-               "--engine-opt", "no_such_option=1", "--skip", "hf_generate_batch", "--repeats", "2"])
+               "--engine-opt", "no_such_option=1", "--skip", "tiny-llama:W1:hf_generate_batch",
+               "--repeats", "2"])
     assert rc == 0
     _, doc, md = _load(str(tmp_path))
     (row,) = doc["rows"]

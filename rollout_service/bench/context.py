@@ -80,10 +80,11 @@ class BenchContext:
     def device(self) -> torch.device:
         return self.bm.device
 
-    def skipped(self, name: str) -> bool:
+    def skipped(self, name: str, workload: str = "") -> bool:
         """A workload or part (engine, hf_generate, hf_generate_batch, hf_static, ...) named by --skip,
-        alone or as MODEL:NAME."""
-        return name in self.skip or f"{self.bm.name}:{name}" in self.skip
+        as NAME, MODEL:NAME, WORKLOAD:PART or MODEL:WORKLOAD:PART."""
+        names = {name, f"{workload}:{name}"} if workload else {name}
+        return any(n in self.skip or f"{self.bm.name}:{n}" in self.skip for n in names)
 
     def measure(self, row: Row, part: str, fn: Callable[[], Cell], repeat: bool = False) -> Cell:
         """fn() as a cell, or n/a with the reason. With repeat, fn runs `repeats` times and the best
@@ -98,7 +99,7 @@ class BenchContext:
         return next(c for c in cells if c.value == pick(values))
 
     def _measure_once(self, row: Row, part: str, fn: Callable[[], Cell]) -> Cell:
-        if self.skipped(part):
+        if self.skipped(part, row.workload.split()[0]):
             return Cell.na("skipped by --skip")
         if time.monotonic() > self.deadline:
             return Cell.na("skipped: time budget of this run spent")

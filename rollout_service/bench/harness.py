@@ -22,9 +22,10 @@ from .refresh import w3_refresh
 from .report import Cell, Row, now_utc, write_report
 from .workloads import w1_latency, w2_rollout, w2n_samples, w5_graphs
 
-# Run order = priority when a time budget runs out (W2n, the longest, last). Workloads after W3 run on
-# the refreshed weights, which the engine and the peers then share just the same.
-WORKLOADS = {"W1": w1_latency, "W2": w2_rollout, "W5": w5_graphs, "W4": w4_kernels, "W3": w3_refresh,
+# Run order = priority when a time budget runs out: the headline rollout and latency figures, then the
+# cheap ones, W2n (the longest) last. Workloads after W3 run on the refreshed weights, which the engine
+# and the peers then share just the same.
+WORKLOADS = {"W2": w2_rollout, "W1": w1_latency, "W5": w5_graphs, "W3": w3_refresh, "W4": w4_kernels,
              "W2n": w2n_samples}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -44,7 +45,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--shape", action="append", default=[], help="override a workload size, e.g. w2_seqs=32")
     p.add_argument("--engine-opt", action="append", default=[], help="extra engine option KEY=VALUE")
     p.add_argument("--skip", action="append", default=[],
-                   help="skip a workload or part, optionally per model: W2n, hf_generate_batch, llama3-8b:hf_static")
+                   help="skip a workload or part, optionally per model/workload: W2n, hf_generate_batch, "
+                        "llama3-8b:hf_static, W1:hf_generate_batch, llama3-8b:W1:hf_generate_batch")
     p.add_argument("--static-peer", default="auto", choices=["auto", "on", "off"],
                    help="HF static cache + compile peer for W1 (auto: GPU only)")
     p.add_argument("--repeats", type=int, default=1,

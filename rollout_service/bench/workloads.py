@@ -82,8 +82,8 @@ def w1_latency(ctx: BenchContext) -> list[Row]:
 
     row.engine = ctx.measure(row, "engine", engine, repeat=True)
     row.hf_generate = ctx.measure(row, "hf_generate", generate, repeat=True)
-    row.hf_generate_batch = ctx.measure(row, "hf_generate_batch", generate_batch, repeat=True)
     row.other_peer = ctx.measure(row, "hf_static", static)
+    row.hf_generate_batch = ctx.measure(row, "hf_generate_batch", generate_batch, repeat=True)
     kv = bm.kv_bytes_per_token() * (s.w1_prompt + s.w1_new / 2)
     floor_s = decode_step_floor(_weights_bytes(ctx), kv, bm.decode_params(), 1, ctx.ceilings)
     row.floor = Cell(1000 * floor_s)
