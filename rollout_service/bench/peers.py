@@ -25,6 +25,7 @@ class PeerRun:
     token_ids: list[list[int]]          # generated tokens per output sequence
     step_times: list[float] = field(default_factory=list)  # wall clock after each decode step
     call_seconds: float | None = None   # whole call, where `seconds` leaves the peer's set-up out
+    basis: str = ""                     # what `seconds` spans, when it is not the whole call
 
 
 class StepClock(StoppingCriteria):
@@ -136,11 +137,11 @@ def hf_generate_batch(bm: BenchModel, prompts: list[list[int]], max_new: int, n:
         # generate_batch logs a failure in its own thread and returns what it has: surface it here.
         raise RuntimeError(f"generate_batch returned {got} tokens, expected {want} (see its log above)")
     spans = [getattr(o, "lifespan", (-1, -1)) for o in outs]
-    seconds = call
+    seconds, basis = call, "whole call"
     if outs and all(a > 0 and b > 0 for a, b in spans):
-        seconds = max(b for _, b in spans) - min(a for a, _ in spans)
+        seconds, basis = max(b for _, b in spans) - min(a for a, _ in spans), "request lifespans"
     stamps = list(getattr(outs[0], "timestamps", None) or []) if len(outs) == 1 else []
-    return PeerRun(seconds, [list(o.generated_tokens) for o in outs], stamps, call_seconds=call)
+    return PeerRun(seconds, [list(o.generated_tokens) for o in outs], stamps, call_seconds=call, basis=basis)
 
 
 def decode_ms_per_step(run: PeerRun) -> float:
