@@ -1,7 +1,8 @@
 """rollout_service: a distributed rollout service for RL post-training of language models."""
 from rollout_service.types import RolloutRequest, RolloutResult, SamplingParams
 
-__all__ = ["RolloutClient", "RolloutRequest", "RolloutResult", "SamplingParams"]
+__all__ = ["RolloutClient", "RolloutRequest", "RolloutResult", "SamplingParams", "logprob_mismatch",
+           "mismatch_report"]
 __version__ = "0.1.0"
 
 
@@ -10,4 +11,7 @@ def __getattr__(name: str):
     if name == "RolloutClient":
         from rollout_service.client import RolloutClient
         return RolloutClient
+    if name in ("logprob_mismatch", "mismatch_report"):
+        from rollout_service import mismatch
+        return getattr(mismatch, name)
     raise AttributeError(f"module 'rollout_service' has no attribute {name!r}")
