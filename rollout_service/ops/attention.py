@@ -59,23 +59,25 @@ def paged_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMeta
 
 
 def _decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    # One query per sequence; no host syncs, so this path can be captured in a CUDA graph. The q heads of a
-    # kv head attend as one [group, L] matmul (GQA without repeating K/V), which halves the memory traffic
-    # of the gathered pages compared with expanding them for SDPA.
+    # One query per sequence; no host syncs, so this path can be captured in a CUDA graph. Pages are
+    # gathered per (page, head) tile, which lands them directly in [B, Hk, L, D] order (one copy, no
+    # transpose), and the q heads of a kv head attend as one [group, L] matmul (GQA without repeating K/V).
     batch, max_pages = meta.block_tables.shape
     _, _, num_kv_heads, page_size, head_dim = kv_layer.shape
     num_q_heads = q.shape[1]
     length = max_pages * page_size
-    pages = kv_layer[meta.block_tables.long()]  # [B, P, 2, Hk, ps, D]
-    k = pages[:, :, 0].transpose(1, 2).reshape(batch, num_kv_heads, length, head_dim).float()
-    v = pages[:, :, 1].transpose(1, 2).reshape(batch, num_kv_heads, length, head_dim).float()
+    tiles = kv_layer.view(-1, page_size, head_dim)  # [num_pages * 2 * Hk, ps, D]
+    heads = torch.arange(num_kv_heads, device=q.device)
+    k_tile = meta.block_tables.long()[:, None, :] * (2 * num_kv_heads) + heads[None, :, None]  # [B, Hk, P]
+    k = tiles[k_tile].view(batch, num_kv_heads, length, head_dim).float()
+    v = tiles[k_tile + num_kv_heads].view(batch, num_kv_heads, length, head_dim).float()
     valid = torch.arange(length, device=q.device)[None, :] < meta.kv_lens[:, None]  # [B, L]
     qg = q.float().view(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
     scores = torch.matmul(qg, k.transpose(-1, -2)).mul_(scale)  # [B, Hk, group, L]
     scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     # Padded pages and stale page tails may hold anything (even NaN): zero them so 0 * garbage stays 0.
-    v = torch.where(valid[:, None, :, None], v, 0.0)
+    v.masked_fill_(~valid[:, None, :, None], 0.0)  # v is the gather's own copy
     return torch.matmul(probs, v).reshape(batch, num_q_heads, head_dim).to(q.dtype)
 
 
