@@ -118,7 +118,7 @@ def make_metadata(
     is_prefill: bool | None = None,
     device: torch.device | str = "cpu",
 ) -> AttentionMetadata:
-    """Build metadata from host lists (tests, benchmarks, simple callers; the engine fills its own buffers).
+    """Build metadata from host lists: the engine's model runner, tests and benchmarks all use it.
 
     page_tables[b] lists sequence b's pages in order; it must cover exactly kv_lens[b] tokens. The queries are
     each sequence's last q_lens[b] tokens. is_prefill defaults to "some sequence has more than one query".
