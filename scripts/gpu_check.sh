@@ -39,7 +39,7 @@ else
 fi
 
 if [ -d tests/gpu ]; then
-  step gpu_tests 150 "$PY" -m pytest -x -q tests/gpu
+  step gpu_tests 150 "$PY" -m pytest -q -rf tests/gpu  # no -x: one failure must not hide the rest
 fi
 
 # The harness shares its budget between the two models, starts no part once it is spent, and writes its
