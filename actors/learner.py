@@ -3,7 +3,8 @@
 It holds the policy (a transformers CausalLM), asks the rollout service for samples, recomputes the
 sampled tokens' log-probs under its current weights (importance ratios against the behaviour
 log-probs the service returned), takes clipped policy-gradient steps, and pushes the new weights as
-the next policy version. A training loop (e.g. GRPO) is a few lines over these methods.
+the next policy version. A training loop (e.g. GRPO) is a few lines over these methods; the GRPO loop
+of this project is actors/grpo.py.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import numpy as np
 import ray
 import torch
 
+from rollout_service.mismatch import learner_logprobs, logprob_mismatch, token_logprobs
 from rollout_service.types import RolloutResult, SamplingParams
 
 
@@ -59,20 +61,11 @@ class Learner:
 
     def token_logprobs(self, results: list[RolloutResult], temperature: float = 1.0) -> list[torch.Tensor]:
         """log p(token_ids[i] | prefix) under the current weights, per result (with grad)."""
-        out = []
-        for r in results:
-            ids = torch.tensor([r.prompt_token_ids + r.token_ids])
-            logits = self.model(input_ids=ids).logits[0, len(r.prompt_token_ids) - 1:-1].float()
-            logp = torch.log_softmax(logits / max(temperature, 1e-6), dim=-1)
-            out.append(logp.gather(1, torch.tensor(r.token_ids)[:, None])[:, 0])
-        return out
+        return token_logprobs(self.model, results, temperature)
 
     def behaviour_gap(self, results: list[RolloutResult], temperature: float = 1.0) -> float:
         """Largest |learner log-prob - behaviour log-prob| over all tokens (0 when on-policy and exact)."""
-        with torch.no_grad():
-            mine = self.token_logprobs(results, temperature)
-        return max(float((m - torch.from_numpy(r.logprobs)).abs().max()) for m, r in zip(mine, results)
-                   if len(r.token_ids))
+        return logprob_mismatch(results, learner_logprobs(self.model, results, temperature))["max_abs"]
 
     def policy_step(self, results: list[RolloutResult], advantages: Sequence[float],
                     temperature: float = 1.0) -> dict:
