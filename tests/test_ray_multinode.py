@@ -47,12 +47,18 @@ def test_placement_that_cannot_fit_fails_clearly(ray_cluster, tiny_model_dir):
 def test_stale_results_are_regenerated_with_the_current_policy(backend, make_tiny_llama):
     it = backend.submit([RolloutRequest([5, 6, 7, i], SamplingParams(max_tokens=300, ignore_eos=True),
                                         request_id=f"st{i}") for i in range(4)])
-    time.sleep(0.3)
+    deadline = time.time() + 30
+    while not any(w.get("running", 0) for w in backend.stats()) and time.time() < deadline:
+        time.sleep(0.01)  # until decoding has started somewhere
+    # hold the workers between two steps so the refresh lands mid-generation however fast they decode
+    backend.pause()
     backend.update_weights(make_tiny_llama(seed=3).state_dict(), 1)
+    backend.resume()
     results = list(it)
     assert sorted(r.request_id for r in results) == [f"st{i}" for i in range(4)]
     # max_staleness=0: nothing generated (even partly) by version 0 is delivered
-    assert all(r.token_versions == [1] * 300 for r in results)
+    assert all(r.token_versions == [1] * 300 for r in results), \
+        [(r.request_id, sorted(set(r.token_versions))) for r in results]
     assert backend.info()["stale_regenerated"] >= 1
 
 
