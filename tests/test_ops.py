@@ -184,3 +184,15 @@ def test_backend_selection():
         select_ops("triton")
     with pytest.raises(ValueError, match="CUDA device"):
         resolve_backend("cuda", "cpu")
+
+
+def test_logits_of_half_inputs_are_float32_and_not_rounded_to_the_model_dtype():
+    torch.manual_seed(0)
+    hidden = torch.randn(3, 64).to(torch.bfloat16)
+    weight = (torch.randn(50, 64) * 4).to(torch.bfloat16)
+    logits = select_ops("torch").logits(hidden, weight)
+    exact = hidden.double() @ weight.double().T
+    assert logits.dtype == torch.float32
+    assert (logits.double() - exact).abs().max() < 1e-4
+    # a bf16 result would be off by up to half a bf16 step (~0.03 at these magnitudes)
+    assert (exact.to(torch.bfloat16).double() - exact).abs().max() > 1e-2

@@ -69,8 +69,8 @@ class Engine:
         # Graphs fix every buffer at its largest shape; only the CUDA kernels read the pages through CSR
         # indices whose cost follows the real lengths (the torch reference gathers whole padded tables).
         use_graphs = config.enable_cuda_graphs and self.backend == "cuda"
-        self.runner = ModelRunner(self.model, self.kv, self.device, self.max_model_len, use_graphs,
-                                  min(config.cuda_graph_max_batch, config.max_num_seqs))
+        self.runner = ModelRunner(self.model, self.kv, self.device, self.max_model_len, config.max_num_seqs,
+                                  use_graphs, config.cuda_graph_max_batch)
         self.sampler = Sampler()
         self.policy_version = 0
         self.counters = EngineCounters()
@@ -205,20 +205,21 @@ class Engine:
         self.counters.generated_tokens += len(seqs)
         self.counters.recent.append((time.time(), len(seqs)))
         finished: list[RolloutResult] = []
+        version = self.policy_version
         for i, seq in enumerate(seqs):
             k = seq.sampling.logprobs
             # alternatives outside a truncated distribution (-inf) are not alternatives
             top = ({t: lp for t, lp in zip(top_ids[i][:k], top_lps[i][:k]) if lp != float("-inf")}
                    if k and top_ids is not None else None)
-            seq.append(token_ids[i], logprobs[i], self.policy_version, top)
-            reason = self._stop_reason(seq)
+            seq.append(token_ids[i], logprobs[i], version, top)
+            reason = self._stop_reason(seq, token_ids[i])
             if reason:
                 finished += self._finish(seq, reason)
         return finished
 
-    def _stop_reason(self, seq: Sequence) -> str | None:
-        sp, tok = seq.sampling, seq.output_token_ids[-1]
-        if (not sp.ignore_eos and tok in self.eos_ids) or tok in sp.stop_token_ids:
+    def _stop_reason(self, seq: Sequence, tok: int) -> str | None:
+        sp = seq.sampling
+        if (not sp.ignore_eos and tok in self.eos_ids) or (sp.stop_token_ids and tok in sp.stop_token_ids):
             return "stop"
         if sp.stop:
             text = self.prompts.decode(seq.output_token_ids)
@@ -226,7 +227,8 @@ class Engine:
             if hits:
                 seq.stop_text_end = min(hits)
                 return "stop"
-        if seq.num_output_tokens >= sp.max_tokens or seq.num_tokens >= self.max_model_len:
+        outputs = len(seq.output_token_ids)
+        if outputs >= sp.max_tokens or outputs + len(seq.prompt_token_ids) >= self.max_model_len:
             return "length"
         return None
 

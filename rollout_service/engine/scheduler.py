@@ -79,18 +79,16 @@ class Scheduler:
         return Batch(True, seqs, chunks)
 
     def _schedule_decode(self) -> Batch | None:
-        scheduled = []
-        while self.running:
-            seq = self.running.pop(0)
-            while pages_for(seq.num_tokens, self.page_size) > len(seq.pages) and not self.pool.can_allocate(1):
-                if self.running:
-                    self._preempt(self.running.pop())
-                else:
-                    self._preempt(seq)
+        scheduled, pending, ps = [], deque(self.running), self.page_size
+        while pending:
+            seq = pending.popleft()
+            if seq.num_tokens > len(seq.pages) * ps:  # this step's token starts a new page
+                while not self.pool.can_allocate(1):
+                    self._preempt(pending.pop() if pending else seq)
+                    if seq.status == SeqStatus.WAITING:
+                        break
+                if seq.status == SeqStatus.WAITING:
                     break
-            if seq.status == SeqStatus.WAITING:
-                break
-            if pages_for(seq.num_tokens, self.page_size) > len(seq.pages):
                 seq.pages += self.pool.allocate(1)
             scheduled.append(seq)
         self.running = scheduled

@@ -62,9 +62,16 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status == SeqStatus.FINISHED
 
-    def token_at(self, i: int) -> int:
+    @property
+    def last_token(self) -> int:
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """all_token_ids[start:end] without concatenating the whole sequence."""
         n = len(self.prompt_token_ids)
-        return self.prompt_token_ids[i] if i < n else self.output_token_ids[i - n]
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        return self.prompt_token_ids[start:] + self.output_token_ids[max(0, start - n):end - n]
 
     def append(self, token_id: int, logprob: float, version: int, top: dict[int, float] | None) -> None:
         if self.t_first_token is None:

@@ -205,4 +205,5 @@ class DecoderLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, meta, self.cos_sin)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        """float32 logits, not rounded to the model dtype first (see Ops.logits)."""
+        return self.ops.logits(hidden, self.lm_head.weight)

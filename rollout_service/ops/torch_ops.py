@@ -3,6 +3,7 @@ this class and override what they have kernels for."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from rollout_service.ops import attention, norm, rope
 
@@ -34,6 +35,16 @@ class TorchOps:
         q, k = self.rope(q, k, positions, cos_sin)
         self.write_kv(kv_layer, k, v, slot_mapping)
         return q
+
+    def logits(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """float32 hidden [T, H] @ weight [V, H].T, never rounded to the model dtype on the way: a bf16 logit of
+        magnitude 10 is only resolved to 0.06, which would move every log-prob by up to 0.03. Half inputs
+        multiply exactly in float32 and accumulate in float32 on every device (cuBLAS does it natively)."""
+        if hidden.dtype == torch.float32 and weight.dtype == torch.float32:
+            return F.linear(hidden, weight)
+        if hidden.is_cuda and hidden.dim() == 2 and hidden.dtype == weight.dtype:
+            return torch.mm(hidden, weight.t(), out_dtype=torch.float32)
+        return F.linear(hidden.float(), weight.float())
 
     def attention(
         self, q: torch.Tensor, kv_layer: torch.Tensor, meta: attention.AttentionMetadata, scale: float

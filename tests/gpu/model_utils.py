@@ -41,8 +41,9 @@ class Pages:
     def __init__(self, per_seq: int):
         self.per_seq = per_seq
 
+    def table(self, seq: int, kv_len: int) -> list[int]:
+        return list(range(1 + seq * self.per_seq, 1 + seq * self.per_seq + math.ceil(kv_len / PAGE)))
+
     def meta(self, seqs: list[int], q_lens: list[int], kv_lens: list[int], is_prefill: bool) -> AttentionMetadata:
-        tables = [
-            list(range(1 + s * self.per_seq, 1 + s * self.per_seq + math.ceil(n / PAGE))) for s, n in zip(seqs, kv_lens)
-        ]
+        tables = [self.table(s, n) for s, n in zip(seqs, kv_lens)]
         return make_metadata(tables, q_lens, kv_lens, PAGE, is_prefill=is_prefill, device="cuda")
