@@ -87,6 +87,24 @@ void norm_impl(at::Tensor& out, const at::Tensor& x, const std::optional<at::Ten
                "rms_norm");
 }
 
+void silu_and_mul(at::Tensor out, at::Tensor x) {
+  const rk::DType dtype = half_dtype(x, "x");
+  check_cuda(out, "out", x);
+  check_same_dtype(out, "out", x);
+  TORCH_CHECK_VALUE(x.dim() == 2 && x.size(1) % 16 == 0, "x must be [rows, 2 * inter] with inter a multiple of 8, "
+                    "got ", x.sizes());
+  TORCH_CHECK_VALUE(out.dim() == 2 && out.size(0) == x.size(0) && out.size(1) == x.size(1) / 2,
+                    "out must be [", x.size(0), ", ", x.size(1) / 2, "], got ", out.sizes());
+  for (const at::Tensor* t : {&x, &out}) {
+    TORCH_CHECK_VALUE(t->stride(1) == 1 && t->stride(0) % 8 == 0 && aligned16(*t),
+                      "x and out rows must be contiguous and 16-byte aligned");
+  }
+  const c10::cuda::CUDAGuard guard(x.device());
+  check_launch(rk::silu_and_mul(out.data_ptr(), x.data_ptr(), dtype, x.size(0), out.size(1), out.stride(0),
+                                x.stride(0), c10::cuda::getCurrentCUDAStream().stream()),
+               "silu_and_mul");
+}
+
 void rms_norm(at::Tensor out, at::Tensor x, at::Tensor weight, double eps) {
   norm_impl(out, x, std::nullopt, weight, eps);
 }
@@ -287,6 +305,7 @@ at::Tensor prefill_attention(at::Tensor q, at::Tensor kv_cache, at::Tensor qo_in
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "rollout_service CUDA kernels";
+  m.def("silu_and_mul", &silu_and_mul, "out = silu(x[:, :inter]) * x[:, inter:] (x [rows, 2 * inter])");
   m.def("rms_norm", &rms_norm, "out = rms_norm(x) * weight (x [rows, hidden])");
   m.def("add_rms_norm", &add_rms_norm, "residual += x (in place); out = rms_norm(residual) * weight");
   m.def("rope", &rope, "rotate-half RoPE of q and k in place");

@@ -41,6 +41,16 @@ __device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&v);
 }
 
+// x as hi + lo, both in T: hi = x rounded to T, lo = what that rounding lost, rounded to T (~16 significant
+// bits together). The attention kernels multiply P·V as hi·V + lo·V, so the probabilities keep float32-like
+// precision through a T-only MMA: one more MMA per tile, and the result then rounds like the float32
+// torch reference instead of differing from it in the last bit of a large share of the outputs.
+template <typename T>
+__device__ __forceinline__ void split2(float a, float b, uint32_t& hi, uint32_t& lo) {
+  hi = pack2<T>(a, b);
+  lo = pack2<T>(a - round_to<T>(a), b - round_to<T>(b));
+}
+
 // 2^x with the hardware approximation (rel. error ~2^-22, far under bf16/fp16 rounding); 2^-inf = 0.
 __device__ __forceinline__ float fast_exp2(float x) {
   float y;

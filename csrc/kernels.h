@@ -16,6 +16,11 @@ cudaError_t rms_norm(void* out, const void* x, void* residual, const void* weigh
                      int64_t hidden, int64_t out_stride, int64_t x_stride, int64_t residual_stride, float eps,
                      cudaStream_t stream);
 
+// out = silu(x[:, :inter]) * x[:, inter:] over rows (the fused gate_up projection). inter % 8 == 0,
+// 16-byte aligned rows (strides in elements).
+cudaError_t silu_and_mul(void* out, const void* x, DType dtype, int64_t rows, int64_t inter, int64_t out_stride,
+                         int64_t x_stride, cudaStream_t stream);
+
 // Rotate-half RoPE of q and k in place and/or store k and v in the paged cache at slot_mapping.
 struct RopeKVParams {
   void* q = nullptr;  // [T, Hq, D], may be null when apply_rope is false

@@ -19,7 +19,35 @@ from rollout_service.engine.engine import Engine
 from rollout_service.types import RolloutRequest, SamplingParams
 
 
-def profile(model: str, batch: int, steps: int, prompt_len: int, graphs: bool) -> dict:
+def kernel_table(eng: Engine, forwards: int = 5) -> list[dict]:
+    """GPU time per kernel of a few eager decode forwards of the running batch (the kernels a graph replays)."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    seqs = eng.scheduler.running
+    inputs = eng.runner.decode_inputs
+    # the running sequences' KV so far (the step that would come next may still need a new page)
+    lengths = [min(s.num_tokens, len(s.pages) * eng.config.page_size) for s in seqs]
+    inputs.fill([s.pages for s in seqs], [s.last_token for s in seqs], lengths, len(seqs))
+    inputs.upload()
+    ids, meta = inputs.batch(len(seqs))
+    with torch.inference_mode():
+        eng.runner._decode_logits(ids, meta)
+        torch.cuda.synchronize()
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(forwards):
+                eng.runner._decode_logits(ids, meta)
+            torch.cuda.synchronize()
+    rows = []
+    for ev in prof.key_averages():
+        total = getattr(ev, "self_device_time_total", None) or getattr(ev, "self_cuda_time_total", 0)
+        if total > 0:
+            rows.append({"kernel": ev.key[:90], "calls_per_forward": ev.count / forwards,
+                         "us_per_forward": round(total / forwards, 1)})
+    rows.sort(key=lambda r: -r["us_per_forward"])
+    return rows
+
+
+def profile(model: str, batch: int, steps: int, prompt_len: int, graphs: bool, trace: bool = False) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     bm = load_bench_model(model, device)
     eng = Engine(model_source=bm.hf_model, device=str(device), max_num_seqs=batch,
@@ -31,6 +59,7 @@ def profile(model: str, batch: int, steps: int, prompt_len: int, graphs: bool) -
     while eng.scheduler.waiting:
         eng.step()  # prefill
 
+    kernels = kernel_table(eng) if trace and device.type == "cuda" else None
     phases = {k: [] for k in ("schedule", "runner", "sampler", "wait_ids", "bookkeeping", "step", "gpu_forward")}
     runner_run, sampler_call = eng.runner.run, eng.sampler.__call__
     events = []
@@ -78,8 +107,13 @@ def profile(model: str, batch: int, steps: int, prompt_len: int, graphs: bool) -
     phases["bookkeeping"] = [st - sum(phases[k][i] for k in ("schedule", "runner", "sampler", "wait_ids"))
                              for i, st in enumerate(phases["step"])]
     med = {k: round(1e3 * statistics.median(v), 4) for k, v in phases.items() if v}
-    return {"model": model, "batch": batch, "graphs": graphs, "backend": eng.backend, "steps": n,
-            "median_ms": med, "tokens_per_s": round(batch / statistics.median(phases["step"]), 1)}
+    out = {"model": model, "batch": batch, "graphs": graphs, "backend": eng.backend, "steps": n,
+           "median_ms": med, "tokens_per_s": round(batch / statistics.median(phases["step"]), 1)}
+    if kernels is not None:
+        out["kernels"] = kernels
+        out["kernel_us_per_forward"] = round(sum(r["us_per_forward"] for r in kernels), 1)
+        out["kernel_launches_per_forward"] = sum(r["calls_per_forward"] for r in kernels)
+    return out
 
 
 def main() -> None:
@@ -89,13 +123,17 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--no-graphs", action="store_true")
+    p.add_argument("--kernels", action="store_true", help="also a per-kernel GPU time table (torch.profiler)")
     p.add_argument("--json")
     args = p.parse_args()
     rows = []
     for model in args.model.split(","):
         for b in args.batch.split(","):
-            rows.append(profile(model, int(b), args.steps, args.prompt_len, not args.no_graphs))
-            print(json.dumps(rows[-1]), flush=True)
+            rows.append(profile(model, int(b), args.steps, args.prompt_len, not args.no_graphs, args.kernels))
+            summary = {k: v for k, v in rows[-1].items() if k != "kernels"}
+            print(json.dumps(summary), flush=True)
+            for r in rows[-1].get("kernels", [])[:14]:
+                print(f"   {r['us_per_forward']:9.1f} us  x{r['calls_per_forward']:5.0f}  {r['kernel']}", flush=True)
             torch.cuda.empty_cache() if torch.cuda.is_available() else None
     if args.json:
         with open(args.json, "w") as f:

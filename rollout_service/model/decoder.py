@@ -87,8 +87,9 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: Any, flags: ArchFlags):
+    def __init__(self, config: Any, flags: ArchFlags, ops: Ops):
         super().__init__()
+        self.ops = ops
         hidden, inter = config.hidden_size, config.intermediate_size
         self.gate_proj = nn.Linear(hidden, inter, bias=flags.mlp_bias)
         self.up_proj = nn.Linear(hidden, inter, bias=flags.mlp_bias)
@@ -100,10 +101,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is not None:
-            gate, up = F.linear(x, *self.gate_up).chunk(2, dim=-1)
-        else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(F.silu(gate) * up)
+            return self.down_proj(self.ops.silu_and_mul(F.linear(x, *self.gate_up)))
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
@@ -111,7 +110,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.ops = ops
         self.self_attn = Attention(config, flags, ops)
-        self.mlp = MLP(config, flags)
+        self.mlp = MLP(config, flags, ops)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

@@ -88,6 +88,16 @@ class CudaOps(Ops):
         self.kernels.add_rms_norm(out, rows, residual.view(rows.shape), weight, eps)
         return out.view(x.shape), residual
 
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        ok = (gate_up.is_cuda and gate_up.dtype in _HALF and gate_up.dim() == 2 and gate_up.shape[1] % 16 == 0
+              and _rows_ok(gate_up))
+        if not ok:
+            self._fallback("silu_and_mul", f"{gate_up.dtype} {tuple(gate_up.shape)}")
+            return super().silu_and_mul(gate_up)
+        out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
+        self.kernels.silu_and_mul(out, gate_up)
+        return out
+
     # ---- rope / kv write ---------------------------------------------------------------------------
 
     def _rope_ok(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> bool:

@@ -19,6 +19,11 @@ class TorchOps:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return norm.add_rms_norm(x, residual, weight, eps)
 
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of a fused [T, 2I] gate_up projection (gate half first); silu rounds to the dtype."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
     def rope(
         self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -115,3 +115,19 @@ def test_unsupported_inputs_fall_back_to_the_reference(cuda_ops):
     torch.testing.assert_close(cuda_ops.rms_norm(x, w, 1e-6), norm.rms_norm(x, w, 1e-6), rtol=0, atol=0)
     with pytest.raises(RuntimeError):  # a wrong weight shape reaches torch, which raises
         cuda_ops.rms_norm(torch.randn(4, 64, dtype=torch.bfloat16, device="cuda"), w, 1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows,inter", [(1, 4864), (3, 8), (37, 1000), (300, 14336)])
+def test_silu_and_mul_matches_torch(dtype, rows, inter):
+    from rollout_service.ops.backend import select_ops
+
+    x = (torch.randn(rows, 2 * inter, device="cuda") * 3).to(dtype)
+    got = select_ops("cuda").silu_and_mul(x)
+    ref = select_ops("torch").silu_and_mul(x)
+    assert got.shape == (rows, inter) and got.dtype == dtype
+    # same rounding points as torch; only expf vs ATen's exp may differ in the last float32 bit
+    mismatch = (got != ref).float().mean().item()
+    print(f"silu_and_mul {dtype} {rows}x{inter}: {mismatch:.1e} of outputs differ from torch")
+    assert mismatch <= 1e-3
+    torch.testing.assert_close(got, ref, rtol=1e-2, atol=1e-5)

@@ -1,0 +1,63 @@
+"""Which kernel moves the log-probs: the engine on "cuda" with one kernel family at a time sent back to the
+torch reference, each against the all-torch engine (the small random model of tests/gpu/test_engine_gpu.py)."""
+import sys
+
+import numpy as np
+import torch
+
+sys.path.insert(0, "tests/gpu")
+from test_engine_gpu import small_model  # noqa: E402
+
+from rollout_service.engine.engine import Engine  # noqa: E402
+from rollout_service.ops.cuda_ops import CudaOps  # noqa: E402
+from rollout_service.ops.torch_ops import TorchOps  # noqa: E402
+from rollout_service.types import RolloutRequest, SamplingParams  # noqa: E402
+
+model = small_model()
+g = torch.Generator().manual_seed(1)
+prompts = [torch.randint(0, 2048, (n,), generator=g).tolist() for n in (5, 17, 31, 64, 65, 100, 129, 200)]
+
+
+def run(backend):
+    eng = Engine(model_source=model, backend=backend, device="cuda", dtype="bfloat16", num_pages=1024,
+                 enable_cuda_graphs=False, max_num_seqs=16)
+    sp = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True, logprobs_mode="raw")
+    for i, p in enumerate(prompts):
+        eng.add_request(RolloutRequest(prompt=p, sampling=sp, request_id=str(i)))
+    return sorted(eng.run_until_done(), key=lambda r: int(r.request_id))
+
+
+def gap(a, b):
+    d = []
+    for x, y in zip(a, b):
+        n = next((i for i, (s, t) in enumerate(zip(x.token_ids, y.token_ids)) if s != t), len(x.token_ids))
+        d.append(np.abs(np.asarray(x.logprobs[:n]) - np.asarray(y.logprobs[:n])))
+    d = np.concatenate(d)
+    return f"mean {d.mean():.2e} median {np.median(d):.2e} p99 {np.quantile(d, 0.99):.2e} max {d.max():.2e} (n={d.size})"
+
+
+ref = run("torch")
+print("torch vs torch (run to run):", gap(ref, run("torch")))
+originals = {k: getattr(CudaOps, k) for k in ("attention", "rms_norm", "add_rms_norm", "rope", "rope_and_write_kv")}
+
+
+def decode_only(self, q, kv, meta, scale):
+    return (TorchOps.attention if meta.is_prefill else originals["attention"])(self, q, kv, meta, scale)
+
+
+def prefill_only(self, q, kv, meta, scale):
+    return (originals["attention"] if meta.is_prefill else TorchOps.attention)(self, q, kv, meta, scale)
+
+
+variants = {
+    "all kernels": {},
+    "attention -> torch": {"attention": TorchOps.attention},
+    "decode attention kernel only": {"attention": decode_only},
+    "prefill attention kernel only": {"attention": prefill_only},
+    "norms -> torch": {"rms_norm": TorchOps.rms_norm, "add_rms_norm": TorchOps.add_rms_norm},
+    "rope/kv -> torch": {"rope": TorchOps.rope, "rope_and_write_kv": TorchOps.rope_and_write_kv},
+}
+for name, patch in variants.items():
+    for k, v in originals.items():
+        setattr(CudaOps, k, patch.get(k, v))
+    print(f"cuda [{name}] vs torch:", gap(ref, run("cuda")), flush=True)
