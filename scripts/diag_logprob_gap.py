@@ -36,6 +36,12 @@ def gap(a, b):
     return f"mean {d.mean():.2e} median {np.median(d):.2e} p99 {np.quantile(d, 0.99):.2e} max {d.max():.2e} (n={d.size})"
 
 
+print("tf32: matmul.allow_tf32", torch.backends.cuda.matmul.allow_tf32, "precision",
+      torch.get_float32_matmul_precision(), "fp32_precision", getattr(torch.backends.cuda.matmul, "fp32_precision", None))
+x = torch.randn(64, 512, device="cuda")
+y = torch.randn(512, 64, device="cuda")
+print("fp32 matmul rel err vs fp64:", ((x @ y).double() - x.double() @ y.double()).norm().item()
+      / (x.double() @ y.double()).norm().item())
 ref = run("torch")
 print("torch vs torch (run to run):", gap(ref, run("torch")))
 originals = {k: getattr(CudaOps, k) for k in ("attention", "rms_norm", "add_rms_norm", "rope", "rope_and_write_kv")}
@@ -61,3 +67,16 @@ for name, patch in variants.items():
     for k, v in originals.items():
         setattr(CudaOps, k, patch.get(k, v))
     print(f"cuda [{name}] vs torch:", gap(ref, run("cuda")), flush=True)
+
+# The same with IEEE float32 matmuls forced for the reference (if the default were TF32 it would be the
+# reference, not the kernels, that is off by ~2^-11 in P·V)
+for k, v in originals.items():
+    setattr(CudaOps, k, v)
+torch.backends.cuda.matmul.allow_tf32 = False
+torch.set_float32_matmul_precision("highest")
+torch.backends.cuda.enable_flash_sdp(False)
+torch.backends.cuda.enable_mem_efficient_sdp(False)
+torch.backends.cuda.enable_cudnn_sdp(False)
+ref_ieee = run("torch")
+print("torch(IEEE, math SDPA) vs torch(default):", gap(ref, ref_ieee))
+print("cuda [all kernels] vs torch(IEEE, math SDPA):", gap(ref_ieee, run("cuda")), flush=True)
