@@ -13,6 +13,38 @@ from rollout_service.ops.cuda_ops import CudaOps  # noqa: E402
 from rollout_service.ops.torch_ops import TorchOps  # noqa: E402
 from rollout_service.types import RolloutRequest, SamplingParams  # noqa: E402
 
+
+
+def kernel_level() -> None:
+    """Decode/prefill kernels and the fp32 torch reference, each against the float64 result rounded to bf16:
+    the share of outputs that differ from it, and the error before that rounding where it can be seen."""
+    from kv_utils import random_paged_cache, reference_attention
+
+    from rollout_service.ops.attention import make_metadata, paged_attention
+    from rollout_service.ops.backend import select_ops
+
+    cuda = select_ops("cuda")
+    torch.manual_seed(0)
+    for hq, hk, d in [(8, 2, 64), (14, 2, 64), (32, 8, 128)]:
+        for kv_lens, prefill in [([1, 17, 100, 300, 1000], False), ([100, 300], True)]:
+            cache, tables = random_paged_cache(kv_lens, hk, d, torch.bfloat16)
+            q_lens = kv_lens if prefill else [1] * len(kv_lens)
+            meta = make_metadata(tables, q_lens, kv_lens, 16, is_prefill=prefill, device="cuda")
+            q = torch.randn(sum(q_lens), hq, d, dtype=torch.bfloat16, device="cuda")
+            scale = d ** -0.5
+            exact = reference_attention(q, cache, tables, q_lens, kv_lens, scale)  # float64
+            rounded = exact.to(torch.bfloat16)
+            kern = cuda.attention(q, cache, meta, scale)
+            ref32 = paged_attention(q, cache, meta, scale)
+            rel = lambda o: ((o.double() - exact).abs() / exact.abs().clamp_min(1e-3)).mean().item()  # noqa: E731
+            print(f"{'prefill' if prefill else 'decode '} {hq}/{hk}x{d}: differs from round(fp64): kernel "
+                  f"{(kern != rounded).float().mean().item():.3f}, torch fp32 ref {(ref32 != rounded).float().mean().item():.3f}"
+                  f"; mean rel err kernel {rel(kern):.2e} ref {rel(ref32):.2e} round(fp64) {rel(rounded):.2e}",
+                  flush=True)
+
+
+kernel_level()
+
 model = small_model()
 g = torch.Generator().manual_seed(1)
 prompts = [torch.randint(0, 2048, (n,), generator=g).tolist() for n in (5, 17, 31, 64, 65, 100, 129, 200)]
