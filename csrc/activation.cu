@@ -8,14 +8,6 @@
 namespace rollout_kernels {
 namespace {
 
-constexpr int kVec = 8;  // elements of T in 16 bytes
-
-template <typename T>
-union Vec16 {
-  uint4 raw;
-  T e[kVec];
-};
-
 template <typename T>
 __global__ void silu_and_mul_kernel(T* __restrict__ out, const T* __restrict__ x, int inter, int64_t out_stride,
                                     int64_t x_stride) {

@@ -27,6 +27,15 @@ __device__ __forceinline__ float from_float<float>(float x) { return x; }
 template <typename T>
 __device__ __forceinline__ float round_to(float x) { return to_float(from_float<T>(x)); }
 
+// Eight 2-byte elements as one 16-byte vector (the norm and activation kernels' loads and stores).
+constexpr int kVec = 8;
+
+template <typename T>
+union Vec16 {
+  uint4 raw;
+  T e[kVec];
+};
+
 // Two floats as one 32-bit register of two T, the first in the low half (the MMA operand order).
 template <typename T>
 __device__ __forceinline__ uint32_t pack2(float lo, float hi);

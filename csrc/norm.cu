@@ -6,14 +6,6 @@
 namespace rollout_kernels {
 namespace {
 
-constexpr int kVec = 8;  // elements of T in 16 bytes
-
-template <typename T>
-union Vec16 {
-  uint4 raw;
-  T e[kVec];
-};
-
 __device__ float block_sum(float v, float* scratch) {
   v = warp_sum(v);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;

@@ -60,7 +60,8 @@ class DecodeInputs:
         ps, h = self.page_size, self.h
         lens = np.fromiter(lengths, dtype=np.int64, count=n)
         counts = (lens - 1) // ps + 1
-        if int(counts.max()) > self.max_pages:
+        widest = int(counts.max())
+        if widest > self.max_pages:
             raise ValueError(f"a sequence of {int(lens.max())} tokens needs more than {self.max_pages} pages")
         tables = [t if len(t) == c else t[:c] for t, c in zip(page_tables, counts.tolist())]
         nnz = int(counts.sum())
@@ -81,7 +82,6 @@ class DecodeInputs:
         for name, value in (("input_ids", 0), ("positions", 0), ("slot_mapping", SCRATCH_PAGE * ps),
                             ("kv_lens", 1), ("kv_last_page_len", 1)):
             h[name][n:rows] = value
-        widest = int(counts.max())
         tables2d = h["block_tables"].reshape(self.max_batch, self.max_pages)
         # clear this fill's extent and the last one's: then nothing outside the current extent is stale
         tables2d[:max(rows, self._rows), :max(widest, self._widest)] = SCRATCH_PAGE
