@@ -1,5 +1,6 @@
-// Fused rotate-half RoPE of q/k and KV-cache store: one CTA per token. The rotation rounds like the torch
-// reference (cos/sin cast to T, each product and the sum rounded to T), so both backends agree bit for bit.
+// Fused rotate-half RoPE of q/k and KV-cache store: grid (token, slice of the token's heads). The rotation
+// rounds like the torch reference (cos/sin cast to T, each product and the sum rounded to T), so both
+// backends agree bit for bit.
 #include "kernel_utils.cuh"
 
 namespace rollout_kernels {
@@ -31,7 +32,7 @@ __global__ void rope_kv_kernel(RopeKVParams p) {
   if (p.apply_rope) {
     const C* cs_row = static_cast<const C*>(p.cos_sin) + p.positions[t] * D;
     const int heads = p.num_q_heads + p.num_kv_heads;
-    for (int idx = threadIdx.x; idx < heads * half; idx += blockDim.x) {
+    for (int idx = threadIdx.x + blockIdx.y * blockDim.x; idx < heads * half; idx += blockDim.x * gridDim.y) {
       const int h = idx / half, i = idx % half;
       const bool is_q = h < p.num_q_heads;
       T* x = is_q ? static_cast<T*>(p.q) + t * p.q_stride_t + h * p.q_stride_h
@@ -48,14 +49,14 @@ __global__ void rope_kv_kernel(RopeKVParams p) {
     }
   } else if (slot >= 0) {
     const T* k = static_cast<const T*>(p.k);
-    for (int idx = threadIdx.x; idx < p.num_kv_heads * D; idx += blockDim.x) {
+    for (int idx = threadIdx.x + blockIdx.y * blockDim.x; idx < p.num_kv_heads * D; idx += blockDim.x * gridDim.y) {
       const int h = idx / D, d = idx % D;
       cache[k_base + h * head_elems + d] = k[t * p.k_stride_t + h * p.k_stride_h + d];
     }
   }
   if (slot >= 0) {
     const T* v = static_cast<const T*>(p.v);
-    for (int idx = threadIdx.x; idx < p.num_kv_heads * D; idx += blockDim.x) {
+    for (int idx = threadIdx.x + blockIdx.y * blockDim.x; idx < p.num_kv_heads * D; idx += blockDim.x * gridDim.y) {
       const int h = idx / D, d = idx % D;
       cache[v_base + h * head_elems + d] = v[t * p.v_stride_t + h * p.v_stride_h + d];
     }
@@ -64,8 +65,10 @@ __global__ void rope_kv_kernel(RopeKVParams p) {
 
 template <typename T>
 cudaError_t launch_rope_kv(const RopeKVParams& p, cudaStream_t stream) {
-  const dim3 grid(p.num_tokens);
   const int threads = 256;
+  // A decode step has a few tokens: spread each token's heads over several CTAs, or one CTA does it all.
+  const int pairs = (p.num_q_heads + p.num_kv_heads) * p.head_dim / 2;
+  const dim3 grid(p.num_tokens, p.num_tokens < 64 ? (pairs + threads - 1) / threads : 1);
   if (!p.apply_rope || p.cos_sin_dtype == DType::kFloat32) {
     rope_kv_kernel<T, float><<<grid, threads, 0, stream>>>(p);
   } else if ((p.cos_sin_dtype == DType::kBFloat16) == (p.dtype == DType::kBFloat16)) {

@@ -51,14 +51,21 @@ def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
     kv_layer[page, 1, :, offset] = v.to(kv_layer.dtype)
 
 
-def paged_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Causal attention of q [T, Hq, D] over the paged cache; returns [T, Hq, D] in q's dtype."""
+def paged_attention(
+    q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float, compute_dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """Causal attention of q [T, Hq, D] over the paged cache; returns [T, Hq, D] in q's dtype.
+
+    Computed in `compute_dtype` (float32; float64 gives the exactly rounded result that diagnostics compare
+    the float32 reference and the kernels against)."""
     if meta.is_prefill:
-        return _prefill_attention(q, kv_layer, meta, scale)
-    return _decode_attention(q, kv_layer, meta, scale)
+        return _prefill_attention(q, kv_layer, meta, scale, compute_dtype)
+    return _decode_attention(q, kv_layer, meta, scale, compute_dtype)
 
 
-def _decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def _decode_attention(
+    q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float, compute_dtype: torch.dtype
+) -> torch.Tensor:
     # One query per sequence; no host syncs, so this path can be captured in a CUDA graph. Pages are
     # gathered per (page, head) tile, which lands them directly in [B, Hk, L, D] order (one copy, no
     # transpose), and the q heads of a kv head attend as one [group, L] matmul (GQA without repeating K/V).
@@ -69,10 +76,10 @@ def _decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMe
     tiles = kv_layer.view(-1, page_size, head_dim)  # [num_pages * 2 * Hk, ps, D]
     heads = torch.arange(num_kv_heads, device=q.device)
     k_tile = meta.block_tables.long()[:, None, :] * (2 * num_kv_heads) + heads[None, :, None]  # [B, Hk, P]
-    k = tiles[k_tile].view(batch, num_kv_heads, length, head_dim).float()
-    v = tiles[k_tile + num_kv_heads].view(batch, num_kv_heads, length, head_dim).float()
+    k = tiles[k_tile].view(batch, num_kv_heads, length, head_dim).to(compute_dtype)
+    v = tiles[k_tile + num_kv_heads].view(batch, num_kv_heads, length, head_dim).to(compute_dtype)
     valid = torch.arange(length, device=q.device)[None, :] < meta.kv_lens[:, None]  # [B, L]
-    qg = q.float().view(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
+    qg = q.to(compute_dtype).view(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
     scores = torch.matmul(qg, k.transpose(-1, -2)).mul_(scale)  # [B, Hk, group, L]
     scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
@@ -81,7 +88,9 @@ def _decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMe
     return torch.matmul(probs, v).reshape(batch, num_q_heads, head_dim).to(q.dtype)
 
 
-def _prefill_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def _prefill_attention(
+    q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float, compute_dtype: torch.dtype
+) -> torch.Tensor:
     _, _, num_kv_heads, page_size, head_dim = kv_layer.shape
     num_q_heads = q.shape[1]
     qo_indptr = meta.qo_indptr.tolist()
@@ -94,12 +103,12 @@ def _prefill_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionM
         if q_len == 0:
             continue
         pages = meta.kv_indices[kv_indptr[b] : kv_indptr[b + 1]].long()
-        kv = kv_layer[pages].permute(1, 2, 0, 3, 4).reshape(2, num_kv_heads, -1, head_dim)[:, :, :kv_len].float()
+        kv = kv_layer[pages].permute(1, 2, 0, 3, 4).reshape(2, num_kv_heads, -1, head_dim)[:, :, :kv_len].to(compute_dtype)
         # The queries are the sequence's last q_len tokens: query i sits at position kv_len - q_len + i.
         q_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)
         causal = torch.arange(kv_len, device=q.device)[None, :] <= q_pos[:, None]
         o = F.scaled_dot_product_attention(
-            q[q_start:q_end].transpose(0, 1).float(),
+            q[q_start:q_end].transpose(0, 1).to(compute_dtype),
             kv[0],
             kv[1],
             attn_mask=causal,
