@@ -35,9 +35,10 @@ cudaError_t silu_and_mul(void* out, const void* x, DType dtype, int64_t rows, in
                          int64_t x_stride, cudaStream_t stream) {
   if (inter % kVec != 0 || inter <= 0 || rows > 0x7fffffff) return cudaErrorInvalidValue;
   if (rows == 0) return cudaSuccess;
-  constexpr int threads = 128;
-  // A row's vectors spread over up to 16 CTAs while the rows alone cannot fill the GPU (decode).
-  const int64_t chunks = rows >= 128 ? 1 : std::min<int64_t>((inter / kVec + threads - 1) / threads, 16);
+  constexpr int threads = 256;
+  // One vector per thread: a row spread over several CTAs keeps enough loads in flight at any batch (one
+  // CTA per row left a 256-row decode batch at a third of the bandwidth).
+  const int64_t chunks = std::min<int64_t>((inter / kVec + threads - 1) / threads, 65535);
   const dim3 grid(static_cast<unsigned>(rows), static_cast<unsigned>(chunks));
   return ROLLOUT_DISPATCH_HALF(dtype, T, [&] {
     silu_and_mul_kernel<T><<<grid, threads, 0, stream>>>(static_cast<T*>(out), static_cast<const T*>(x),

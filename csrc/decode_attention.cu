@@ -147,20 +147,22 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const DecodeParams p) 
       acc[n][2] *= corr[1];
       acc[n][3] *= corr[1];
     }
-    // The two score tiles are exactly the A fragment of P for the k=16 (token) dimension (hi + lo parts).
-    uint32_t pa[4], pl[4];
-    split2<T>(s[0][0], s[0][1], pa[0], pl[0]);
-    split2<T>(s[0][2], s[0][3], pa[1], pl[1]);
-    split2<T>(s[1][0], s[1][1], pa[2], pl[2]);
-    split2<T>(s[1][2], s[1][3], pa[3], pl[3]);
+    // The two score tiles are exactly the A fragment of P for the k=16 (token) dimension.
+    constexpr int kParts = PParts<T>::kNum;
+    uint32_t pa[kParts][4];
+    split_p<T>(s[0][0], s[0][1], pa, 0);
+    split_p<T>(s[0][2], s[0][3], pa, 1);
+    split_p<T>(s[1][0], s[1][1], pa, 2);
+    split_p<T>(s[1][2], s[1][3], pa, 3);
 #pragma unroll
     for (int dn = 0; dn < D / 16; ++dn) {
       uint32_t r[4];
       ldmatrix_x4_trans(r, sv + (((lane >> 3) & 1) * 8 + (lane & 7)) * S::kRow + dn * 16 + (lane >> 4) * 8);
-      mma_16816<T>(acc[2 * dn], pa, r[0], r[1]);
-      mma_16816<T>(acc[2 * dn], pl, r[0], r[1]);
-      mma_16816<T>(acc[2 * dn + 1], pa, r[2], r[3]);
-      mma_16816<T>(acc[2 * dn + 1], pl, r[2], r[3]);
+#pragma unroll
+      for (int q = 0; q < kParts; ++q) {
+        mma_16816<T>(acc[2 * dn], pa[q], r[0], r[1]);
+        mma_16816<T>(acc[2 * dn + 1], pa[q], r[2], r[3]);
+      }
     }
     __syncwarp();  // the slot is refilled next iteration
   }

@@ -50,14 +50,29 @@ __device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&v);
 }
 
-// x as hi + lo, both in T: hi = x rounded to T, lo = what that rounding lost, rounded to T (~16 significant
-// bits together). The attention kernels multiply P·V as hi·V + lo·V, so the probabilities keep float32-like
-// precision through a T-only MMA: one more MMA per tile, and the result then rounds like the float32
-// torch reference instead of differing from it in the last bit of a large share of the outputs.
+// P·V with probabilities that keep float32 precision through a T-only MMA: P is written as a sum of parts
+// in T (each part the rounding of what the previous ones left) and multiplied one MMA per part. bf16 needs
+// three parts (8 significant bits each), fp16 two (11 each). With fewer bits (two bf16 parts, ~2^-18
+// relative) about 0.2% of the bf16 outputs round differently from the exact result; with these, no more
+// often than the float32 torch reference's (csrc/NOTES.md, session 3).
 template <typename T>
-__device__ __forceinline__ void split2(float a, float b, uint32_t& hi, uint32_t& lo) {
-  hi = pack2<T>(a, b);
-  lo = pack2<T>(a - round_to<T>(a), b - round_to<T>(b));
+struct PParts {
+  static constexpr int kNum = 3;
+};
+template <>
+struct PParts<__half> {
+  static constexpr int kNum = 2;
+};
+
+// Parts of the pair (a, b) into register `reg` of each part's A fragment.
+template <typename T>
+__device__ __forceinline__ void split_p(float a, float b, uint32_t (&frag)[PParts<T>::kNum][4], int reg) {
+#pragma unroll
+  for (int i = 0; i < PParts<T>::kNum; ++i) {
+    frag[i][reg] = pack2<T>(a, b);
+    a -= round_to<T>(a);
+    b -= round_to<T>(b);
+  }
 }
 
 // 2^x with the hardware approximation (rel. error ~2^-22, far under bf16/fp16 rounding); 2^-inf = 0.

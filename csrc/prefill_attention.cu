@@ -147,20 +147,22 @@ __global__ void __launch_bounds__(kThreads) prefill_kernel(const PrefillParams p
       }
 #pragma unroll
       for (int kc = 0; kc < kTileKV / 16; ++kc) {
-        uint32_t pa[4], pl[4];  // P's A fragment, hi + lo parts (split2)
-        split2<T>(s[2 * kc][0], s[2 * kc][1], pa[0], pl[0]);
-        split2<T>(s[2 * kc][2], s[2 * kc][3], pa[1], pl[1]);
-        split2<T>(s[2 * kc + 1][0], s[2 * kc + 1][1], pa[2], pl[2]);
-        split2<T>(s[2 * kc + 1][2], s[2 * kc + 1][3], pa[3], pl[3]);
+        constexpr int kParts = PParts<T>::kNum;
+        uint32_t pa[kParts][4];  // P's A fragment, as parts (split_p)
+        split_p<T>(s[2 * kc][0], s[2 * kc][1], pa, 0);
+        split_p<T>(s[2 * kc][2], s[2 * kc][3], pa, 1);
+        split_p<T>(s[2 * kc + 1][0], s[2 * kc + 1][1], pa, 2);
+        split_p<T>(s[2 * kc + 1][2], s[2 * kc + 1][3], pa, 3);
 #pragma unroll
         for (int dn = 0; dn < D / 16; ++dn) {
           uint32_t r[4];
           ldmatrix_x4_trans(r, sv + (kc * 16 + ((lane >> 3) & 1) * 8 + (lane & 7)) * S::kRow + dn * 16 +
                                    (lane >> 4) * 8);
-          mma_16816<T>(acc[2 * dn], pa, r[0], r[1]);
-          mma_16816<T>(acc[2 * dn], pl, r[0], r[1]);
-          mma_16816<T>(acc[2 * dn + 1], pa, r[2], r[3]);
-          mma_16816<T>(acc[2 * dn + 1], pl, r[2], r[3]);
+#pragma unroll
+          for (int q = 0; q < kParts; ++q) {
+            mma_16816<T>(acc[2 * dn], pa[q], r[0], r[1]);
+            mma_16816<T>(acc[2 * dn + 1], pa[q], r[2], r[3]);
+          }
         }
       }
     }
