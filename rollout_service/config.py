@@ -42,6 +42,9 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_cuda_graphs: bool = True
     cuda_graph_max_batch: int = 256
+    # launch decode step t+1 (fed the sampled ids on the device) before reading step t's tokens, so the host's
+    # bookkeeping runs while the GPU works; tokens and log-probs are the same either way
+    overlap_decode: bool = True
     seed: int = 0
     on_refresh: str = "continue"
 
@@ -65,6 +68,8 @@ class EngineConfig:
             _fail(c, "max_model_len", self.max_model_len, "must be None or an int >= 2")
         if not 0 < self.gpu_memory_utilization <= 0.98:
             _fail(c, "gpu_memory_utilization", self.gpu_memory_utilization, "must be in (0, 0.98]")
+        if not isinstance(self.overlap_decode, bool):
+            _fail(c, "overlap_decode", self.overlap_decode, "must be a bool")
         if not self.kv_cache_memory_gb > 0:
             _fail(c, "kv_cache_memory_gb", self.kv_cache_memory_gb, "must be > 0")
         if self.on_refresh not in ON_REFRESH:

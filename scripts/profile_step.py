@@ -3,7 +3,9 @@
 Runs the engine on a benchmark model at a given batch and times, per decode step: scheduling, the model
 runner (inputs + launch), the sampler launches, the wait for the sampled ids, and the bookkeeping after.
 Evidence for the W1/W2 figures: if host phases add up to more than the GPU forward, the step is host bound.
-    usage: python scripts/profile_step.py --model qwen2.5-0.5b --batch 1 [--steps 200] [--json out.json]
+With overlapped decode (the default) the wait is not timed apart (timing it would undo the overlap): the
+step time against the GPU forward then shows how much host work is left in the way.
+    usage: python scripts/profile_step.py --model qwen2.5-0.5b --batch 1 [--steps 200] [--no-overlap] [--json out.json]
 """
 from __future__ import annotations
 
@@ -47,12 +49,13 @@ def kernel_table(eng: Engine, forwards: int = 5) -> list[dict]:
     return rows
 
 
-def profile(model: str, batch: int, steps: int, prompt_len: int, graphs: bool, trace: bool = False) -> dict:
+def profile(model: str, batch: int, steps: int, prompt_len: int, graphs: bool, trace: bool = False,
+            overlap: bool = True) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     bm = load_bench_model(model, device)
     eng = Engine(model_source=bm.hf_model, device=str(device), max_num_seqs=batch,
                  max_model_len=prompt_len + steps + 8, num_pages=batch * ((prompt_len + steps + 8) // 16 + 2) + 8,
-                 enable_cuda_graphs=graphs)
+                 enable_cuda_graphs=graphs, overlap_decode=overlap)
     sp = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True)
     for i, p in enumerate(random_prompts(batch, prompt_len, bm.vocab_size, seed=3)):
         eng.add_request(RolloutRequest(prompt=p, sampling=sp, request_id=str(i)))
@@ -64,24 +67,25 @@ def profile(model: str, batch: int, steps: int, prompt_len: int, graphs: bool, t
     runner_run, sampler_call = eng.runner.run, eng.sampler.__call__
     events = []
 
-    def timed_runner(b):
+    def timed_runner(b, input_ids=None):
         t = time.perf_counter()
         start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2)) if device.type == "cuda" else (None, None)
         if start is not None:
             start.record()
-        out = runner_run(b)
+        out = runner_run(b, input_ids)
         if end is not None:
             end.record()
             events.append((start, end))
         phases["runner"].append(time.perf_counter() - t)
         return out
 
-    def timed_sampler(logits, seqs):
+    def timed_sampler(logits, seqs, ahead=0):
         t = time.perf_counter()
-        out = sampler_call(logits, seqs)
+        out = sampler_call(logits, seqs, ahead=ahead)
         phases["sampler"].append(time.perf_counter() - t)
         t = time.perf_counter()
-        out.token_ids.tolist()  # the engine's own .tolist() right after is then free
+        if not overlap:
+            out.token_ids.tolist()  # the engine's own .tolist() right after is then free
         phases["wait_ids"].append(time.perf_counter() - t)
         return out
 
@@ -104,10 +108,13 @@ def profile(model: str, batch: int, steps: int, prompt_len: int, graphs: bool, t
     n = len(phases["step"])
     for k in ("schedule", "runner", "sampler", "wait_ids"):
         phases[k] = phases[k][-n:]
-    phases["bookkeeping"] = [st - sum(phases[k][i] for k in ("schedule", "runner", "sampler", "wait_ids"))
-                             for i, st in enumerate(phases["step"])]
+    if not overlap:  # overlapped steps schedule ahead instead (no schedule() call) and wait elsewhere
+        phases["bookkeeping"] = [st - sum(phases[k][i] for k in ("schedule", "runner", "sampler", "wait_ids"))
+                                 for i, st in enumerate(phases["step"])]
+    else:
+        del phases["schedule"], phases["wait_ids"]
     med = {k: round(1e3 * statistics.median(v), 4) for k, v in phases.items() if v}
-    out = {"model": model, "batch": batch, "graphs": graphs, "backend": eng.backend, "steps": n,
+    out = {"model": model, "batch": batch, "graphs": graphs, "overlap": overlap, "backend": eng.backend, "steps": n,
            "median_ms": med, "tokens_per_s": round(batch / statistics.median(phases["step"]), 1)}
     if kernels is not None:
         out["kernels"] = kernels
@@ -124,17 +131,21 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--no-graphs", action="store_true")
     p.add_argument("--kernels", action="store_true", help="also a per-kernel GPU time table (torch.profiler)")
+    p.add_argument("--no-overlap", action="store_true",
+                   help="only one decode step at a time (default: that, then overlapped)")
     p.add_argument("--json")
     args = p.parse_args()
     rows = []
     for model in args.model.split(","):
         for b in args.batch.split(","):
-            rows.append(profile(model, int(b), args.steps, args.prompt_len, not args.no_graphs, args.kernels))
-            summary = {k: v for k, v in rows[-1].items() if k != "kernels"}
-            print(json.dumps(summary), flush=True)
-            for r in rows[-1].get("kernels", [])[:14]:
-                print(f"   {r['us_per_forward']:9.1f} us  x{r['calls_per_forward']:5.0f}  {r['kernel']}", flush=True)
-            torch.cuda.empty_cache() if torch.cuda.is_available() else None
+            for overlap in (False, True) if not args.no_overlap else (False,):
+                rows.append(profile(model, int(b), args.steps, args.prompt_len, not args.no_graphs, args.kernels,
+                                    overlap))
+                summary = {k: v for k, v in rows[-1].items() if k != "kernels"}
+                print(json.dumps(summary), flush=True)
+                for r in rows[-1].get("kernels", [])[:14]:
+                    print(f"   {r['us_per_forward']:9.1f} us  x{r['calls_per_forward']:5.0f}  {r['kernel']}", flush=True)
+                torch.cuda.empty_cache() if torch.cuda.is_available() else None
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

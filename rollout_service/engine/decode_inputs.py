@@ -89,6 +89,11 @@ class DecodeInputs:
         tables2d[row_of, np.arange(nnz) - np.repeat(indptr[:n], counts)] = pages[:nnz]
         self._rows, self._real, self._nnz, self._widest = rows, n, nnz, widest
 
+    def set_input_ids(self, token_ids: torch.Tensor) -> None:
+        """Overwrite the first len(token_ids) ids on the device, after `upload` (in stream order): a step
+        fed the previous step's sampled ids without their trip through the host."""
+        self.d["input_ids"][:token_ids.shape[0]].copy_(token_ids)
+
     @property
     def rows(self) -> int:
         """Rows of the last fill (real sequences + padding)."""

@@ -3,6 +3,11 @@
 add_request -> Scheduler -> ModelRunner -> Sampler -> finished sequences become RolloutResults.
 All mutation happens under one lock, so a weight refresh or an abort from another thread lands between
 two steps.
+
+Decode steps overlap (overlap_decode): a decode step is launched and left in flight; the next `step` call
+launches the following decode step on the device-side sampled ids, and only then reads and records the
+first step's tokens, so the host's work hides behind the GPU's. A sequence that turns out to have
+finished wasted one step's row; nothing else changes (the same tokens, log-probs and random draws).
 """
 from __future__ import annotations
 
@@ -20,9 +25,9 @@ import torch
 from rollout_service.config import EngineConfig
 from rollout_service.engine.kv_cache import KVCache, pages_for
 from rollout_service.engine.model_runner import ModelRunner
-from rollout_service.engine.sampler import Sampler
+from rollout_service.engine.sampler import Sampler, SamplerOutput
 from rollout_service.engine.scheduler import Batch, Scheduler
-from rollout_service.engine.sequence import Sequence
+from rollout_service.engine.sequence import Sequence, SeqStatus
 from rollout_service.model.loader import load_model
 from rollout_service.model.weight_update import apply_named_tensors, validate_named_tensors
 from rollout_service.ops.backend import resolve_backend
@@ -40,11 +45,22 @@ class _Request:
 
 
 @dataclass
+class _Launched:
+    """A decode step whose sampled tokens are still on the device."""
+
+    seqs: list[Sequence]
+    out: SamplerOutput
+    version: int
+    can_chain: bool  # the next step may run before these tokens are read
+
+
+@dataclass
 class EngineCounters:
     steps: int = 0
     prefill_steps: int = 0
     prompt_prefills: int = 0      # prompts prefilled for the first time (once per request, whatever n)
     recomputes: int = 0           # prefills redone after preemption
+    overlapped_steps: int = 0     # decode steps launched before the previous step's tokens were read
     generated_tokens: int = 0
     recent: deque = field(default_factory=lambda: deque(maxlen=64))  # (time, tokens) for tokens/s
 
@@ -76,6 +92,7 @@ class Engine:
         self.counters = EngineCounters()
         self._requests: dict[str, _Request] = {}
         self._outbox: list[RolloutResult] = []
+        self._in_flight: _Launched | None = None
         self._seed_rng = random.Random(config.seed)
         self._lock = threading.RLock()
 
@@ -128,6 +145,7 @@ class Engine:
         """Finish the given requests now (finish_reason "abort", tokens so far); unknown ids are ignored."""
         out: list[RolloutResult] = []
         with self._lock:
+            self._flush()  # the tokens of the step in flight are the sequences' too
             for rid in request_ids:
                 state = self._requests.get(rid)
                 for seq in list(state.seqs) if state else []:
@@ -139,18 +157,68 @@ class Engine:
     def step(self) -> list[RolloutResult]:
         with self._lock:
             out, self._outbox = self._outbox, []
+            prev, self._in_flight = self._in_flight, None
+            if prev is not None:
+                # launch the next decode step first, then read and record prev's tokens while it runs
+                nxt = self._schedule_ahead(prev) if prev.can_chain else None
+                if nxt is not None:
+                    batch, rows = nxt
+                    ids = prev.out.token_ids if rows is None else prev.out.token_ids[rows]
+                    self._in_flight = self._launch(batch, ids)
+                    self.counters.overlapped_steps += 1
+                    return out + self._record(prev)
+                out += self._record(prev)  # then this call runs the step that schedule picks, as always
             batch = self.scheduler.schedule()
             if batch is None:
                 return out
-            logits = self.runner.run(batch)
-            self.counters.steps += 1
             if batch.is_prefill:
-                out += self._after_prefill(batch, logits)
-            else:
-                for seq in batch.seqs:
-                    seq.num_computed = seq.num_tokens
-                out += self._sample(batch.seqs, logits)
-            return out
+                logits = self.runner.run(batch)
+                self.counters.steps += 1
+                return out + self._after_prefill(batch, logits)
+            launched = self._launch(batch)
+            if launched.can_chain:
+                self._in_flight = launched
+                return out
+            return out + self._record(launched)
+
+    def _launch(self, batch: Batch, input_ids: torch.Tensor | None = None) -> _Launched:
+        """Queue a decode step's forward and sampling on the device (input_ids: one token ahead)."""
+        ahead = int(input_ids is not None)
+        logits = self.runner.run(batch, input_ids)
+        self.counters.steps += 1
+        out = self.sampler(logits, batch.seqs, ahead=ahead)
+        can_chain = self.config.overlap_decode and not any(_penalised(s) for s in batch.seqs)
+        return _Launched(batch.seqs, out, self.policy_version, can_chain)
+
+    def _schedule_ahead(self, prev: _Launched) -> tuple[Batch, torch.Tensor | None] | None:
+        """The decode step after prev, for prev's sequences that cannot finish by length at prev's token
+        (and were not aborted): the batch and the rows of prev's output that feed it (None: all)."""
+        if prev.version != self.policy_version:
+            return None
+        # Every running sequence is one of prev's: only a prefill adds to them, and none ran since prev.
+        keep = [i for i, s in enumerate(prev.seqs) if s.status is SeqStatus.RUNNING and not self._ends_by_length(s)]
+        batch = self.scheduler.schedule_ahead([prev.seqs[i] for i in keep])
+        if batch is None:
+            return None
+        rows = None if len(keep) == len(prev.seqs) else torch.tensor(keep, device=prev.out.token_ids.device)
+        return batch, rows
+
+    def _ends_by_length(self, seq: Sequence) -> bool:
+        """Whether the token in flight for seq (not yet recorded) is its last by max_tokens / max_model_len."""
+        outputs = seq.num_output_tokens + 1
+        return outputs >= seq.sampling.max_tokens or outputs + len(seq.prompt_token_ids) >= self.max_model_len
+
+    def _record(self, launched: _Launched) -> list[RolloutResult]:
+        """Read a decode step's tokens and record them (sequences finished or aborted meanwhile skip theirs)."""
+        for seq in launched.seqs:
+            seq.num_computed = seq.num_tokens  # the step's query token now has its KV
+        return self._append(launched.seqs, launched.out, launched.version)
+
+    def _flush(self) -> None:
+        """Record the step in flight now (before an abort or a weight swap)."""
+        if self._in_flight is not None:
+            prev, self._in_flight = self._in_flight, None
+            self._outbox += self._record(prev)
 
     def run_until_done(self) -> list[RolloutResult]:
         out: list[RolloutResult] = []
@@ -198,15 +266,19 @@ class Engine:
         return children
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[RolloutResult]:
-        out = self.sampler(logits, seqs)
+        return self._append(seqs, self.sampler(logits, seqs), self.policy_version)
+
+    def _append(self, seqs: list[Sequence], out: SamplerOutput, version: int) -> list[RolloutResult]:
+        """Record one sampled token per running sequence (the one sync per step), then check for stops."""
         token_ids, logprobs = out.token_ids.tolist(), out.logprobs.tolist()
         top_ids = out.top_ids.tolist() if out.top_ids is not None else None
         top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
-        self.counters.generated_tokens += len(seqs)
-        self.counters.recent.append((time.time(), len(seqs)))
         finished: list[RolloutResult] = []
-        version = self.policy_version
+        recorded = 0
         for i, seq in enumerate(seqs):
+            if seq.status is not SeqStatus.RUNNING:
+                continue  # finished (or aborted) while this step ran
+            recorded += 1
             k = seq.sampling.logprobs
             # alternatives outside a truncated distribution (-inf) are not alternatives
             top = ({t: lp for t, lp in zip(top_ids[i][:k], top_lps[i][:k]) if lp != float("-inf")}
@@ -215,6 +287,8 @@ class Engine:
             reason = self._stop_reason(seq, token_ids[i])
             if reason:
                 finished += self._finish(seq, reason)
+        self.counters.generated_tokens += recorded
+        self.counters.recent.append((time.time(), recorded))
         return finished
 
     def _stop_reason(self, seq: Sequence, tok: int) -> str | None:
@@ -267,6 +341,7 @@ class Engine:
             raise ValueError(f"update_weights: version must be an int, got {version!r}")
         plan = validate_named_tensors(self.model, named_tensors)
         with self._lock:
+            self._flush()  # its tokens came from the old weights and say so
             apply_named_tensors(plan)
             self.policy_version = version
             if self.config.on_refresh == "abort":
@@ -282,5 +357,11 @@ class Engine:
             "tokens_per_s": sum(n for _, n in recent[1:]) / span if span > 0 else 0.0,
             "policy_version": self.policy_version, "steps": c.steps, "prompt_prefills": c.prompt_prefills,
             "recomputes": c.recomputes, "preemptions": self.scheduler.num_preemptions,
+            "overlapped_steps": c.overlapped_steps,
             "generated_tokens": c.generated_tokens, "backend": self.backend, "device": str(self.device),
         }
+
+
+def _penalised(seq: Sequence) -> bool:
+    sp = seq.sampling
+    return sp.repetition_penalty != 1.0 or sp.frequency_penalty != 0.0 or sp.presence_penalty != 0.0

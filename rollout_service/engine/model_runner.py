@@ -45,10 +45,15 @@ class ModelRunner:
         return self.model.compute_logits(self.model(input_ids, meta.positions, self.kv.layers, meta))
 
     @torch.inference_mode()
-    def run(self, batch: Batch) -> torch.Tensor | None:
-        """Forward one step; returns float32 logits for the sequences that complete (None if none do)."""
+    def run(self, batch: Batch, input_ids: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Forward one step; returns float32 logits for the sequences that complete (None if none do).
+
+        input_ids (decode only): the step runs one token ahead of what the sequences have recorded, its
+        query ids the previous step's sampled ids, still on the device."""
         if not batch.is_prefill:
-            return self._decode(batch)
+            return self._decode(batch, input_ids)
+        if input_ids is not None:
+            raise ValueError("input_ids on the device are for decode steps only")
         input_ids, meta, sample_rows = self._prepare_prefill(batch)
         hidden = self.model(input_ids, meta.positions, self.kv.layers, meta)
         if not sample_rows:
@@ -57,14 +62,21 @@ class ModelRunner:
             hidden = hidden[torch.tensor(sample_rows, device=hidden.device)]
         return self.model.compute_logits(hidden)
 
-    def _decode(self, batch: Batch) -> torch.Tensor:
+    def _decode(self, batch: Batch, input_ids: torch.Tensor | None) -> torch.Tensor:
         seqs = batch.seqs
         n = len(seqs)
         graph = self.graphs is not None and self.graphs.can_run(n)
         rows = self.graphs.bucket(n) if graph else n
         inputs = self.decode_inputs
-        inputs.fill([s.pages for s in seqs], [s.last_token for s in seqs], [s.num_tokens for s in seqs], rows)
-        inputs.upload()
+        if input_ids is None:
+            inputs.fill([s.pages for s in seqs], [s.last_token for s in seqs], [s.num_tokens for s in seqs], rows)
+            inputs.upload()
+        else:
+            if input_ids.shape != (n,):
+                raise ValueError(f"input_ids must have shape ({n},), got {tuple(input_ids.shape)}")
+            inputs.fill([s.pages for s in seqs], [0] * n, [s.num_tokens + 1 for s in seqs], rows)
+            inputs.upload()
+            inputs.set_input_ids(input_ids)
         if graph:
             return self.graphs.run(n)
         return self._decode_logits(*inputs.batch(n))

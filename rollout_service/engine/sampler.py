@@ -71,22 +71,29 @@ class _RowParams:
                    max(int(p.logprobs) for p in ps))
 
     @property
+    def penalised(self) -> bool:
+        return any(r != 1.0 for r in self.repetition) or any(self.frequency) or any(self.presence)
+
+    @property
     def plain_greedy(self) -> bool:
         """Every row greedy, unpenalised, without alternatives: token = argmax, log-prob "raw"."""
-        return (self.num_top == 0 and not any(self.temperature) and all(r == 1.0 for r in self.repetition)
-                and not any(self.frequency) and not any(self.presence))
+        return self.num_top == 0 and not any(self.temperature) and not self.penalised
 
 
 class Sampler:
     """Stateless: `Sampler()(logits, seqs)` samples one token per sequence (see the module docstring)."""
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence], ahead: int = 0) -> SamplerOutput:
+        """ahead=1: each sequence has one sampled token not yet recorded (an overlapped decode step), so
+        its noise counter is num_output_tokens + 1. Penalties need every earlier token: not allowed then."""
         logits = _checked(logits, seqs)
         batch, vocab = logits.shape
         dev = logits.device
         if batch == 0:
             return SamplerOutput(torch.empty(0, dtype=torch.int64, device=dev), torch.empty(0, device=dev))
         rp = _RowParams.of(seqs)
+        if ahead and rp.penalised:
+            raise ValueError("Sampler: penalties need every earlier token; a step ahead cannot apply them")
         if rp.plain_greedy:
             # the common rollout-evaluation case in three launches: token, its logit, the normaliser
             values, tokens = logits.max(dim=1)
@@ -106,7 +113,7 @@ class Sampler:
                 temps = torch.tensor([t if t != 0 else 1.0 for t in rp.temperature], device=dev)
                 scaled = penalised / temps.unsqueeze(1)
             truncated, kept = _truncate(scaled, sampled, rp)
-            keys = torch.tensor([row_key(int(s.seed), int(s.sample_index), s.num_output_tokens)
+            keys = torch.tensor([row_key(int(s.seed), int(s.sample_index), s.num_output_tokens + ahead)
                                  for s in (seqs[i] for i in sampled)], dtype=torch.int64, device=dev)
             _assign(tokens, sampled, _draw(_rows(truncated, sampled), keys, kept))
             sources.update(scaled=scaled, processed=truncated)

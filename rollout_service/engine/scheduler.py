@@ -94,6 +94,19 @@ class Scheduler:
         self.running = scheduled
         return Batch(False, list(scheduled)) if scheduled else None  # a copy: finishing edits running
 
+    def schedule_ahead(self, seqs: list[Sequence]) -> Batch | None:
+        """A decode step for `seqs` one token ahead of what has been recorded (their last sampled token is
+        still on the device), or None: only when nothing waits for a prefill and the next pages can be had
+        without preempting anyone, so that it is the step `schedule` would pick once the tokens are in."""
+        if self.waiting or not seqs:
+            return None
+        short = [s for s in seqs if s.num_tokens + 1 > len(s.pages) * self.page_size]
+        if not self.pool.can_allocate(len(short)):
+            return None
+        for seq in short:
+            seq.pages += self.pool.allocate(1)
+        return Batch(False, list(seqs))
+
     def _preempt(self, seq: Sequence) -> None:
         self.pool.release(seq.pages)
         seq.pages = []
