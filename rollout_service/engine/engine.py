@@ -28,6 +28,7 @@ from rollout_service.engine.model_runner import ModelRunner
 from rollout_service.engine.sampler import Sampler, SamplerOutput
 from rollout_service.engine.scheduler import Batch, Scheduler
 from rollout_service.engine.sequence import Sequence, SeqStatus
+from rollout_service.engine.transfers import copy_to_host, to_device
 from rollout_service.model.loader import load_model
 from rollout_service.model.weight_update import apply_named_tensors, validate_named_tensors
 from rollout_service.ops.backend import resolve_backend
@@ -49,7 +50,9 @@ class _Launched:
     """A decode step whose sampled tokens are still on the device."""
 
     seqs: list[Sequence]
-    out: SamplerOutput
+    out: SamplerOutput          # on the device: feeds the next step
+    host: SamplerOutput         # the same, copied to the host right behind the sampler (CUDA: pinned, async)
+    copied: Any                 # CUDA event of that copy (None on CPU)
     version: int
     can_chain: bool  # the next step may run before these tokens are read
 
@@ -187,8 +190,9 @@ class Engine:
         logits = self.runner.run(batch, input_ids)
         self.counters.steps += 1
         out = self.sampler(logits, batch.seqs, ahead=ahead)
+        host, copied = copy_to_host(out)
         can_chain = self.config.overlap_decode and not any(_penalised(s) for s in batch.seqs)
-        return _Launched(batch.seqs, out, self.policy_version, can_chain)
+        return _Launched(batch.seqs, out, host, copied, self.policy_version, can_chain)
 
     def _schedule_ahead(self, prev: _Launched) -> tuple[Batch, torch.Tensor | None] | None:
         """The decode step after prev, for prev's sequences that cannot finish by length at prev's token
@@ -200,7 +204,7 @@ class Engine:
         batch = self.scheduler.schedule_ahead([prev.seqs[i] for i in keep])
         if batch is None:
             return None
-        rows = None if len(keep) == len(prev.seqs) else torch.tensor(keep, device=prev.out.token_ids.device)
+        rows = None if len(keep) == len(prev.seqs) else to_device(keep, prev.out.token_ids.device)
         return batch, rows
 
     def _ends_by_length(self, seq: Sequence) -> bool:
@@ -212,7 +216,9 @@ class Engine:
         """Read a decode step's tokens and record them (sequences finished or aborted meanwhile skip theirs)."""
         for seq in launched.seqs:
             seq.num_computed = seq.num_tokens  # the step's query token now has its KV
-        return self._append(launched.seqs, launched.out, launched.version)
+        if launched.copied is not None:
+            launched.copied.synchronize()  # this step's copy only, not the step launched after it
+        return self._append(launched.seqs, launched.host, launched.version)
 
     def _flush(self) -> None:
         """Record the step in flight now (before an abort or a weight swap)."""
@@ -365,3 +371,4 @@ class Engine:
 def _penalised(seq: Sequence) -> bool:
     sp = seq.sampling
     return sp.repetition_penalty != 1.0 or sp.frequency_penalty != 0.0 or sp.presence_penalty != 0.0
+

@@ -21,6 +21,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from rollout_service.engine.transfers import to_device
+
 PREFILTER = 1024  # candidates looked at before falling back to a full sort for top_p
 
 
@@ -85,23 +87,23 @@ def truncation_mask(scaled: torch.Tensor, top_k: list[int], top_p: list[float],
     orders ties). One sort serves top_k and top_p together; top_k alone needs only topk.
     """
     dev, vocab = scaled.device, scaled.shape[1]
-    k = torch.tensor([vocab if x == -1 else min(x, vocab) for x in top_k], device=dev)
+    ks = [vocab if x == -1 else min(x, vocab) for x in top_k]
+    k = to_device(ks, dev)
     threshold = torch.full((scaled.shape[0],), float("-inf"), device=dev)
     if any(p < 1.0 for p in top_p):
-        threshold = _top_k_top_p_threshold(scaled, k, torch.tensor(top_p, device=dev))
+        threshold = _top_k_top_p_threshold(scaled, k, to_device(top_p, dev))
     elif any(x != -1 for x in top_k):
-        threshold = _top_k_threshold(scaled, k)
+        threshold = _top_k_threshold(scaled, k, max((x for x in ks if x < vocab), default=vocab))
     if any(m > 0.0 for m in min_p):
         # prob < m * max prob  <=>  logit < max logit + log(m); log(0) = -inf keeps everything
-        log_m = torch.tensor(min_p, dtype=scaled.dtype, device=dev).log()
+        log_m = to_device(min_p, dev, scaled.dtype).log()
         threshold = torch.maximum(threshold, scaled.amax(dim=1) + log_m)
     return scaled < threshold.unsqueeze(1)
 
 
-def _top_k_threshold(scaled: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """The k-th largest logit of each row (-inf where top_k is off)."""
+def _top_k_threshold(scaled: torch.Tensor, k: torch.Tensor, k_max: int) -> torch.Tensor:
+    """The k-th largest logit of each row (-inf where top_k is off); k_max: the largest k that is on."""
     vocab = scaled.shape[1]
-    k_max = int(k[k < vocab].max()) if bool((k < vocab).any()) else vocab
     values = scaled.topk(k_max, dim=1).values
     kth = values.gather(1, (k.clamp(max=k_max) - 1).unsqueeze(1)).squeeze(1)
     return torch.where(k < vocab, kth, torch.full_like(kth, float("-inf")))

@@ -34,6 +34,7 @@ import torch
 from rollout_service.engine.logits_processors import apply_penalties, truncation_mask
 from rollout_service.engine.random import gumbel, row_key, vocab_ids
 from rollout_service.engine.sequence import Sequence
+from rollout_service.engine.transfers import to_device
 
 _FEW_CANDIDATES = 8       # noise only the kept tokens when at most 1/8 of the vocabulary is kept
 _CPU_BLOCK = 1 << 16      # elements per block of the CPU noise loop (~0.5 MiB of int64)
@@ -110,11 +111,11 @@ class Sampler:
         if sampled:
             scaled = penalised
             if any(rp.temperature[i] != 1.0 for i in sampled):
-                temps = torch.tensor([t if t != 0 else 1.0 for t in rp.temperature], device=dev)
+                temps = to_device([t if t != 0 else 1.0 for t in rp.temperature], dev)
                 scaled = penalised / temps.unsqueeze(1)
             truncated, kept = _truncate(scaled, sampled, rp)
-            keys = torch.tensor([row_key(int(s.seed), int(s.sample_index), s.num_output_tokens + ahead)
-                                 for s in (seqs[i] for i in sampled)], dtype=torch.int64, device=dev)
+            keys = to_device([row_key(int(s.seed), int(s.sample_index), s.num_output_tokens + ahead)
+                              for s in (seqs[i] for i in sampled)], dev, torch.int64)
             _assign(tokens, sampled, _draw(_rows(truncated, sampled), keys, kept))
             sources.update(scaled=scaled, processed=truncated)
             if kept is not None:
@@ -144,14 +145,14 @@ def _rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
     """t restricted to `rows` (t itself when rows is the whole batch, in order)."""
     if len(rows) == t.shape[0]:
         return t
-    return t[torch.tensor(rows, device=t.device)]
+    return t[to_device(rows, t.device)]
 
 
 def _assign(out: torch.Tensor, rows: list[int], values: torch.Tensor) -> None:
     if len(rows) == out.shape[0]:
         out.copy_(values)
     else:
-        out[torch.tensor(rows, device=out.device)] = values
+        out[to_device(rows, out.device)] = values
 
 
 def _truncate(scaled: torch.Tensor, sampled: list[int], rp: _RowParams):
@@ -169,9 +170,10 @@ def _truncate(scaled: torch.Tensor, sampled: list[int], rp: _RowParams):
         truncated = sub
     else:
         truncated = scaled.clone()
-        truncated[torch.tensor(rows, device=scaled.device)] = sub
+        truncated[to_device(rows, scaled.device)] = sub
     kept = None
-    if len(rows) == len(sampled):  # then sub holds exactly the sampled rows, in order
+    # (on CPU only: sizing the kept set reads a count back, which on a GPU would wait for the queued steps)
+    if len(rows) == len(sampled) and scaled.device.type == "cpu":  # sub holds exactly the sampled rows
         vocab = scaled.shape[1]
         most = vocab - int(drop.sum(dim=1, dtype=torch.int32).min())
         if most * _FEW_CANDIDATES <= vocab:

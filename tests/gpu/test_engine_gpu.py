@@ -147,3 +147,36 @@ def test_overlapped_decode_matches_one_step_at_a_time(runs):
     for overlapped, plain in zip(runs[("cuda", True)], runs["graphs, no overlap"]):
         assert overlapped.token_ids == plain.token_ids
         assert np.array_equal(overlapped.logprobs, plain.logprobs)
+
+
+def test_overlapped_decode_steps_never_wait_for_the_gpu():
+    """Issue item 4, checked with torch's sync debug mode: in steady decode (greedy and seeded temperature
+    sampling, CUDA graphs, overlap on) a step's only waits are the two CUDA events (last step's outputs
+    copied out; the input buffer's previous upload done), never a stream or device synchronisation."""
+    import warnings
+
+    eng = Engine(model_source=small_model(), backend="cuda", device="cuda", dtype="bfloat16", num_pages=256,
+                 cuda_graph_max_batch=8, max_num_seqs=8)
+    g = torch.Generator().manual_seed(3)
+    for i in range(6):
+        sp = (SamplingParams(temperature=0, max_tokens=40 + i, ignore_eos=True) if i % 2 else
+              SamplingParams(temperature=0.8, max_tokens=40 + i, seed=i, ignore_eos=True))
+        eng.add_request(RolloutRequest(prompt=torch.randint(0, 2048, (7 + 5 * i,), generator=g).tolist(),
+                                       sampling=sp, request_id=str(i)))
+    for _ in range(4):  # prefill, then the first decode steps
+        eng.step()
+    torch.cuda.synchronize()
+    syncs, done = [], []
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(30):
+                done += eng.step()
+        syncs = [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert eng.counters.overlapped_steps >= 30
+    assert not syncs, f"synchronising calls in overlapped decode steps: {sorted(set(syncs))}"
+    done += eng.run_until_done()
+    assert sorted(len(r.token_ids) for r in done) == [40, 41, 42, 43, 44, 45]
