@@ -48,8 +48,9 @@ def kernel_level() -> None:
             kern = cuda.attention(q, cache, meta, scale)
             ref32 = paged_attention(q, cache, meta, scale)
             rel = lambda o: ((o.double() - exact).abs() / exact.abs().clamp_min(1e-3)).mean().item()  # noqa: E731
+            flips = lambda o: (o != rounded).float().mean().item()  # noqa: E731
             print(f"{'prefill' if prefill else 'decode '} {hq}/{hk}x{d}: differs from round(fp64): kernel "
-                  f"{(kern != rounded).float().mean().item():.3f}, torch fp32 ref {(ref32 != rounded).float().mean().item():.3f}"
+                  f"{flips(kern):.3f}, torch fp32 ref {flips(ref32):.3f}"
                   f"; mean rel err kernel {rel(kern):.2e} ref {rel(ref32):.2e} round(fp64) {rel(rounded):.2e}",
                   flush=True)
 
@@ -78,7 +79,8 @@ def gap(a, b):
         n = next((i for i, (s, t) in enumerate(zip(x.token_ids, y.token_ids)) if s != t), len(x.token_ids))
         d.append(np.abs(np.asarray(x.logprobs[:n]) - np.asarray(y.logprobs[:n])))
     d = np.concatenate(d)
-    return f"mean {d.mean():.2e} median {np.median(d):.2e} p99 {np.quantile(d, 0.99):.2e} max {d.max():.2e} (n={d.size})"
+    return (f"mean {d.mean():.2e} median {np.median(d):.2e} p99 {np.quantile(d, 0.99):.2e} max {d.max():.2e} "
+            f"(n={d.size})")
 
 
 def f64_attention(self, q, kv, meta, scale):

@@ -144,7 +144,8 @@ def main() -> None:
                 summary = {k: v for k, v in rows[-1].items() if k != "kernels"}
                 print(json.dumps(summary), flush=True)
                 for r in rows[-1].get("kernels", [])[:14]:
-                    print(f"   {r['us_per_forward']:9.1f} us  x{r['calls_per_forward']:5.0f}  {r['kernel']}", flush=True)
+                    print(f"   {r['us_per_forward']:9.1f} us  x{r['calls_per_forward']:5.0f}  {r['kernel']}",
+                          flush=True)
                 torch.cuda.empty_cache() if torch.cuda.is_available() else None
     if args.json:
         with open(args.json, "w") as f:

@@ -25,7 +25,7 @@ import torch
 from rollout_service.config import EngineConfig
 from rollout_service.engine.kv_cache import KVCache, pages_for
 from rollout_service.engine.model_runner import ModelRunner
-from rollout_service.engine.sampler import Sampler, SamplerOutput
+from rollout_service.engine.sampler import Sampler, SamplerOutput, needs_history
 from rollout_service.engine.scheduler import Batch, Scheduler
 from rollout_service.engine.sequence import Sequence, SeqStatus
 from rollout_service.engine.transfers import copy_to_host, to_device
@@ -52,7 +52,7 @@ class _Launched:
     seqs: list[Sequence]
     out: SamplerOutput          # on the device: feeds the next step
     host: SamplerOutput         # the same, copied to the host right behind the sampler (CUDA: pinned, async)
-    copied: Any                 # CUDA event of that copy (None on CPU)
+    copied: torch.cuda.Event | None  # that copy's CUDA event (None on CPU)
     version: int
     can_chain: bool  # the next step may run before these tokens are read
 
@@ -191,7 +191,7 @@ class Engine:
         self.counters.steps += 1
         out = self.sampler(logits, batch.seqs, ahead=ahead)
         host, copied = copy_to_host(out)
-        can_chain = self.config.overlap_decode and not any(_penalised(s) for s in batch.seqs)
+        can_chain = self.config.overlap_decode and not any(needs_history(s.sampling) for s in batch.seqs)
         return _Launched(batch.seqs, out, host, copied, self.policy_version, can_chain)
 
     def _schedule_ahead(self, prev: _Launched) -> tuple[Batch, torch.Tensor | None] | None:
@@ -200,16 +200,16 @@ class Engine:
         if prev.version != self.policy_version:
             return None
         # Every running sequence is one of prev's: only a prefill adds to them, and none ran since prev.
-        keep = [i for i, s in enumerate(prev.seqs) if s.status is SeqStatus.RUNNING and not self._ends_by_length(s)]
+        keep = [i for i, s in enumerate(prev.seqs)
+                if s.status is SeqStatus.RUNNING and not self._reaches_length(s, s.num_output_tokens + 1)]
         batch = self.scheduler.schedule_ahead([prev.seqs[i] for i in keep])
         if batch is None:
             return None
         rows = None if len(keep) == len(prev.seqs) else to_device(keep, prev.out.token_ids.device)
         return batch, rows
 
-    def _ends_by_length(self, seq: Sequence) -> bool:
-        """Whether the token in flight for seq (not yet recorded) is its last by max_tokens / max_model_len."""
-        outputs = seq.num_output_tokens + 1
+    def _reaches_length(self, seq: Sequence, outputs: int) -> bool:
+        """Whether seq is done by max_tokens / max_model_len once it has `outputs` output tokens."""
         return outputs >= seq.sampling.max_tokens or outputs + len(seq.prompt_token_ids) >= self.max_model_len
 
     def _record(self, launched: _Launched) -> list[RolloutResult]:
@@ -275,7 +275,8 @@ class Engine:
         return self._append(seqs, self.sampler(logits, seqs), self.policy_version)
 
     def _append(self, seqs: list[Sequence], out: SamplerOutput, version: int) -> list[RolloutResult]:
-        """Record one sampled token per running sequence (the one sync per step), then check for stops."""
+        """Record one sampled token per running sequence, then check for stops. `out` is on the host for a
+        decode step (copied behind its sampler); a prefill step's is read here: its one sync."""
         token_ids, logprobs = out.token_ids.tolist(), out.logprobs.tolist()
         top_ids = out.top_ids.tolist() if out.top_ids is not None else None
         top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
@@ -307,8 +308,7 @@ class Engine:
             if hits:
                 seq.stop_text_end = min(hits)
                 return "stop"
-        outputs = len(seq.output_token_ids)
-        if outputs >= sp.max_tokens or outputs + len(seq.prompt_token_ids) >= self.max_model_len:
+        if self._reaches_length(seq, len(seq.output_token_ids)):
             return "length"
         return None
 
@@ -366,9 +366,4 @@ class Engine:
             "overlapped_steps": c.overlapped_steps,
             "generated_tokens": c.generated_tokens, "backend": self.backend, "device": str(self.device),
         }
-
-
-def _penalised(seq: Sequence) -> bool:
-    sp = seq.sampling
-    return sp.repetition_penalty != 1.0 or sp.frequency_penalty != 0.0 or sp.presence_penalty != 0.0
 

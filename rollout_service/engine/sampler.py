@@ -21,8 +21,10 @@ Per row (each sequence uses its own SamplingParams; rows never influence one ano
 Cost: work no row needs is skipped (no penalties -> untouched logits; temperature 1 -> no division;
 no top_k / top_p -> no sort, top_k alone -> topk only; all greedy -> no noise). Penalties touch only
 the rows' own token ids (gather/scatter). top_k and top_p share one sort, and a top_p row whose kept
-set lies in its 1024 best tokens needs no full sort at all. When every sampled row keeps few tokens,
-only those get noise. On CPU the noise is made in cache-sized blocks. None of this changes a token.
+set lies in its 1024 best tokens needs no full sort at all. On the CPU, when every sampled row keeps few
+tokens only those get noise, and the noise is made in cache-sized blocks. None of this changes a token.
+On a GPU nothing here reads a value back (host lists go up through pinned memory), so an overlapped decode
+step never waits for the step queued before it; only top_p's prefilter check does.
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ from rollout_service.engine.logits_processors import apply_penalties, truncation
 from rollout_service.engine.random import gumbel, row_key, vocab_ids
 from rollout_service.engine.sequence import Sequence
 from rollout_service.engine.transfers import to_device
+from rollout_service.types import SamplingParams
 
 _FEW_CANDIDATES = 8       # noise only the kept tokens when at most 1/8 of the vocabulary is kept
 _CPU_BLOCK = 1 << 16      # elements per block of the CPU noise loop (~0.5 MiB of int64)
@@ -79,6 +82,11 @@ class _RowParams:
     def plain_greedy(self) -> bool:
         """Every row greedy, unpenalised, without alternatives: token = argmax, log-prob "raw"."""
         return self.num_top == 0 and not any(self.temperature) and not self.penalised
+
+
+def needs_history(sp: SamplingParams) -> bool:
+    """Whether sampling needs every earlier token of the sequence on the host (the penalties do)."""
+    return sp.repetition_penalty != 1.0 or sp.frequency_penalty != 0.0 or sp.presence_penalty != 0.0
 
 
 class Sampler:

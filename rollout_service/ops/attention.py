@@ -51,9 +51,8 @@ def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
     kv_layer[page, 1, :, offset] = v.to(kv_layer.dtype)
 
 
-def paged_attention(
-    q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float, compute_dtype: torch.dtype = torch.float32
-) -> torch.Tensor:
+def paged_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float,
+                    compute_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Causal attention of q [T, Hq, D] over the paged cache; returns [T, Hq, D] in q's dtype.
 
     Computed in `compute_dtype` (float32; float64 gives the exactly rounded result that diagnostics compare
@@ -103,7 +102,8 @@ def _prefill_attention(
         if q_len == 0:
             continue
         pages = meta.kv_indices[kv_indptr[b] : kv_indptr[b + 1]].long()
-        kv = kv_layer[pages].permute(1, 2, 0, 3, 4).reshape(2, num_kv_heads, -1, head_dim)[:, :, :kv_len].to(compute_dtype)
+        kv = kv_layer[pages].permute(1, 2, 0, 3, 4).reshape(2, num_kv_heads, -1, head_dim)[:, :, :kv_len]
+        kv = kv.to(compute_dtype)
         # The queries are the sequence's last q_len tokens: query i sits at position kv_len - q_len + i.
         q_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)
         causal = torch.arange(kv_len, device=q.device)[None, :] <= q_pos[:, None]
