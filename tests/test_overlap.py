@@ -108,3 +108,14 @@ def test_sampler_refuses_penalties_one_step_ahead():
 def test_overlap_decode_config_is_checked():
     with pytest.raises(ValueError, match="overlap_decode"):
         Engine(model_source=tiny_hf_model("llama"), overlap_decode="yes")
+
+
+def test_overlap_stops_at_max_model_len(llama):
+    """A sequence that reaches max_model_len is never scheduled a step ahead past it (its pages would run out)."""
+    reqs = [(f"r{i}", prompt(20 + i, 10 + 7 * i), SamplingParams(temperature=0.5, max_tokens=200, seed=i), 0)
+            for i in range(3)]
+    eng_on, on = drive(llama, True, reqs, max_model_len=40, page_size=8)
+    _, off = drive(llama, False, reqs, max_model_len=40, page_size=8)
+    assert_same(on, off)
+    assert all(r.finish_reason in ("length", "stop") and len(r.prompt_token_ids) + len(r.token_ids) <= 40 for r in on)
+    assert any(r.finish_reason == "length" for r in on) and eng_on.counters.overlapped_steps > 0
