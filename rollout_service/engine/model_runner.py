@@ -68,14 +68,13 @@ class ModelRunner:
         graph = self.graphs is not None and self.graphs.can_run(n)
         rows = self.graphs.bucket(n) if graph else n
         inputs = self.decode_inputs
-        if input_ids is None:
-            inputs.fill([s.pages for s in seqs], [s.last_token for s in seqs], [s.num_tokens for s in seqs], rows)
-            inputs.upload()
-        else:
-            if input_ids.shape != (n,):
-                raise ValueError(f"input_ids must have shape ({n},), got {tuple(input_ids.shape)}")
-            inputs.fill([s.pages for s in seqs], [0] * n, [s.num_tokens + 1 for s in seqs], rows)
-            inputs.upload()
+        ahead = input_ids is not None
+        if ahead and input_ids.shape != (n,):
+            raise ValueError(f"input_ids must have shape ({n},), got {tuple(input_ids.shape)}")
+        last = [0] * n if ahead else [s.last_token for s in seqs]  # ahead: the ids follow on the device
+        inputs.fill([s.pages for s in seqs], last, [s.num_tokens + ahead for s in seqs], rows)
+        inputs.upload()
+        if ahead:
             inputs.set_input_ids(input_ids)
         if graph:
             return self.graphs.run(n)
