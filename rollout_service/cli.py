@@ -12,6 +12,7 @@ import sys
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.markup import escape
 from rich.table import Table
 
 from rollout_service import launch
@@ -102,7 +103,9 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_stats(args)
         return cmd_build_kernels(args)
     except ValueError as e:
-        console.print(f"[red]error:[/red] {e}")
+        # soft_wrap: a path in the message must stay copyable, not be broken at the terminal width;
+        # escape: brackets in the message (shapes, lists) are text, not rich markup
+        console.print(f"[red]error:[/red] {escape(str(e))}", soft_wrap=True)
         return 2
 
 

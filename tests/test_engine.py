@@ -95,7 +95,9 @@ def test_seeded_request_independent_of_batch(llama):
               for i, p in enumerate(prompts(15, seed=6))]
     mixed = c.generate(others[:7] + [RolloutRequest(prompt=target.prompt, sampling=target.sampling)] + others[7:])
     assert mixed[7].token_ids == alone.token_ids
-    assert mixed[7].logprobs.tolist() == pytest.approx(alone.logprobs.tolist(), abs=1e-5)
+    # float32 CPU GEMMs block differently for different batch sizes (and CPUs): the last bits of a log-prob may
+    # move (1.1e-5 seen on an AMD EPYC host), a wrong temperature or token would move it by far more
+    assert mixed[7].logprobs.tolist() == pytest.approx(alone.logprobs.tolist(), abs=1e-4)
 
 
 def test_preemption_completes_everything_with_same_tokens(llama):
