@@ -57,6 +57,16 @@ void check_launch(cudaError_t err, const char* what) {
 
 int64_t aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
 
+int64_t num_sms(const at::Tensor& t) {
+  static int counts[64] = {};  // per device: queried once, read on every linear layer's launch
+  const int dev = t.device().index();
+  if (dev >= 0 && dev < 64 && counts[dev] > 0) return counts[dev];
+  int count = 0;
+  check_launch(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, dev), "SM count query");
+  if (dev >= 0 && dev < 64) counts[dev] = count;
+  return count;
+}
+
 // ---- norms -----------------------------------------------------------------------------------------
 
 void check_rows(const at::Tensor& t, const char* name, const at::Tensor& ref) {
@@ -204,6 +214,46 @@ void rope_write_kv(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor position
   run_rope_kv(p, k);
 }
 
+// ---- small-batch linear layers -----------------------------------------------------------------------
+
+// out = x @ weight.T (+ bias) for one row x [1, k]; gated: out = silu(y[:, :n]) * y[:, n:] of
+// y = x @ weight.T (+ bias).
+void gemv(at::Tensor out, at::Tensor x, at::Tensor weight, std::optional<at::Tensor> bias, bool gated) {
+  rk::GemvParams p;
+  p.dtype = half_dtype(x, "x");
+  check_cuda(weight, "weight", x);
+  check_same_dtype(weight, "weight", x);
+  check_cuda(out, "out", x);
+  TORCH_CHECK_VALUE(x.dim() == 2 && x.size(0) == 1 && x.stride(1) == 1 && aligned16(x) && x.size(1) % 8 == 0,
+                    "x must be one contiguous 16-byte aligned row [1, k] with k % 8 == 0, got ", x.sizes());
+  TORCH_CHECK_VALUE(weight.dim() == 2 && weight.size(1) == x.size(1) && weight.is_contiguous() && aligned16(weight),
+                    "weight must be a contiguous 16-byte aligned [n, ", x.size(1), "] tensor, got ", weight.sizes());
+  TORCH_CHECK_VALUE(!gated || weight.size(0) % 2 == 0, "a gated weight needs an even number of rows");
+  const int64_t n = gated ? weight.size(0) / 2 : weight.size(0);
+  if (bias) {
+    check_cuda(*bias, "bias", x);
+    check_same_dtype(*bias, "bias", x);
+    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == weight.size(0) && bias->is_contiguous(), "bias must be [",
+                      weight.size(0), "]");
+  }
+  const bool out_float = out.scalar_type() == at::kFloat;
+  TORCH_CHECK_VALUE(out_float ? !gated : out.scalar_type() == x.scalar_type(), "out must be ",
+                    gated ? "of x's dtype" : "float32 or of x's dtype", ", got ", out.scalar_type());
+  TORCH_CHECK_VALUE(out.dim() == 2 && out.size(0) == 1 && out.size(1) == n && out.stride(1) == 1,
+                    "out must be a contiguous [1, ", n, "] row, got ", out.sizes());
+  const c10::cuda::CUDAGuard guard(x.device());
+  p.x = x.data_ptr();
+  p.weight = weight.data_ptr();
+  p.bias = bias ? bias->data_ptr() : nullptr;
+  p.out = out.data_ptr();
+  p.n = static_cast<int>(n);
+  p.k = static_cast<int>(x.size(1));
+  p.gated = gated;
+  p.out_float = out_float;
+  p.split = rk::gemv_split(p.n, p.k, static_cast<int>(num_sms(x)));
+  check_launch(rk::gemv(p, c10::cuda::getCurrentCUDAStream().stream()), "gemv");
+}
+
 // ---- attention -------------------------------------------------------------------------------------
 
 rk::PagedKV paged_kv(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& kv_indptr,
@@ -233,11 +283,6 @@ rk::PagedKV paged_kv(const at::Tensor& q, const at::Tensor& kv_cache, const at::
   return kv;
 }
 
-int64_t num_sms(const at::Tensor& t) {
-  int count = 0;
-  check_launch(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, t.device().index()), "SM count query");
-  return count;
-}
 
 int64_t decode_num_splits(at::Tensor q, int64_t num_kv_heads, int64_t max_kv_len) {
   const int max_pages = static_cast<int>((max_kv_len + rk::kPageSize - 1) / rk::kPageSize);
@@ -246,8 +291,11 @@ int64_t decode_num_splits(at::Tensor q, int64_t num_kv_heads, int64_t max_kv_len
 }
 
 // num_splits <= 0: choose from the batch, the KV heads, max_kv_len and the SM count.
+// split_counters: int32 zeros of at least kMaxSplitCounters entries, kept by the caller across launches (the
+// kernel leaves them zero) and not shared with a launch that may run concurrently.
 at::Tensor decode_attention(at::Tensor q, at::Tensor kv_cache, at::Tensor kv_indptr, at::Tensor kv_indices,
-                            at::Tensor kv_last_page_len, double scale, int64_t max_kv_len, int64_t num_splits) {
+                            at::Tensor kv_last_page_len, double scale, int64_t max_kv_len, int64_t num_splits,
+                            at::Tensor split_counters) {
   rk::DecodeParams p;
   p.kv = paged_kv(q, kv_cache, kv_indptr, kv_indices, kv_last_page_len);
   TORCH_CHECK_VALUE(kv_indptr.size(0) == q.size(0) + 1, "decode needs one query per sequence: q has ", q.size(0),
@@ -271,6 +319,10 @@ at::Tensor decode_attention(at::Tensor q, at::Tensor kv_cache, at::Tensor kv_ind
     partial_lse = at::empty({p.num_splits, q.size(0), q.size(1)}, q.options().dtype(at::kFloat));
     p.partial_out = partial_out.data_ptr<float>();
     p.partial_lse = partial_lse.data_ptr<float>();
+    check_index(split_counters, "split_counters", at::kInt, q);
+    TORCH_CHECK_VALUE(split_counters.size(0) >= rk::kMaxSplitCounters, "split_counters needs ",
+                      rk::kMaxSplitCounters, " entries");
+    p.split_counters = split_counters.data_ptr<int>();
   }
   p.out = out.data_ptr();
   check_launch(rk::decode_attention(p, c10::cuda::getCurrentCUDAStream().stream()), "decode_attention");
@@ -311,7 +363,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope", &rope, "rotate-half RoPE of q and k in place");
   m.def("write_kv", &write_kv, "store k, v [T, Hk, D] in the paged cache at slot_mapping");
   m.def("rope_write_kv", &rope_write_kv, "RoPE of q, k in place + store rotated k and v in the cache");
+  m.def("gemv", &gemv, "out = x @ weight.T (+ bias) for one row; gated: silu(gate) * up of the fused gate_up");
   m.def("decode_num_splits", &decode_num_splits, "split-KV count the decode kernel would choose");
+  m.attr("max_split_counters") = rk::kMaxSplitCounters;
   m.def("decode_attention", &decode_attention, "paged decode attention (one query per sequence)");
   m.def("prefill_attention", &prefill_attention, "ragged paged causal prefill attention");
 }

@@ -56,6 +56,8 @@ struct DecodeParams {
   void* out = nullptr;  // [B, Hq, D], contiguous
   float* partial_out = nullptr;  // [num_splits, B, Hq, D] (num_splits > 1 only)
   float* partial_lse = nullptr;  // [num_splits, B, Hq]
+  // [>= B * Hk] zeros, left zero by every launch; one set per stream (concurrent launches would share them)
+  int* split_counters = nullptr;
   int batch = 0, num_q_heads = 0, head_dim = 0, num_splits = 1;
   float scale = 1.f;
   DType dtype = DType::kBFloat16;
@@ -76,7 +78,24 @@ struct PrefillParams {
 };
 cudaError_t prefill_attention(const PrefillParams& p, cudaStream_t stream);
 
+// Linear layers of a batch-1 decode step: out[n] = x . weight[n] (+ bias[n]), float32 sums rounded once.
+// gated: weight is the fused [2N, k] gate_up projection and out[n] = silu(y[n]) * y[N + n], each step
+// rounded to the dtype as the torch reference does.
+struct GemvParams {
+  const void* x = nullptr;       // [k], 16-byte aligned
+  const void* weight = nullptr;  // [n, k] ([2n, k] when gated), contiguous, 16-byte aligned
+  const void* bias = nullptr;    // [n] ([2n] when gated) or null
+  void* out = nullptr;           // [n]: float32 when out_float, else the dtype
+  int n = 0, k = 0;
+  int split = 1;  // warps per output column (gemv_split)
+  bool gated = false, out_float = false;
+  DType dtype = DType::kBFloat16;
+};
+int gemv_split(int n, int k, int num_sms);
+cudaError_t gemv(const GemvParams& p, cudaStream_t stream);
+
 constexpr int kPageSize = 16;  // the attention kernels' page size (one 16-token MMA tile per page)
 constexpr int kMaxGroupSize = 16;  // decode packs a KV head's query heads into one 16-row MMA tile
+constexpr int kMaxSplitCounters = 4096;  // split-KV only runs when B * Hk is under the SM count
 
 }  // namespace rollout_kernels

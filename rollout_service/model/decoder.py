@@ -72,7 +72,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         tokens = x.shape[0]
         if self.qkv is not None:
-            q, k, v = F.linear(x, *self.qkv).split(self.qkv_sizes, dim=-1)
+            q, k, v = self.ops.linear(x, *self.qkv).split(self.qkv_sizes, dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q = q.view(tokens, self.num_heads, self.head_dim)
@@ -83,7 +83,8 @@ class Attention(nn.Module):
             k = self.ops.rms_norm(k, self.k_norm.weight, self.k_norm.eps)
         q = self.ops.rope_and_write_kv(q, k, v, positions, cos_sin, kv_layer, meta.slot_mapping)
         out = self.ops.attention(q, kv_layer, meta, self.scale)
-        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
+        out = out.reshape(tokens, self.num_heads * self.head_dim)
+        return self.ops.linear(out, self.o_proj.weight, self.o_proj.bias)
 
 
 class MLP(nn.Module):
@@ -101,8 +102,10 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is not None:
-            return self.down_proj(self.ops.silu_and_mul(F.linear(x, *self.gate_up)))
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            x = self.ops.gated_linear(x, *self.gate_up)
+        else:
+            x = F.silu(self.gate_proj(x)) * self.up_proj(x)
+        return self.ops.linear(x, self.down_proj.weight, self.down_proj.bias)
 
 
 class DecoderLayer(nn.Module):

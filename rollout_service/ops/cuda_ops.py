@@ -49,6 +49,7 @@ class CudaOps(Ops):
             raise ValueError("backend 'cuda' needs a CUDA device and a CUDA build of torch")
         self.kernels = load_kernels()
         self._fallbacks: set[str] = set()
+        self._counters: dict[torch.device, torch.Tensor] = {}
 
     def _fallback(self, op: str, why: str) -> None:
         if op not in self._fallbacks:  # log once per op: fallbacks are correct but slow
@@ -96,6 +97,41 @@ class CudaOps(Ops):
             return super().silu_and_mul(gate_up)
         out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
         self.kernels.silu_and_mul(out, gate_up)
+        return out
+
+    # ---- linear layers -----------------------------------------------------------------------------
+
+    def _gemv_ok(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+        """One row (a batch-1 decode step) in the gemv kernel; from two rows on cuBLAS is as fast or faster
+        (csrc/gemv.cu)."""
+        return (
+            x.is_cuda and x.dtype in _HALF and weight.dtype == x.dtype and x.dim() == 2
+            and x.shape[0] == 1 and x.shape[1] % 8 == 0 and _rows_ok(x)
+            and weight.dim() == 2 and weight.shape[1] == x.shape[1] and weight.is_contiguous() and _aligned(weight)
+            and weight.shape[0] < 2**31 and weight.device == x.device
+            and (bias is None or (bias.dtype == x.dtype and bias.shape == weight.shape[:1] and bias.is_contiguous()
+                                  and bias.device == x.device))
+        )
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if not self._gemv_ok(x, weight, bias):
+            return super().linear(x, weight, bias)
+        out = x.new_empty(x.shape[0], weight.shape[0])
+        self.kernels.gemv(out, x, weight, bias, False)
+        return out
+
+    def gated_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if not (self._gemv_ok(x, weight, bias) and weight.shape[0] % 2 == 0):
+            return super().gated_linear(x, weight, bias)
+        out = x.new_empty(x.shape[0], weight.shape[0] // 2)
+        self.kernels.gemv(out, x, weight, bias, True)
+        return out
+
+    def logits(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if not self._gemv_ok(hidden, weight, None):
+            return super().logits(hidden, weight)
+        out = hidden.new_empty(hidden.shape[0], weight.shape[0], dtype=torch.float32)
+        self.kernels.gemv(out, hidden, weight, None, False)
         return out
 
     # ---- rope / kv write ---------------------------------------------------------------------------
@@ -189,5 +225,15 @@ class CudaOps(Ops):
     ) -> torch.Tensor:
         """The decode kernel; num_splits 0 = chosen from batch, heads, meta.max_kv_len and the SM count."""
         return self.kernels.decode_attention(
-            q, kv_layer, meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len, scale, meta.max_kv_len, num_splits
+            q, kv_layer, meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len, scale, meta.max_kv_len, num_splits,
+            self._split_counters(q.device),
         )
+
+    def _split_counters(self, device: torch.device) -> torch.Tensor:
+        """The decode kernel's arrival counters for this device: zeros that every launch leaves zero. One set per
+        Ops object, and an engine's forwards run in stream order, so no two launches share them at once."""
+        counters = self._counters.get(device)
+        if counters is None:
+            counters = torch.zeros(self.kernels.max_split_counters, dtype=torch.int32, device=device)
+            self._counters[device] = counters
+        return counters

@@ -217,13 +217,65 @@ def bench_prefill_attention(
     return rows
 
 
+# (name, n, k, gated) per layer of the two benchmark models; lm_head writes float32 logits.
+LINEAR_SHAPES = {
+    "qwen2.5-0.5b": (("qkv", 1152, 896, False), ("o_proj", 896, 896, False), ("gate_up", 4864, 896, True),
+                     ("down", 896, 4864, False), ("lm_head", 151936, 896, False)),
+    "llama3-8b": (("qkv", 6144, 4096, False), ("o_proj", 4096, 4096, False), ("gate_up", 14336, 4096, True),
+                  ("down", 4096, 14336, False), ("lm_head", 128256, 4096, False)),
+}
+
+
+def bench_linear(
+    batch_sizes: tuple[int, ...] = (1,), dtype: torch.dtype = torch.bfloat16, hbm_bytes_per_s: float | None = None,
+    iters: int = 20, reps: int = 7,
+) -> list[dict]:
+    """Batch-1 linear layers: our gemv kernel vs cuBLAS (+ silu_and_mul for gate_up), as µs and % of HBM."""
+    from rollout_service.ops.cuda_ops import CudaOps
+    from rollout_service.ops.torch_ops import TorchOps
+
+    ours_ops, peer_ops = CudaOps(), TorchOps()
+    peer_ops.silu_and_mul = ours_ops.silu_and_mul  # the peer is cuBLAS + our fused activation, as before gemv
+    hbm = hbm_bytes_per_s or measure_hbm_bandwidth()
+    rows = []
+    for model, shapes in LINEAR_SHAPES.items():
+        for name, n, k, gated in shapes:
+            out_rows = 2 * n if gated else n
+            nbytes = out_rows * k * (torch.finfo(dtype).bits // 8)
+            copies = max(1, min(64, math.ceil(ROTATE_BYTES / nbytes)))
+            weights = [torch.randn(out_rows, k, dtype=dtype, device="cuda") / k**0.5 for _ in range(copies)]
+            for batch in batch_sizes:
+                x = torch.randn(batch, k, dtype=dtype, device="cuda")
+
+                def run(ops, i: int, name=name, gated=gated):
+                    if name == "lm_head":
+                        return ops.logits(x, weights[i])
+                    return ops.gated_linear(x, weights[i]) if gated else ops.linear(x, weights[i])
+
+                t_ours = _graph_time_us(lambda i: run(ours_ops, i), copies, iters, reps)
+                t_peer = _peer_time_us(lambda i: run(peer_ops, i), copies, iters, reps)
+                rows.append(dict(model=model, layer=name, n=n, k=k, batch=batch, weight_mb=nbytes / 1e6, us=t_ours,
+                                 hbm_frac=nbytes / (t_ours * 1e-6) / hbm, cublas_us=t_peer,
+                                 cublas_hbm_frac=nbytes / (t_peer * 1e-6) / hbm))
+            del weights
+            torch.cuda.empty_cache()
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write the rows here")
+    parser.add_argument("--parts", default="decode,prefill,linear", help="comma-separated subset to run")
     args = parser.parse_args()
+    parts = args.parts.split(",")
     hbm = measure_hbm_bandwidth()
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  HBM copy {hbm / 1e12:.2f} TB/s")
-    decode = bench_decode_attention(hbm_bytes_per_s=hbm)
+    linear = bench_linear(hbm_bytes_per_s=hbm) if "linear" in parts else []
+    for r in linear:
+        print(f"linear {r['model']:>12} {r['layer']:>8} B{r['batch']} {r['n']}x{r['k']} {r['weight_mb']:>6.1f} MB: "
+              f"ours {r['us']:>6.1f} us {100 * r['hbm_frac']:>3.0f}% | cuBLAS {r['cublas_us']:>6.1f} us "
+              f"{100 * r['cublas_hbm_frac']:>3.0f}%")
+    decode = bench_decode_attention(hbm_bytes_per_s=hbm) if "decode" in parts else []
     print(f"{'heads':>9} {'ctx':>5} {'B':>4} {'splits':>6} {'KV MB':>7} {'ours us':>8} {'%HBM':>5} "
           f"{'sdpa us':>8} {'%HBM':>5} {'err':>8}")
     for r in decode:
@@ -231,7 +283,7 @@ def main() -> None:
               f"{r['kv_mb']:>7.1f} {r['us']:>8.1f} {100 * r['hbm_frac']:>5.0f} {r['sdpa_us']:>8.1f} "
               f"{100 * r['sdpa_hbm_frac']:>5.0f} {r['rel_err_vs_sdpa']:>8.1e}  "
               + " ".join(f"{n}:{t:.1f}" for n, t in r["split_sweep_us"].items()))
-    prefill = bench_prefill_attention()
+    prefill = bench_prefill_attention() if "prefill" in parts else []
     for r in prefill:
         print(f"prefill {r['q_heads']}/{r['kv_heads']} d{r['head_dim']} B{r['batch']}x{r['seq_len']}: "
               f"ours {r['us']:.0f} us {r['tflops']:.0f} TFLOP/s | sdpa {r['sdpa_us']:.0f} us "
@@ -239,7 +291,7 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, hbm_bytes_per_s=hbm,
-                           decode=decode, prefill=prefill), f, indent=1)
+                           decode=decode, prefill=prefill, linear=linear), f, indent=1)
 
 
 if __name__ == "__main__":

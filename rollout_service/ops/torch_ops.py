@@ -19,6 +19,14 @@ class TorchOps:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return norm.add_rms_norm(x, residual, weight, eps)
 
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ weight.T (+ bias), float32 accumulation rounded once to the dtype (as cuBLAS does)."""
+        return F.linear(x, weight, bias)
+
+    def gated_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """silu_and_mul of the fused gate_up projection: weight [2I, H] holds the gate rows, then the up rows."""
+        return self.silu_and_mul(self.linear(x, weight, bias))
+
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of a fused [T, 2I] gate_up projection (gate half first); silu rounds to the dtype."""
         gate, up = gate_up.chunk(2, dim=-1)

@@ -49,6 +49,23 @@ def test_decode_large_batch_random_lengths(cuda_ops, dtype, hq, hk, d):
     assert rel_err(out, paged_attention(q, cache, meta, scale).float()) < TOL[dtype]
 
 
+@pytest.mark.parametrize("num_splits", [2, 7, 32])
+def test_decode_split_combine_leaves_its_counters_zero(cuda_ops, num_splits):
+    """The last split CTA combines the partials and resets its arrival counter: repeated launches, here and in a
+    graph replayed several times, give the same output and leave every counter at zero."""
+    out, ref, (q, cache, meta, scale) = _decode(cuda_ops, torch.bfloat16, 14, 2, 64, [3000, 40, 700], num_splits)
+    assert rel_err(out, ref) < TOL[torch.bfloat16]
+    counters = cuda_ops._split_counters(q.device)
+    assert int(counters.abs().sum()) == 0
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = cuda_ops.decode_attention(q, cache, meta, scale, num_splits=num_splits)
+    for _ in range(3):
+        graph.replay()
+        torch.testing.assert_close(replayed, out, rtol=0, atol=0)
+    assert int(counters.abs().sum()) == 0
+
+
 def test_decode_through_ops_attention_matches_direct_call(cuda_ops):
     out, _, (q, cache, meta, scale) = _decode(cuda_ops, torch.bfloat16, 32, 8, 128, [300, 7, 64])
     torch.testing.assert_close(cuda_ops.attention(q, cache, meta, scale), out, rtol=0, atol=0)
