@@ -291,11 +291,8 @@ int64_t decode_num_splits(at::Tensor q, int64_t num_kv_heads, int64_t max_kv_len
 }
 
 // num_splits <= 0: choose from the batch, the KV heads, max_kv_len and the SM count.
-// split_counters: int32 zeros of at least kMaxSplitCounters entries, kept by the caller across launches (the
-// kernel leaves them zero) and not shared with a launch that may run concurrently.
 at::Tensor decode_attention(at::Tensor q, at::Tensor kv_cache, at::Tensor kv_indptr, at::Tensor kv_indices,
-                            at::Tensor kv_last_page_len, double scale, int64_t max_kv_len, int64_t num_splits,
-                            at::Tensor split_counters) {
+                            at::Tensor kv_last_page_len, double scale, int64_t max_kv_len, int64_t num_splits) {
   rk::DecodeParams p;
   p.kv = paged_kv(q, kv_cache, kv_indptr, kv_indices, kv_last_page_len);
   TORCH_CHECK_VALUE(kv_indptr.size(0) == q.size(0) + 1, "decode needs one query per sequence: q has ", q.size(0),
@@ -319,10 +316,6 @@ at::Tensor decode_attention(at::Tensor q, at::Tensor kv_cache, at::Tensor kv_ind
     partial_lse = at::empty({p.num_splits, q.size(0), q.size(1)}, q.options().dtype(at::kFloat));
     p.partial_out = partial_out.data_ptr<float>();
     p.partial_lse = partial_lse.data_ptr<float>();
-    check_index(split_counters, "split_counters", at::kInt, q);
-    TORCH_CHECK_VALUE(split_counters.size(0) >= rk::kMaxSplitCounters, "split_counters needs ",
-                      rk::kMaxSplitCounters, " entries");
-    p.split_counters = split_counters.data_ptr<int>();
   }
   p.out = out.data_ptr();
   check_launch(rk::decode_attention(p, c10::cuda::getCurrentCUDAStream().stream()), "decode_attention");
@@ -365,7 +358,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_write_kv", &rope_write_kv, "RoPE of q, k in place + store rotated k and v in the cache");
   m.def("gemv", &gemv, "out = x @ weight.T (+ bias) for one row; gated: silu(gate) * up of the fused gate_up");
   m.def("decode_num_splits", &decode_num_splits, "split-KV count the decode kernel would choose");
-  m.attr("max_split_counters") = rk::kMaxSplitCounters;
   m.def("decode_attention", &decode_attention, "paged decode attention (one query per sequence)");
   m.def("prefill_attention", &prefill_attention, "ragged paged causal prefill attention");
 }

@@ -4,8 +4,8 @@
 // 16-row mma.sync tile, so each K/V page is read from HBM once for all of them. Each warp streams its own
 // pages (page w, w+4, ...) of the split through a private cp.async ring in shared memory, keeps an
 // online softmax in float32, and the 4 warps merge through shared memory at the end. With one split
-// the CTA writes the output; otherwise it writes a normalised partial + log-sum-exp, and the last of the
-// splits to finish (an arrival counter per sequence and KV head) combines them: no second launch.
+// the CTA writes the output; otherwise it writes a normalised partial + log-sum-exp that
+// decode_reduce_kernel combines.
 #include <cfloat>
 
 #include "kernel_utils.cuh"
@@ -28,40 +28,6 @@ struct DecodeShape {
 };
 
 __device__ __forceinline__ uint32_t load_pair(const void* p) { return *static_cast<const uint32_t*>(p); }
-
-// The last split CTA of (sequence b, KV head hk) to arrive writes out[b, heads of hk] = the splits' partials
-// weighted by exp2(lse_s - max lse). The partials of other CTAs are read through L2 (__ldcg), after the
-// fence-then-count handshake that makes them visible; the counter is reset for the next launch.
-template <typename T, int D>
-__device__ __forceinline__ void combine_if_last(const DecodeParams& p, int b, int hk, int G) {
-  __shared__ bool last;
-  __threadfence();  // this CTA's partials before its arrival
-  __syncthreads();
-  int* counter = p.split_counters + b * p.kv.num_kv_heads + hk;
-  if (threadIdx.x == 0) {
-    last = atomicAdd(counter, 1) == p.num_splits - 1;
-    if (last) *counter = 0;  // every split has arrived: nobody else touches it in this launch
-  }
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
-  const int64_t rows = int64_t(p.batch) * p.num_q_heads;
-  for (int idx = threadIdx.x; idx < G * D; idx += kThreads) {
-    const int d = idx % D;
-    const int64_t bh = int64_t(b) * p.num_q_heads + hk * G + idx / D;
-    float mx = -INFINITY;
-    for (int s = 0; s < p.num_splits; ++s) mx = fmaxf(mx, __ldcg(p.partial_lse + s * rows + bh));
-    float num = 0.f, den = 0.f;
-    if (mx != -INFINITY) {
-      for (int s = 0; s < p.num_splits; ++s) {
-        const float f = fast_exp2(__ldcg(p.partial_lse + s * rows + bh) - mx);
-        num += f * __ldcg(p.partial_out + (s * rows + bh) * D + d);
-        den += f;
-      }
-    }
-    static_cast<T*>(p.out)[bh * D + d] = from_float<T>(den > 0.f ? num / den : 0.f);
-  }
-}
 
 template <typename T, int D>
 __global__ void __launch_bounds__(kThreads) decode_kernel(const DecodeParams p) {
@@ -250,7 +216,24 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const DecodeParams p) 
       if (d == 0) p.partial_lse[row] = lse;
     }
   }
-  if (p.num_splits > 1) combine_if_last<T, D>(p, b, hk, G);
+}
+
+// out[b, h] = sum over splits of partial_out weighted by exp2(lse_s - max lse).
+template <typename T, int D>
+__global__ void __launch_bounds__(D) decode_reduce_kernel(const DecodeParams p) {
+  const int64_t bh = blockIdx.x, rows = int64_t(p.batch) * p.num_q_heads;
+  const int d = threadIdx.x;
+  float mx = -INFINITY;
+  for (int s = 0; s < p.num_splits; ++s) mx = fmaxf(mx, p.partial_lse[s * rows + bh]);
+  float num = 0.f, den = 0.f;
+  if (mx != -INFINITY) {
+    for (int s = 0; s < p.num_splits; ++s) {
+      const float f = fast_exp2(p.partial_lse[s * rows + bh] - mx);
+      num += f * p.partial_out[(s * rows + bh) * D + d];
+      den += f;
+    }
+  }
+  static_cast<T*>(p.out)[bh * D + d] = from_float<T>(den > 0.f ? num / den : 0.f);
 }
 
 template <typename T, int D>
@@ -261,6 +244,8 @@ cudaError_t launch_decode(const DecodeParams& p, cudaStream_t stream) {
   if (err != cudaSuccess) return err;
   const dim3 grid(p.num_splits, p.kv.num_kv_heads, p.batch);
   kernel<<<grid, kThreads, S::kSmemBytes, stream>>>(p);
+  if ((err = cudaGetLastError()) != cudaSuccess || p.num_splits == 1) return err;
+  decode_reduce_kernel<T, D><<<unsigned(p.batch * p.num_q_heads), D, 0, stream>>>(p);
   return cudaGetLastError();
 }
 
@@ -269,7 +254,7 @@ cudaError_t launch_decode(const DecodeParams& p, cudaStream_t stream) {
 int decode_num_splits(int batch, int num_kv_heads, int max_pages, int num_sms) {
   // Tuned on an H200 (csrc/NOTES.md, split sweep): the largest power of two that keeps the grid within
   // ~2 CTAs per SM, while each split keeps >= 4 pages (1k context) to >= 16 pages (4k+) so the 4 warps'
-  // merge and the final combine stay amortised; at most 32.
+  // merge and the reduce kernel stay amortised; at most 32.
   const int ctas = batch * num_kv_heads;
   if (ctas >= num_sms || max_pages < 8) return 1;
   const int min_pages = min(16, max(4, max_pages / 16));
@@ -281,8 +266,7 @@ int decode_num_splits(int batch, int num_kv_heads, int max_pages, int num_sms) {
 cudaError_t decode_attention(const DecodeParams& p, cudaStream_t stream) {
   const int Hk = p.kv.num_kv_heads;
   if (Hk <= 0 || p.num_q_heads % Hk != 0 || p.num_q_heads / Hk > kMaxGroupSize || p.num_splits < 1 ||
-      (p.num_splits > 1 && (p.partial_out == nullptr || p.partial_lse == nullptr || p.split_counters == nullptr ||
-                            int64_t(p.batch) * Hk > kMaxSplitCounters))) {
+      (p.num_splits > 1 && (p.partial_out == nullptr || p.partial_lse == nullptr))) {
     return cudaErrorInvalidValue;
   }
   if (p.batch == 0) return cudaSuccess;

@@ -56,8 +56,6 @@ struct DecodeParams {
   void* out = nullptr;  // [B, Hq, D], contiguous
   float* partial_out = nullptr;  // [num_splits, B, Hq, D] (num_splits > 1 only)
   float* partial_lse = nullptr;  // [num_splits, B, Hq]
-  // [>= B * Hk] zeros, left zero by every launch; one set per stream (concurrent launches would share them)
-  int* split_counters = nullptr;
   int batch = 0, num_q_heads = 0, head_dim = 0, num_splits = 1;
   float scale = 1.f;
   DType dtype = DType::kBFloat16;
@@ -96,6 +94,5 @@ cudaError_t gemv(const GemvParams& p, cudaStream_t stream);
 
 constexpr int kPageSize = 16;  // the attention kernels' page size (one 16-token MMA tile per page)
 constexpr int kMaxGroupSize = 16;  // decode packs a KV head's query heads into one 16-row MMA tile
-constexpr int kMaxSplitCounters = 4096;  // split-KV only runs when B * Hk is under the SM count
 
 }  // namespace rollout_kernels

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-HOT_KERNELS = ("decode_kernel", "gemv_kernel", "prefill_kernel", "rope_kv_kernel", "rms_norm_kernel")
+HOT_KERNELS = ("decode_kernel", "decode_reduce_kernel", "gemv_kernel", "prefill_kernel", "rope_kv_kernel", "rms_norm_kernel")
 LINE = re.compile(r"^(sm_\w+)\s+regs=(\d+)\s+smem=(\d+)\s+stack=(\d+)\s+spill_st=(\d+)\s+spill_ld=(\d+)\s+(.+)$")
 
 pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")

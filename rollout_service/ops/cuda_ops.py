@@ -49,7 +49,6 @@ class CudaOps(Ops):
             raise ValueError("backend 'cuda' needs a CUDA device and a CUDA build of torch")
         self.kernels = load_kernels()
         self._fallbacks: set[str] = set()
-        self._counters: dict[torch.device, torch.Tensor] = {}
 
     def _fallback(self, op: str, why: str) -> None:
         if op not in self._fallbacks:  # log once per op: fallbacks are correct but slow
@@ -225,15 +224,5 @@ class CudaOps(Ops):
     ) -> torch.Tensor:
         """The decode kernel; num_splits 0 = chosen from batch, heads, meta.max_kv_len and the SM count."""
         return self.kernels.decode_attention(
-            q, kv_layer, meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len, scale, meta.max_kv_len, num_splits,
-            self._split_counters(q.device),
+            q, kv_layer, meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len, scale, meta.max_kv_len, num_splits
         )
-
-    def _split_counters(self, device: torch.device) -> torch.Tensor:
-        """The decode kernel's arrival counters for this device: zeros that every launch leaves zero. One set per
-        Ops object, and an engine's forwards run in stream order, so no two launches share them at once."""
-        counters = self._counters.get(device)
-        if counters is None:
-            counters = torch.zeros(self.kernels.max_split_counters, dtype=torch.int32, device=device)
-            self._counters[device] = counters
-        return counters

@@ -50,20 +50,16 @@ def test_decode_large_batch_random_lengths(cuda_ops, dtype, hq, hk, d):
 
 
 @pytest.mark.parametrize("num_splits", [2, 7, 32])
-def test_decode_split_combine_leaves_its_counters_zero(cuda_ops, num_splits):
-    """The last split CTA combines the partials and resets its arrival counter: repeated launches, here and in a
-    graph replayed several times, give the same output and leave every counter at zero."""
+def test_decode_splits_replay_identically_in_a_graph(cuda_ops, num_splits):
+    """Split partials and their reduce, captured once and replayed several times, give the eager output exactly."""
     out, ref, (q, cache, meta, scale) = _decode(cuda_ops, torch.bfloat16, 14, 2, 64, [3000, 40, 700], num_splits)
     assert rel_err(out, ref) < TOL[torch.bfloat16]
-    counters = cuda_ops._split_counters(q.device)
-    assert int(counters.abs().sum()) == 0
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         replayed = cuda_ops.decode_attention(q, cache, meta, scale, num_splits=num_splits)
     for _ in range(3):
         graph.replay()
         torch.testing.assert_close(replayed, out, rtol=0, atol=0)
-    assert int(counters.abs().sum()) == 0
 
 
 def test_decode_through_ops_attention_matches_direct_call(cuda_ops):
