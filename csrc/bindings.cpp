@@ -214,7 +214,7 @@ void rope_write_kv(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor position
   run_rope_kv(p, k);
 }
 
-// ---- small-batch linear layers -----------------------------------------------------------------------
+// ---- batch-1 linear layers -------------------------------------------------------------------------
 
 // out = x @ weight.T (+ bias) for one row x [1, k]; gated: out = silu(y[:, :n]) * y[:, n:] of
 // y = x @ weight.T (+ bias).
@@ -282,7 +282,6 @@ rk::PagedKV paged_kv(const at::Tensor& q, const at::Tensor& kv_cache, const at::
   kv.num_kv_heads = static_cast<int>(kv_cache.size(2));
   return kv;
 }
-
 
 int64_t decode_num_splits(at::Tensor q, int64_t num_kv_heads, int64_t max_kv_len) {
   const int max_pages = static_cast<int>((max_kv_len + rk::kPageSize - 1) / rk::kPageSize);
