@@ -13,12 +13,13 @@
 namespace rollout_kernels {
 namespace {
 
-constexpr int kWarps = 4;
-constexpr int kThreads = kWarps * 32;
-
+// 4 warps x 3 pages in flight each. 8 warps per CTA measured the same on every W4 case (csrc/NOTES.md,
+// session 5): twice the warps per SM doubled each warp's cycles per instruction.
 template <int D>
 struct DecodeShape {
-  static constexpr int kStages = D == 128 ? 3 : 4;  // pages in a warp's ring
+  static constexpr int kWarps = 4;
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kStages = 3;                 // pages in a warp's ring
   static constexpr int kRow = D + 8;                // padded smem row: conflict-free ldmatrix
   static constexpr int kPageElems = kPageSize * kRow;
   static constexpr int kStageElems = 2 * kPageElems;  // K page then V page
@@ -30,9 +31,11 @@ struct DecodeShape {
 __device__ __forceinline__ uint32_t load_pair(const void* p) { return *static_cast<const uint32_t*>(p); }
 
 template <typename T, int D>
-__global__ void __launch_bounds__(kThreads) decode_kernel(const DecodeParams p) {
+__global__ void __launch_bounds__(DecodeShape<D>::kThreads, 2) decode_kernel(const DecodeParams p) {
   using S = DecodeShape<D>;
+  constexpr int kWarps = S::kWarps;
   extern __shared__ __align__(16) unsigned char smem[];
+  allow_dependent_launch();  // the reduce kernel may start its launch now; it waits for this grid's writes
   const int split = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane >> 2, t = lane & 3;
@@ -46,6 +49,15 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const DecodeParams p) 
   const int p0 = split * per_split;
   const int p1 = min(p0 + per_split, npages);
   const int mine = p1 - p0 > warp ? (p1 - p0 - warp + kWarps - 1) / kWarps : 0;
+
+  // The warp's page numbers, 32 at a time in a register per lane (read by shuffle), with the next 32
+  // already in flight: a page-table load per page would sit on the warp's critical path.
+  const int* my_indices = p.kv.kv_indices + page_beg + p0 + warp;  // the warp's i-th page: [i * kWarps]
+  auto fetch_indices = [&](int chunk) {
+    const int i = chunk * 32 + lane;
+    return i < mine ? my_indices[i * kWarps] : 0;
+  };
+  int idx_cur = fetch_indices(0), idx_next = fetch_indices(1);
 
   // Query fragments (A operand): rows = the group's query heads, zero past G.
   uint32_t qa[D / 16][4];
@@ -67,10 +79,14 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const DecodeParams p) 
   const T* cache = static_cast<const T*>(p.kv.cache);
   const int64_t head_elems = int64_t(kPageSize) * D;
 
-  auto load_page = [&](int i) {  // the warp's i-th page into ring slot i % kStages
+  auto load_page = [&](int i) {  // the warp's i-th page into ring slot i % kStages; i rises by one per call
+    if (i > 0 && i % 32 == 0) {
+      idx_cur = idx_next;
+      idx_next = fetch_indices(i / 32 + 1);
+    }
+    const int64_t page = __shfl_sync(0xffffffffu, idx_cur, i % 32);
     const int lp = p0 + warp + i * kWarps;
     const int valid = lp == npages - 1 ? last_len : kPageSize;
-    const int64_t page = p.kv.kv_indices[page_beg + lp];
     const T* k_src = cache + (page * 2 * Hk + hk) * head_elems;
     const T* v_src = k_src + Hk * head_elems;
     T* k_dst = ring + (i % S::kStages) * S::kStageElems;
@@ -78,9 +94,11 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const DecodeParams p) 
 #pragma unroll
     for (int c = lane; c < kPageSize * D / 8; c += 32) {
       const int row = c / (D / 8), col = (c % (D / 8)) * 8;
-      const bool ok = row < valid;  // stale rows of the last page are zero-filled: 0 * NaN must not happen
-      cp_async16(k_dst + row * S::kRow + col, ok ? k_src + row * D + col : k_src, ok);
-      cp_async16(v_dst + row * S::kRow + col, ok ? v_src + row * D + col : v_src, ok);
+      // Stale rows of the last page are zero-filled (0 * NaN must not happen); their source address is
+      // still inside the page, so it needs no select.
+      const bool ok = row < valid;
+      cp_async16(k_dst + row * S::kRow + col, k_src + row * D + col, ok);
+      cp_async16(v_dst + row * S::kRow + col, v_src + row * D + col, ok);
     }
   };
 
@@ -119,9 +137,19 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const DecodeParams p) 
     for (int n = 0; n < 2; ++n) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int tok = n * 8 + 2 * t + (e & 1);
-        s[n][e] = tok < valid ? s[n][e] * scale_log2 : -INFINITY;
+        s[n][e] *= scale_log2;
         mx[e >> 1] = fmaxf(mx[e >> 1], s[n][e]);
+      }
+    }
+    if (valid < kPageSize) {  // the sequence's last page (warp-uniform): mask its stale tokens
+      mx[0] = mx[1] = -INFINITY;
+#pragma unroll
+      for (int n = 0; n < 2; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          if (n * 8 + 2 * t + (e & 1) >= valid) s[n][e] = -INFINITY;
+          mx[e >> 1] = fmaxf(mx[e >> 1], s[n][e]);
+        }
       }
     }
     float corr[2];
@@ -140,12 +168,15 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const DecodeParams p) 
         l[e >> 1] += s[n][e];
       }
     }
+    // Once the running max settles, corr is exactly 1 for the whole warp and rescaling would be a no-op.
+    if (!__all_sync(0xffffffffu, corr[0] == 1.f && corr[1] == 1.f)) {
 #pragma unroll
-    for (int n = 0; n < D / 8; ++n) {
-      acc[n][0] *= corr[0];
-      acc[n][1] *= corr[0];
-      acc[n][2] *= corr[1];
-      acc[n][3] *= corr[1];
+      for (int n = 0; n < D / 8; ++n) {
+        acc[n][0] *= corr[0];
+        acc[n][1] *= corr[0];
+        acc[n][2] *= corr[1];
+        acc[n][3] *= corr[1];
+      }
     }
     // The two score tiles are exactly the A fragment of P for the k=16 (token) dimension.
     constexpr int kParts = PParts<T>::kNum;
@@ -190,7 +221,7 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const DecodeParams p) 
   }
   __syncthreads();
 
-  for (int idx = threadIdx.x; idx < G * D; idx += kThreads) {
+  for (int idx = threadIdx.x; idx < G * D; idx += S::kThreads) {
     const int r = idx / D, d = idx % D;
     float mw = -INFINITY;
 #pragma unroll
@@ -223,6 +254,7 @@ template <typename T, int D>
 __global__ void __launch_bounds__(D) decode_reduce_kernel(const DecodeParams p) {
   const int64_t bh = blockIdx.x, rows = int64_t(p.batch) * p.num_q_heads;
   const int d = threadIdx.x;
+  wait_for_previous_grid();  // launched early (programmatic dependent launch): the partials come first
   float mx = -INFINITY;
   for (int s = 0; s < p.num_splits; ++s) mx = fmaxf(mx, p.partial_lse[s * rows + bh]);
   float num = 0.f, den = 0.f;
@@ -236,6 +268,13 @@ __global__ void __launch_bounds__(D) decode_reduce_kernel(const DecodeParams p) 
   static_cast<T*>(p.out)[bh * D + d] = from_float<T>(den > 0.f ? num / den : 0.f);
 }
 
+bool supports_dependent_launch() {
+  int dev = 0, major = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev))
+    return false;
+  return major >= 9;
+}
+
 template <typename T, int D>
 cudaError_t launch_decode(const DecodeParams& p, cudaStream_t stream) {
   using S = DecodeShape<D>;
@@ -243,23 +282,33 @@ cudaError_t launch_decode(const DecodeParams& p, cudaStream_t stream) {
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(S::kSmemBytes));
   if (err != cudaSuccess) return err;
   const dim3 grid(p.num_splits, p.kv.num_kv_heads, p.batch);
-  kernel<<<grid, kThreads, S::kSmemBytes, stream>>>(p);
+  kernel<<<grid, S::kThreads, S::kSmemBytes, stream>>>(p);
   if ((err = cudaGetLastError()) != cudaSuccess || p.num_splits == 1) return err;
-  decode_reduce_kernel<T, D><<<unsigned(p.batch * p.num_q_heads), D, 0, stream>>>(p);
-  return cudaGetLastError();
+  // The reduce launches while the split CTAs still run and waits for them on the device: the launch
+  // gap between the two kernels (~1-2 µs, most of a batch-1 layer's attention) overlaps.
+  cudaLaunchAttribute attr;
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(unsigned(p.batch * p.num_q_heads));
+  cfg.blockDim = dim3(D);
+  cfg.stream = stream;
+  cfg.attrs = &attr;
+  cfg.numAttrs = supports_dependent_launch() ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, decode_reduce_kernel<T, D>, p);
 }
 
 }  // namespace
 
 int decode_num_splits(int batch, int num_kv_heads, int max_pages, int num_sms) {
-  // Tuned on an H200 (csrc/NOTES.md, split sweep): the largest power of two that keeps the grid within
-  // ~2 CTAs per SM, while each split keeps >= 4 pages (1k context) to >= 16 pages (4k+) so the 4 warps'
-  // merge and the reduce kernel stay amortised; at most 32.
+  // Tuned on an H200 (csrc/NOTES.md, split sweeps of sessions 1 and 5): the largest power of two that keeps
+  // the grid within ~1 CTA per SM, while each split keeps >= 8 pages (1k context) to >= 16 pages (4k+) so
+  // the warps' merge and the reduce kernel stay amortised; at most 32.
   const int ctas = batch * num_kv_heads;
-  if (ctas >= num_sms || max_pages < 8) return 1;
-  const int min_pages = min(16, max(4, max_pages / 16));
+  if (ctas >= num_sms || max_pages < 16) return 1;
+  const int min_pages = min(16, max(8, max_pages / 16));
   int splits = 1;
-  while (splits < 32 && ctas * splits * 2 <= 2 * num_sms && (splits * 2) * min_pages <= max_pages) splits *= 2;
+  while (splits < 32 && ctas * splits * 2 <= num_sms && (splits * 2) * min_pages <= max_pages) splits *= 2;
   return splits;
 }
 

@@ -64,14 +64,33 @@ struct PParts<__half> {
   static constexpr int kNum = 2;
 };
 
+// The two floats of a packed pair of T (low half first), exactly.
+template <typename T>
+__device__ __forceinline__ void unpack2(uint32_t v, float& lo, float& hi);
+template <>
+__device__ __forceinline__ void unpack2<__nv_bfloat16>(uint32_t v, float& lo, float& hi) {
+  lo = __uint_as_float(v << 16);  // a bf16 is the high half of its float
+  hi = __uint_as_float(v & 0xffff0000u);
+}
+template <>
+__device__ __forceinline__ void unpack2<__half>(uint32_t v, float& lo, float& hi) {
+  const __half2 h = *reinterpret_cast<const __half2*>(&v);
+  lo = __low2float(h);
+  hi = __high2float(h);
+}
+
 // Parts of the pair (a, b) into register `reg` of each part's A fragment.
 template <typename T>
 __device__ __forceinline__ void split_p(float a, float b, uint32_t (&frag)[PParts<T>::kNum][4], int reg) {
 #pragma unroll
   for (int i = 0; i < PParts<T>::kNum; ++i) {
     frag[i][reg] = pack2<T>(a, b);
-    a -= round_to<T>(a);
-    b -= round_to<T>(b);
+    if (i + 1 < PParts<T>::kNum) {
+      float ra, rb;
+      unpack2<T>(frag[i][reg], ra, rb);
+      a -= ra;
+      b -= rb;
+    }
   }
 }
 
@@ -80,6 +99,20 @@ __device__ __forceinline__ float fast_exp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
+}
+
+// Programmatic dependent launch (sm_90+): a kernel lets the next kernel in the stream, launched with
+// cudaLaunchAttributeProgrammaticStreamSerialization, start launching before it finishes; that kernel waits
+// for the first one's completion and writes before it reads them. Both are no-ops before sm_90.
+__device__ __forceinline__ void allow_dependent_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wait_for_previous_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
 }
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {

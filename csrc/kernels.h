@@ -60,7 +60,7 @@ struct DecodeParams {
   float scale = 1.f;
   DType dtype = DType::kBFloat16;
 };
-// Split count for flash-decoding: enough CTAs to fill the chip, at least 4 pages per split.
+// Split count for flash-decoding: about one CTA per SM, at least 8 pages per split.
 int decode_num_splits(int batch, int num_kv_heads, int max_pages, int num_sms);
 cudaError_t decode_attention(const DecodeParams& p, cudaStream_t stream);
 
