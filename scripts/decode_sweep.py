@@ -9,9 +9,6 @@ import argparse
 import json
 import os
 
-import torch
-import torch.nn.functional as F
-
 from rollout_service.ops import kernel_bench as kb
 from rollout_service.ops.cuda_ops import CudaOps
 
@@ -29,6 +26,10 @@ def load_variant(csrc: str):
                 build_directory=build)
 
 
+def ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(","))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--csrc")
@@ -40,31 +41,14 @@ def main() -> None:
     ops = CudaOps()
     if args.csrc:
         ops.kernels = load_variant(args.csrc)
-    hbm = kb.measure_hbm_bandwidth()
-    rows = []
-    for hq, hk, d in kb.HEAD_SHAPES:
-        for ctx in [int(c) for c in args.contexts.split(",")]:
-            for batch in [int(b) for b in args.batches.split(",")]:
-                cache, cases, kv_bytes = kb._decode_case(batch, ctx, hq, hk, d, 16, torch.bfloat16)
-                scale = d**-0.5
-                auto = ops.kernels.decode_num_splits(cases[0][0], hk, ctx)
-                t = {}
-                for n in [0] + [int(s) for s in args.splits.split(",")]:
-                    t[n or "auto"] = kb._graph_time_us(
-                        lambda i, n=n: ops.kernels.decode_attention(
-                            cases[i][0], cache, cases[i][1].kv_indptr, cases[i][1].kv_indices,
-                            cases[i][1].kv_last_page_len, scale, ctx, n),
-                        len(cases), 20, 7)
-                sdpa = kb._graph_time_us(lambda i: F.scaled_dot_product_attention(
-                    cases[i][0].view(batch, hq, 1, d), cases[i][2][0], cases[i][2][1], scale=scale,
-                    enable_gqa=hq != hk), len(cases), 20, 7)
-                best = min((v, k) for k, v in t.items() if k != "auto")
-                print(f"{hq}/{hk} d{d} ctx{ctx} B{batch} KV {kv_bytes / 1e6:.1f} MB: auto({auto}) {t['auto']:.1f} "
-                      f"({kv_bytes / (t['auto'] * 1e-6) / hbm:.0%}) best {best[1]}:{best[0]:.1f} sdpa {sdpa:.1f} | "
-                      + " ".join(f"{k}:{v:.1f}" for k, v in t.items() if k != "auto"), flush=True)
-                rows.append(dict(hq=hq, hk=hk, d=d, ctx=ctx, batch=batch, auto_splits=auto, us=t, sdpa_us=sdpa))
-                del cache, cases
-                torch.cuda.empty_cache()
+    rows = kb.bench_decode_attention(batch_sizes=ints(args.batches), contexts=ints(args.contexts),
+                                     split_sweep=ints(args.splits), sweep_all=True, ops=ops)
+    for r in rows:
+        sweep = r["split_sweep_us"]
+        best = min(sweep, key=sweep.get)
+        print(f"{r['q_heads']}/{r['kv_heads']} d{r['head_dim']} ctx{r['ctx']} B{r['batch']} KV {r['kv_mb']:.1f} MB: "
+              f"auto({r['num_splits']}) {r['us']:.1f} ({r['hbm_frac']:.0%}) best {best}:{sweep[best]:.1f} "
+              f"sdpa {r['sdpa_us']:.1f} | " + " ".join(f"{n}:{t:.1f}" for n, t in sweep.items()))
     if args.json:
         json.dump(rows, open(args.json, "w"), indent=1)
 

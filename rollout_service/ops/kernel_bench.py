@@ -11,12 +11,15 @@ import argparse
 import json
 import math
 import statistics
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.nn.functional as F
 
 from rollout_service.ops.attention import AttentionMetadata
+
+if TYPE_CHECKING:
+    from rollout_service.ops.cuda_ops import CudaOps
 
 HEAD_SHAPES = ((32, 8, 128), (14, 2, 64))  # (q heads, kv heads, head_dim): llama3-8b, qwen2.5-0.5b
 ROTATE_BYTES = 512 << 20  # inputs cycled per timed region: several times the H200's 60 MB L2
@@ -112,11 +115,15 @@ def bench_decode_attention(
     iters: int = 20,
     reps: int = 7,
     split_sweep: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64),
+    sweep_all: bool = False,
+    ops: CudaOps | None = None,
 ) -> list[dict]:
-    """W4 decode rows: µs of our kernel and of SDPA on contiguous KV, each as a fraction of HBM bandwidth."""
+    """W4 decode rows: µs of our kernel and of SDPA on contiguous KV, each as a fraction of HBM bandwidth.
+    Each split count of split_sweep is timed where the kernel may split (B·Hk < #SMs), or everywhere with
+    sweep_all; ops: a CudaOps to time (default: a new one)."""
     from rollout_service.ops.cuda_ops import CudaOps
 
-    ops = CudaOps()
+    ops = ops or CudaOps()
     hbm = hbm_bytes_per_s or measure_hbm_bandwidth()
     rows = []
     for hq, hk, d in head_shapes:
@@ -142,7 +149,7 @@ def bench_decode_attention(
                 t_sdpa = _peer_time_us(sdpa, len(cases), iters, reps)
                 splits = ops.kernels.decode_num_splits(cases[0][0], hk, ctx)
                 sweep = {}
-                if batch * hk < torch.cuda.get_device_properties(0).multi_processor_count:
+                if sweep_all or batch * hk < torch.cuda.get_device_properties(0).multi_processor_count:
                     for n in split_sweep:  # data for tuning decode_num_splits
                         sweep[n] = _graph_time_us(
                             lambda i, n=n: ops.decode_attention(cases[i][0], cache, cases[i][1], scale, n),
