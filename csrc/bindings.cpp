@@ -283,13 +283,17 @@ rk::PagedKV paged_kv(const at::Tensor& q, const at::Tensor& kv_cache, const at::
   return kv;
 }
 
+// The decode kernel's choice: a split count, or -1 for one warp per (sequence, kv head).
 int64_t decode_num_splits(at::Tensor q, int64_t num_kv_heads, int64_t max_kv_len) {
   const int max_pages = static_cast<int>((max_kv_len + rk::kPageSize - 1) / rk::kPageSize);
-  return rk::decode_num_splits(static_cast<int>(q.size(0)), static_cast<int>(num_kv_heads), max_pages,
-                               static_cast<int>(num_sms(q)));
+  const int batch = static_cast<int>(q.size(0)), hk = static_cast<int>(num_kv_heads);
+  const int sms = static_cast<int>(num_sms(q));
+  if (rk::decode_warp_per_head(batch, hk, max_pages, sms)) return -1;
+  return rk::decode_num_splits(batch, hk, max_pages, sms);
 }
 
-// num_splits <= 0: choose from the batch, the KV heads, max_kv_len and the SM count.
+// num_splits > 0: that many splits; -1: one warp per (sequence, kv head); 0: chosen from the batch, the KV
+// heads, max_kv_len and the SM count.
 at::Tensor decode_attention(at::Tensor q, at::Tensor kv_cache, at::Tensor kv_indptr, at::Tensor kv_indices,
                             at::Tensor kv_last_page_len, double scale, int64_t max_kv_len, int64_t num_splits) {
   rk::DecodeParams p;
@@ -298,6 +302,7 @@ at::Tensor decode_attention(at::Tensor q, at::Tensor kv_cache, at::Tensor kv_ind
                     " rows for ", kv_indptr.size(0) - 1, " sequences");
   TORCH_CHECK_VALUE(q.size(1) / kv_cache.size(2) <= rk::kMaxGroupSize, "decode packs at most ",
                     rk::kMaxGroupSize, " query heads per kv head, got ", q.size(1) / kv_cache.size(2));
+  TORCH_CHECK_VALUE(num_splits >= -1, "num_splits must be >= -1, got ", num_splits);
   const c10::cuda::CUDAGuard guard(q.device());
   p.dtype = half_dtype(q, "q");
   p.q = q.data_ptr();
@@ -307,7 +312,9 @@ at::Tensor decode_attention(at::Tensor q, at::Tensor kv_cache, at::Tensor kv_ind
   p.num_q_heads = static_cast<int>(q.size(1));
   p.head_dim = static_cast<int>(q.size(2));
   p.scale = static_cast<float>(scale);
-  p.num_splits = static_cast<int>(num_splits > 0 ? num_splits : decode_num_splits(q, p.kv.num_kv_heads, max_kv_len));
+  const int64_t choice = num_splits != 0 ? num_splits : decode_num_splits(q, p.kv.num_kv_heads, max_kv_len);
+  p.warp_per_head = choice == -1;
+  p.num_splits = static_cast<int>(p.warp_per_head ? 1 : choice);
   at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   at::Tensor partial_out, partial_lse;
   if (p.num_splits > 1) {
@@ -356,7 +363,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_kv", &write_kv, "store k, v [T, Hk, D] in the paged cache at slot_mapping");
   m.def("rope_write_kv", &rope_write_kv, "RoPE of q, k in place + store rotated k and v in the cache");
   m.def("gemv", &gemv, "out = x @ weight.T (+ bias) for one row; gated: silu(gate) * up of the fused gate_up");
-  m.def("decode_num_splits", &decode_num_splits, "split-KV count the decode kernel would choose");
+  m.def("decode_num_splits", &decode_num_splits,
+        "split-KV count the decode kernel would choose (-1: one warp per sequence and kv head)");
   m.def("decode_attention", &decode_attention, "paged decode attention (one query per sequence)");
   m.def("prefill_attention", &prefill_attention, "ragged paged causal prefill attention");
 }

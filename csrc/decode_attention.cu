@@ -5,7 +5,8 @@
 // pages (page w, w+4, ...) of the split through a private cp.async ring in shared memory, keeps an
 // online softmax in float32, and the 4 warps merge through shared memory at the end. With one split
 // the CTA writes the output; otherwise it writes a normalised partial + log-sum-exp that
-// decode_reduce_kernel combines.
+// decode_reduce_kernel combines. In per-warp mode (many short sequences) each warp owns one
+// (sequence, kv head) whole and writes its rows itself.
 #include <cfloat>
 
 #include "kernel_utils.cuh"
@@ -36,10 +37,17 @@ __global__ void __launch_bounds__(DecodeShape<D>::kThreads, 2) decode_kernel(con
   constexpr int kWarps = S::kWarps;
   extern __shared__ __align__(16) unsigned char smem[];
   allow_dependent_launch();  // the reduce kernel may start its launch now; it waits for this grid's writes
-  const int split = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane >> 2, t = lane & 3;
   const int Hk = p.kv.num_kv_heads, G = p.num_q_heads / Hk;
+  // Per-warp mode: warp w of CTA c owns (sequence, kv head) number 4c + w whole, and needs no merge.
+  const bool per_warp = p.warp_per_head;
+  const int unit = blockIdx.x * kWarps + warp;
+  const int split = per_warp ? 0 : blockIdx.x;
+  const int hk = per_warp ? unit % Hk : blockIdx.y;
+  const int b = per_warp ? unit / Hk : blockIdx.z;
+  if (b >= p.batch) return;  // per-warp mode's last CTA; no block barrier follows in that mode
+  const int w_first = per_warp ? 0 : warp, w_step = per_warp ? 1 : kWarps;  // the warp's pages: first, stride
 
   const int page_beg = p.kv.kv_indptr[b];
   const int npages = p.kv.kv_indptr[b + 1] - page_beg;
@@ -48,14 +56,14 @@ __global__ void __launch_bounds__(DecodeShape<D>::kThreads, 2) decode_kernel(con
   const int per_split = (npages + p.num_splits - 1) / p.num_splits;
   const int p0 = split * per_split;
   const int p1 = min(p0 + per_split, npages);
-  const int mine = p1 - p0 > warp ? (p1 - p0 - warp + kWarps - 1) / kWarps : 0;
+  const int mine = p1 - p0 > w_first ? (p1 - p0 - w_first + w_step - 1) / w_step : 0;
 
   // The warp's page numbers, 32 at a time in a register per lane (read by shuffle), with the next 32
   // already in flight: a page-table load per page would sit on the warp's critical path.
-  const int* my_indices = p.kv.kv_indices + page_beg + p0 + warp;  // the warp's i-th page: [i * kWarps]
+  const int* my_indices = p.kv.kv_indices + page_beg + p0 + w_first;  // the warp's i-th page: [i * w_step]
   auto fetch_indices = [&](int chunk) {
     const int i = chunk * 32 + lane;
-    return i < mine ? my_indices[i * kWarps] : 0;
+    return i < mine ? my_indices[i * w_step] : 0;
   };
   int idx_cur = fetch_indices(0), idx_next = fetch_indices(1);
 
@@ -85,7 +93,7 @@ __global__ void __launch_bounds__(DecodeShape<D>::kThreads, 2) decode_kernel(con
       idx_next = fetch_indices(i / 32 + 1);
     }
     const int64_t page = __shfl_sync(0xffffffffu, idx_cur, i % 32);
-    const int lp = p0 + warp + i * kWarps;
+    const int lp = p0 + w_first + i * w_step;
     const int valid = lp == npages - 1 ? last_len : kPageSize;
     const T* k_src = cache + (page * 2 * Hk + hk) * head_elems;
     const T* v_src = k_src + Hk * head_elems;
@@ -120,7 +128,7 @@ __global__ void __launch_bounds__(DecodeShape<D>::kThreads, 2) decode_kernel(con
     __syncwarp();
     const T* sk = ring + (i % S::kStages) * S::kStageElems;
     const T* sv = sk + S::kPageElems;
-    const int lp = p0 + warp + i * kWarps;
+    const int lp = p0 + w_first + i * w_step;
     const int valid = lp == npages - 1 ? last_len : kPageSize;
 
     // scores[16 heads x 16 tokens] = Q K^T, as two 16x8 accumulator tiles
@@ -200,6 +208,17 @@ __global__ void __launch_bounds__(DecodeShape<D>::kThreads, 2) decode_kernel(con
   cp_async_wait<0>();
   l[0] = quad_sum(l[0]);
   l[1] = quad_sum(l[1]);
+  if (per_warp) {  // the warp saw every page: normalise and write its rows (the merge's result for one warp)
+    T* out = static_cast<T*>(p.out) + (int64_t(b) * p.num_q_heads + hk * G) * D;
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) {
+      const int c = n * 8 + 2 * t;
+      if (g < G) *reinterpret_cast<uint32_t*>(out + g * D + c) = pack2<T>(acc[n][0] / l[0], acc[n][1] / l[0]);
+      if (g + 8 < G)
+        *reinterpret_cast<uint32_t*>(out + (g + 8) * D + c) = pack2<T>(acc[n][2] / l[1], acc[n][3] / l[1]);
+    }
+    return;
+  }
   __syncthreads();  // every warp is done with its ring: reuse the memory for the merge
 
   float* m_acc = reinterpret_cast<float*>(smem);  // [warps][16][D]
@@ -281,7 +300,9 @@ cudaError_t launch_decode(const DecodeParams& p, cudaStream_t stream) {
   auto kernel = decode_kernel<T, D>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(S::kSmemBytes));
   if (err != cudaSuccess) return err;
-  const dim3 grid(p.num_splits, p.kv.num_kv_heads, p.batch);
+  const int units = p.batch * p.kv.num_kv_heads;
+  const dim3 grid = p.warp_per_head ? dim3(unsigned((units + S::kWarps - 1) / S::kWarps))
+                                    : dim3(p.num_splits, p.kv.num_kv_heads, p.batch);
   kernel<<<grid, S::kThreads, S::kSmemBytes, stream>>>(p);
   if ((err = cudaGetLastError()) != cudaSuccess || p.num_splits == 1) return err;
   // The reduce launches while the split CTAs still run and waits for them on the device: the launch
@@ -312,9 +333,17 @@ int decode_num_splits(int batch, int num_kv_heads, int max_pages, int num_sms) {
   return splits;
 }
 
+bool decode_warp_per_head(int batch, int num_kv_heads, int max_pages, int num_sms) {
+  // Short contexts at large batch (a rollout's decode): four warps splitting a dozen pages spend most of
+  // their time filling their rings and merging; one warp per (sequence, kv head) streams them back to back.
+  // Needs >= 8 units per SM to keep the bytes in flight (csrc/NOTES.md, session 5).
+  return max_pages <= 32 && batch * num_kv_heads >= 8 * num_sms;
+}
+
 cudaError_t decode_attention(const DecodeParams& p, cudaStream_t stream) {
   const int Hk = p.kv.num_kv_heads;
   if (Hk <= 0 || p.num_q_heads % Hk != 0 || p.num_q_heads / Hk > kMaxGroupSize || p.num_splits < 1 ||
+      (p.warp_per_head && p.num_splits != 1) ||
       (p.num_splits > 1 && (p.partial_out == nullptr || p.partial_lse == nullptr))) {
     return cudaErrorInvalidValue;
   }

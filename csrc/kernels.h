@@ -57,9 +57,12 @@ struct DecodeParams {
   float* partial_out = nullptr;  // [num_splits, B, Hq, D] (num_splits > 1 only)
   float* partial_lse = nullptr;  // [num_splits, B, Hq]
   int batch = 0, num_q_heads = 0, head_dim = 0, num_splits = 1;
+  bool warp_per_head = false;  // one warp per (sequence, kv head) instead of a CTA; needs num_splits == 1
   float scale = 1.f;
   DType dtype = DType::kBFloat16;
 };
+// Whether the decode kernel should run one warp per (sequence, kv head): short contexts, many of them.
+bool decode_warp_per_head(int batch, int num_kv_heads, int max_pages, int num_sms);
 // Split count for flash-decoding: about one CTA per SM, at least 8 pages per split.
 int decode_num_splits(int batch, int num_kv_heads, int max_pages, int num_sms);
 cudaError_t decode_attention(const DecodeParams& p, cudaStream_t stream);

@@ -33,7 +33,7 @@ def ints(text: str) -> tuple[int, ...]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--csrc")
-    parser.add_argument("--splits", default="1,2,4,8,16")
+    parser.add_argument("--splits", default="1,2,4,8,16", help="-1: one warp per (sequence, kv head)")
     parser.add_argument("--batches", default="1,32,128")
     parser.add_argument("--contexts", default="1024,4096")
     parser.add_argument("--json")

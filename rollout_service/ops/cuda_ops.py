@@ -222,7 +222,10 @@ class CudaOps(Ops):
         self, q: torch.Tensor, kv_layer: torch.Tensor, meta: attention_ref.AttentionMetadata, scale: float,
         num_splits: int = 0,
     ) -> torch.Tensor:
-        """The decode kernel; num_splits 0 = chosen from batch, heads, meta.max_kv_len and the SM count."""
+        """The decode kernel. num_splits: 0 = chosen from batch, heads, meta.max_kv_len and the SM count;
+        n > 0 = n splits; -1 = one warp per (sequence, kv head)."""
+        if not isinstance(num_splits, int) or num_splits < -1:
+            raise ValueError(f"num_splits must be an int >= -1, got {num_splits!r}")
         return self.kernels.decode_attention(
             q, kv_layer, meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len, scale, meta.max_kv_len, num_splits
         )

@@ -23,7 +23,7 @@ def _decode(cuda_ops, dtype, hq, hk, d, kv_lens, num_splits=0):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hq,hk,d", HEADS)
-@pytest.mark.parametrize("num_splits", [0, 1, 3, 8])
+@pytest.mark.parametrize("num_splits", [0, 1, 3, 8, -1])  # -1: one warp per (sequence, kv head)
 def test_decode_odd_lengths_and_page_boundaries(cuda_ops, dtype, hq, hk, d, num_splits):
     # 4097 tokens in one split: each warp walks ~65 pages, past two refills of its 32 page numbers.
     kv_lens = [1, 15, 16, 17, 33, 100, 1000, 4097]
@@ -50,7 +50,21 @@ def test_decode_large_batch_random_lengths(cuda_ops, dtype, hq, hk, d):
     assert rel_err(out, paged_attention(q, cache, meta, scale).float()) < TOL[dtype]
 
 
-@pytest.mark.parametrize("num_splits", [2, 7, 32])
+@pytest.mark.parametrize("hq,hk,d", HEADS)
+def test_decode_chooses_a_warp_per_head_for_many_short_sequences(cuda_ops, hq, hk, d):
+    """A rollout's decode (many sequences, short contexts) runs one warp per (sequence, kv head); the last
+    CTA may hold fewer than four of them."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    batch = (8 * sms) // hk + 3  # just past the threshold; with hk = 2 the unit count is not a multiple of 4
+    kv_lens = torch.randint(1, 500, (batch,)).tolist()
+    out, ref, (q, cache, meta, scale) = _decode(cuda_ops, torch.bfloat16, hq, hk, d, kv_lens)
+    assert cuda_ops.kernels.decode_num_splits(q, hk, meta.max_kv_len) == -1
+    assert rel_err(out, ref) < TOL[torch.bfloat16]
+    worst = max(range(batch), key=lambda b: rel_err(out[b], ref[b]))
+    assert rel_err(out[worst], ref[worst]) < TOL[torch.bfloat16], f"sequence {worst} (kv_len {kv_lens[worst]})"
+
+
+@pytest.mark.parametrize("num_splits", [2, 7, 32, -1])
 def test_decode_splits_replay_identically_in_a_graph(cuda_ops, num_splits):
     """Split partials and their reduce, captured once and replayed several times, give the eager output exactly."""
     out, ref, (q, cache, meta, scale) = _decode(cuda_ops, torch.bfloat16, 14, 2, 64, [3000, 40, 700], num_splits)
