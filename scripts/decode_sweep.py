@@ -48,7 +48,8 @@ def main() -> None:
         best = min(sweep, key=sweep.get)
         print(f"{r['q_heads']}/{r['kv_heads']} d{r['head_dim']} ctx{r['ctx']} B{r['batch']} KV {r['kv_mb']:.1f} MB: "
               f"auto({r['num_splits']}) {r['us']:.1f} ({r['hbm_frac']:.0%}) best {best}:{sweep[best]:.1f} "
-              f"sdpa {r['sdpa_us']:.1f} | " + " ".join(f"{n}:{t:.1f}" for n, t in sweep.items()))
+              f"sdpa {r['sdpa_us']:.1f} err {r['rel_err_vs_sdpa']:.1e} | "
+              + " ".join(f"{n}:{t:.1f}({r['split_sweep_rel_err'][n]:.0e})" for n, t in sweep.items()))
     if args.json:
         json.dump(rows, open(args.json, "w"), indent=1)
 

@@ -148,14 +148,16 @@ def bench_decode_attention(
                 t_ours = _graph_time_us(ours, len(cases), iters, reps)
                 t_sdpa = _peer_time_us(sdpa, len(cases), iters, reps)
                 splits = ops.kernels.decode_num_splits(cases[0][0], hk, ctx)
-                sweep = {}
+                sweep, sweep_err = {}, {}
                 if sweep_all or batch * hk < torch.cuda.get_device_properties(0).multi_processor_count:
                     for n in split_sweep:  # data for tuning decode_num_splits
-                        sweep[n] = _graph_time_us(
-                            lambda i, n=n: ops.decode_attention(cases[i][0], cache, cases[i][1], scale, n),
-                            len(cases), iters, reps,
-                        )
-                rows.append(dict(split_sweep_us=sweep,
+
+                        def forced(i: int, n: int = n):
+                            return ops.decode_attention(cases[i][0], cache, cases[i][1], scale, n)
+
+                        sweep_err[n] = ((forced(0).float() - ref).norm() / ref.norm()).item()
+                        sweep[n] = _graph_time_us(forced, len(cases), iters, reps)
+                rows.append(dict(split_sweep_us=sweep, split_sweep_rel_err=sweep_err,
                     batch=batch, ctx=ctx, q_heads=hq, kv_heads=hk, head_dim=d, num_splits=splits,
                     kv_mb=kv_bytes / 1e6, us=t_ours, hbm_frac=io_bytes / (t_ours * 1e-6) / hbm,
                     sdpa_us=t_sdpa, sdpa_hbm_frac=io_bytes / (t_sdpa * 1e-6) / hbm, rel_err_vs_sdpa=err,
