@@ -352,6 +352,37 @@ at::Tensor prefill_attention(at::Tensor q, at::Tensor kv_cache, at::Tensor qo_in
   return out;
 }
 
+// ---- sampling --------------------------------------------------------------------------------------
+
+at::Tensor gumbel_argmax(at::Tensor x, at::Tensor keys) {
+  TORCH_CHECK_VALUE(x.is_cuda() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1,
+                    "x must be a float32 CUDA [batch, vocab] tensor with contiguous rows, got ", x.scalar_type(),
+                    " ", x.sizes(), " strides ", x.strides());
+  TORCH_CHECK_VALUE(x.size(1) > 0 && x.size(0) <= 65535, "x must have 1..65535 rows and a vocabulary, got ", x.sizes());
+  check_index(keys, "keys", at::kLong, x);
+  TORCH_CHECK_VALUE(keys.size(0) == x.size(0), "keys has ", keys.size(0), " entries for ", x.size(0), " rows");
+  const c10::cuda::CUDAGuard guard(x.device());
+  rk::GumbelArgmaxParams p;
+  p.x = x.data_ptr<float>();
+  p.row_stride = x.stride(0);
+  p.keys = keys.data_ptr<int64_t>();
+  p.batch = x.size(0);
+  p.vocab = x.size(1);
+  p.num_chunks = rk::gumbel_argmax_chunks(p.batch, p.vocab, static_cast<int>(num_sms(x)));
+  p.chunk = (p.vocab + p.num_chunks - 1) / p.num_chunks;
+  at::Tensor out = at::empty({x.size(0)}, keys.options());
+  at::Tensor chunk_value, chunk_index;
+  if (p.num_chunks > 1) {
+    chunk_value = at::empty({x.size(0), p.num_chunks}, x.options());
+    chunk_index = at::empty({x.size(0), p.num_chunks}, keys.options());
+    p.chunk_value = chunk_value.data_ptr<float>();
+    p.chunk_index = chunk_index.data_ptr<int64_t>();
+  }
+  p.out = out.data_ptr<int64_t>();
+  check_launch(rk::gumbel_argmax(p, c10::cuda::getCurrentCUDAStream().stream()), "gumbel_argmax");
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -367,4 +398,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "split-KV count the decode kernel would choose (-1: one warp per sequence and kv head)");
   m.def("decode_attention", &decode_attention, "paged decode attention (one query per sequence)");
   m.def("prefill_attention", &prefill_attention, "ragged paged causal prefill attention");
+  m.def("gumbel_argmax", &gumbel_argmax, "argmax of x + the counter-based Gumbel noise of keys (one sample per row)");
 }

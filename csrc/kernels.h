@@ -98,4 +98,21 @@ cudaError_t gemv(const GemvParams& p, cudaStream_t stream);
 constexpr int kPageSize = 16;  // the attention kernels' page size (one 16-token MMA tile per page)
 constexpr int kMaxGroupSize = 16;  // decode packs a KV head's query heads into one 16-row MMA tile
 
+// Gumbel-max sampling: out[b] = argmax over v of x[b, v] + gumbel(keys[b], v), the noise being
+// rollout_service/engine/random.py's hash, bit for bit. The vocabulary is cut into num_chunks chunks of
+// `chunk` tokens (one CTA each); with more than one, chunk_value / chunk_index [batch, num_chunks] hold
+// each chunk's winner for a second, combining launch.
+struct GumbelArgmaxParams {
+  const float* x = nullptr;  // [batch, vocab], rows row_stride apart
+  int64_t row_stride = 0;
+  const int64_t* keys = nullptr;  // [batch], the uint64 row keys as int64
+  int64_t* out = nullptr;         // [batch]
+  float* chunk_value = nullptr;
+  int64_t* chunk_index = nullptr;
+  int64_t batch = 0, vocab = 0, chunk = 0;
+  int num_chunks = 1;
+};
+int gumbel_argmax_chunks(int64_t batch, int64_t vocab, int num_sms);
+cudaError_t gumbel_argmax(const GumbelArgmaxParams& p, cudaStream_t stream);
+
 }  // namespace rollout_kernels

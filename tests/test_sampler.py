@@ -9,6 +9,7 @@ import torch
 from rollout_service.engine.logits_processors import apply_penalties, truncation_mask
 from rollout_service.engine.sampler import Sampler
 from rollout_service.engine.sequence import Sequence
+from rollout_service.ops.torch_ops import TorchOps
 from rollout_service.types import SamplingParams
 
 
@@ -313,7 +314,7 @@ def test_noise_paths_match_full_vocab_argmax(vocab, keep):
     keys = torch.tensor([row_key(s, 0, 3) for s in range(5)])
     want = (x + gumbel(keys, vocab_ids(vocab))).argmax(dim=1)
     kept = x.topk(keep, dim=1) if keep is not None else None
-    assert torch.equal(_draw(x, keys, kept), want)
+    assert torch.equal(_draw(x, keys, kept, TorchOps()), want)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

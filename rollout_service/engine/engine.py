@@ -90,7 +90,7 @@ class Engine:
         use_graphs = config.enable_cuda_graphs and self.backend == "cuda"
         self.runner = ModelRunner(self.model, self.kv, self.device, self.max_model_len, config.max_num_seqs,
                                   use_graphs, config.cuda_graph_max_batch)
-        self.sampler = Sampler()
+        self.sampler = Sampler(self.model.ops)
         self.policy_version = 0
         self.counters = EngineCounters()
         self._requests: dict[str, _Request] = {}

@@ -22,7 +22,9 @@ Cost: work no row needs is skipped (no penalties -> untouched logits; temperatur
 no top_k / top_p -> no sort, top_k alone -> topk only; all greedy -> no noise). Penalties touch only
 the rows' own token ids (gather/scatter). top_k and top_p share one sort, and a top_p row whose kept
 set lies in its 1024 best tokens needs no full sort at all. On the CPU, when every sampled row keeps few
-tokens only those get noise, and the noise is made in cache-sized blocks. None of this changes a token.
+tokens only those get noise. A draw over the full vocabulary is the backend's gumbel_argmax: the torch
+reference makes the noise in cache-sized blocks on CPU, the CUDA kernel in registers in one pass over the
+logits. None of this changes a token.
 On a GPU nothing here reads a value back (host lists go up through pinned memory), so an overlapped decode
 step never waits for the step queued before it; only top_p's prefilter check does.
 """
@@ -34,13 +36,13 @@ from numbers import Integral
 import torch
 
 from rollout_service.engine.logits_processors import apply_penalties, truncation_mask
-from rollout_service.engine.random import gumbel, row_key, vocab_ids
+from rollout_service.engine.random import gumbel, row_key
 from rollout_service.engine.sequence import Sequence
 from rollout_service.engine.transfers import to_device
+from rollout_service.ops.backend import Ops
 from rollout_service.types import SamplingParams
 
 _FEW_CANDIDATES = 8       # noise only the kept tokens when at most 1/8 of the vocabulary is kept
-_CPU_BLOCK = 1 << 16      # elements per block of the CPU noise loop (~0.5 MiB of int64)
 
 
 @dataclass
@@ -90,7 +92,11 @@ def needs_history(sp: SamplingParams) -> bool:
 
 
 class Sampler:
-    """Stateless: `Sampler()(logits, seqs)` samples one token per sequence (see the module docstring)."""
+    """Stateless: `Sampler()(logits, seqs)` samples one token per sequence (see the module docstring).
+    ops: the backend whose gumbel_argmax draws from the full vocabulary (the CUDA one fuses the noise)."""
+
+    def __init__(self, ops: Ops | None = None) -> None:
+        self.ops = ops if ops is not None else Ops()
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence], ahead: int = 0) -> SamplerOutput:
         """ahead=1: each sequence has one sampled token not yet recorded (an overlapped decode step), so
@@ -124,7 +130,7 @@ class Sampler:
             truncated, kept = _truncate(scaled, sampled, rp)
             keys = to_device([row_key(int(s.seed), int(s.sample_index), s.num_output_tokens + ahead)
                               for s in (seqs[i] for i in sampled)], dev, torch.int64)
-            _assign(tokens, sampled, _draw(_rows(truncated, sampled), keys, kept))
+            _assign(tokens, sampled, _draw(_rows(truncated, sampled), keys, kept, self.ops))
             sources.update(scaled=scaled, processed=truncated)
             if kept is not None:
                 kept_lse = torch.full((batch,), float("nan"), device=dev)
@@ -189,7 +195,7 @@ def _truncate(scaled: torch.Tensor, sampled: list[int], rp: _RowParams):
     return truncated, kept
 
 
-def _draw(x: torch.Tensor, keys: torch.Tensor, kept) -> torch.Tensor:
+def _draw(x: torch.Tensor, keys: torch.Tensor, kept, ops: Ops) -> torch.Tensor:
     """Per row b: argmax over vocab ids v of x[b, v] + gumbel(keys[b], v), a draw from softmax(x[b]).
 
     The noise of a token depends only on (key, token id), so the same winner comes out of any subset of
@@ -199,20 +205,7 @@ def _draw(x: torch.Tensor, keys: torch.Tensor, kept) -> torch.Tensor:
         values, ids = kept
         best = (values + gumbel(keys, ids)).argmax(dim=1, keepdim=True)
         return ids.gather(1, best).squeeze(1)
-    batch, vocab = x.shape
-    if x.device.type != "cpu":
-        return (x + gumbel(keys, vocab_ids(vocab, x.device))).argmax(dim=1)
-    # on CPU the ~20 elementwise passes of the hash run much faster on cache-sized column blocks
-    width = max(1024, _CPU_BLOCK // batch)
-    best_value = torch.full((batch,), float("-inf"), device=x.device)
-    best_id = torch.zeros(batch, dtype=torch.int64, device=x.device)
-    for start in range(0, vocab, width):
-        ids = torch.arange(start, min(vocab, start + width), device=x.device)
-        value, idx = (x[:, start:start + width] + gumbel(keys, ids)).max(dim=1)
-        better = value > best_value  # strict: an earlier block keeps ties, as argmax does
-        best_value = torch.where(better, value, best_value)
-        best_id = torch.where(better, idx + start, best_id)
-    return best_id
+    return ops.gumbel_argmax(x, keys)
 
 
 def _report(sources: dict[str, torch.Tensor], modes: list[str], tokens: torch.Tensor, k: int,

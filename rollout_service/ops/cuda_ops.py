@@ -229,3 +229,14 @@ class CudaOps(Ops):
         return self.kernels.decode_attention(
             q, kv_layer, meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len, scale, meta.max_kv_len, num_splits
         )
+
+    # ---- sampling ---------------------------------------------------------------------------------
+
+    def gumbel_argmax(self, x: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        ok = (x.is_cuda and x.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1 and x.shape[1] > 0
+              and x.shape[0] <= 65535 and isinstance(keys, torch.Tensor) and keys.device == x.device
+              and keys.dtype == torch.int64 and keys.shape == x.shape[:1] and keys.is_contiguous())
+        if not ok:
+            self._fallback("gumbel_argmax", "needs float32 CUDA rows with a contiguous vocabulary and int64 keys")
+            return super().gumbel_argmax(x, keys)
+        return self.kernels.gumbel_argmax(x, keys)

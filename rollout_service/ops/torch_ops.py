@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from rollout_service.ops import attention, norm, rope
+from rollout_service.ops import attention, norm, rope, sampling
 
 
 class TorchOps:
@@ -63,6 +63,10 @@ class TorchOps:
         self, q: torch.Tensor, kv_layer: torch.Tensor, meta: attention.AttentionMetadata, scale: float
     ) -> torch.Tensor:
         return attention.paged_attention(q, kv_layer, meta, scale)
+
+    def gumbel_argmax(self, x: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """int64 [B]: argmax over vocab ids v of x[b, v] + gumbel(keys[b], v), a draw from softmax(x[b])."""
+        return sampling.gumbel_argmax(x, keys)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"
