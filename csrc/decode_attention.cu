@@ -336,8 +336,9 @@ int decode_num_splits(int batch, int num_kv_heads, int max_pages, int num_sms) {
 bool decode_warp_per_head(int batch, int num_kv_heads, int max_pages, int num_sms) {
   // Short contexts at large batch (a rollout's decode): four warps splitting a dozen pages spend most of
   // their time filling their rings and merging; one warp per (sequence, kv head) streams them back to back.
-  // Needs >= 8 units per SM to keep the bytes in flight (csrc/NOTES.md, session 5).
-  return max_pages <= 32 && batch * num_kv_heads >= 8 * num_sms;
+  // H200 sweep (csrc/NOTES.md, session 6): it wins from ~4 units per SM (14/2 heads at batch 256, 32/8 at
+  // batch 128 and 256) and loses at 2 (14/2 at batch 128).
+  return max_pages <= 32 && batch * num_kv_heads >= 3 * num_sms;
 }
 
 cudaError_t decode_attention(const DecodeParams& p, cudaStream_t stream) {
