@@ -3,7 +3,7 @@
 // The noise is the counter-based hash of rollout_service/engine/random.py, made in registers: the torch
 // reference builds it as ~25 elementwise passes over [B, V] int64 tensors (~11 GB of traffic at B = 256,
 // V = 152k, milliseconds per step), this reads the logits once. The float steps are the reference's, op for
-// op and without fast math, so the noise and therefore the tokens are bit-identical to it on the GPU.
+// op and without fast math, so the noise is the reference's on the GPU and so are the tokens (tests/gpu).
 // argmax follows torch: NaN counts as the largest value, ties go to the smallest index.
 #include <algorithm>
 #include <cfloat>
