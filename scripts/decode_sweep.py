@@ -7,23 +7,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
+from pathlib import Path
 
 from rollout_service.ops import kernel_bench as kb
+from rollout_service.ops._ext import build_kernels
 from rollout_service.ops.cuda_ops import CudaOps
-
-
-def load_variant(csrc: str):
-    from torch.utils.cpp_extension import load
-
-    from rollout_service.ops._ext import _arch_flags
-
-    sources = [os.path.join(csrc, f) for f in sorted(os.listdir(csrc)) if f.endswith(".cu")]
-    build = os.path.join("/tmp", "variant_" + os.path.basename(csrc.rstrip("/")))
-    os.makedirs(build, exist_ok=True)
-    return load(name="rollout_variant", sources=sources + [os.path.join(csrc, "bindings.cpp")],
-                extra_include_paths=[csrc], extra_cuda_cflags=["-O3", "--expt-relaxed-constexpr", *_arch_flags()],
-                build_directory=build)
 
 
 def ints(text: str) -> tuple[int, ...]:
@@ -40,7 +28,7 @@ def main() -> None:
     args = parser.parse_args()
     ops = CudaOps()
     if args.csrc:
-        ops.kernels = load_variant(args.csrc)
+        ops.kernels = build_kernels(csrc=Path(args.csrc).resolve())
     rows = kb.bench_decode_attention(batch_sizes=ints(args.batches), contexts=ints(args.contexts),
                                      split_sweep=ints(args.splits), sweep_all=True, ops=ops)
     for r in rows:

@@ -21,12 +21,12 @@ CACHE_ENV = "ROLLOUT_KERNELS_CACHE"
 _SOURCE_SUFFIXES = (".cu", ".cuh", ".h", ".cpp")
 
 
-def _sources() -> list[Path]:
+def _sources(csrc: Path) -> list[Path]:
     """The compiled sources: every csrc/*.cu plus the one binding file."""
-    sources = sorted(CSRC.glob("*.cu")) + [CSRC / "bindings.cpp"]
+    sources = sorted(csrc.glob("*.cu")) + [csrc / "bindings.cpp"]
     missing = [str(p) for p in sources if not p.is_file()]
     if missing or len(sources) < 2:
-        raise RuntimeError(f"kernel sources missing under {CSRC}: {missing or 'no .cu files'}")
+        raise RuntimeError(f"kernel sources missing under {csrc}: {missing or 'no .cu files'}")
     return sources
 
 
@@ -39,9 +39,9 @@ def _arch_flags(device: int | None = None) -> list[str]:
     return [f"-gencode=arch=compute_{arch},code=sm_{arch}"]
 
 
-def _build_key(arch_flags: list[str]) -> str:
+def _build_key(arch_flags: list[str], csrc: Path) -> str:
     digest = hashlib.sha256()
-    for path in sorted(p for p in CSRC.iterdir() if p.suffix in _SOURCE_SUFFIXES):
+    for path in sorted(p for p in csrc.iterdir() if p.suffix in _SOURCE_SUFFIXES):
         digest.update(path.name.encode())
         digest.update(path.read_bytes())
     digest.update(f"{torch.__version__}|{torch.version.cuda}|{' '.join(arch_flags)}".encode())
@@ -53,21 +53,22 @@ def cache_root() -> Path:
     return Path(os.environ.get(CACHE_ENV, default))
 
 
-def build_kernels(verbose: bool = False) -> ModuleType:
-    """Compile (or reuse the cached build of) the kernels for the current GPU and import the module."""
+def build_kernels(verbose: bool = False, csrc: Path = CSRC) -> ModuleType:
+    """Compile (or reuse the cached build of) the kernels for the current GPU and import the module.
+    csrc: the source folder (another one only to time a modified copy, scripts/decode_sweep.py --csrc)."""
     if not torch.cuda.is_available():
         raise RuntimeError("building the CUDA kernels needs a CUDA device and a CUDA build of torch")
     from torch.utils.cpp_extension import load
 
     arch_flags = _arch_flags()
-    key = _build_key(arch_flags)
+    key = _build_key(arch_flags, csrc)
     build_dir = cache_root() / key
     build_dir.mkdir(parents=True, exist_ok=True)
     logger.info("loading rollout_service kernels from %s", build_dir)
     return load(
         name=f"rollout_kernels_{key}",
-        sources=[str(p) for p in _sources()],
-        extra_include_paths=[str(CSRC)],
+        sources=[str(p) for p in _sources(csrc)],
+        extra_include_paths=[str(csrc)],
         extra_cflags=["-O3"],
         # No --use_fast_math: softmax uses ex2.approx explicitly where it is safe; the rest stays IEEE.
         extra_cuda_cflags=["-O3", "-lineinfo", "--expt-relaxed-constexpr", *arch_flags],
