@@ -161,10 +161,15 @@ def test_refresh_bad_is_refused_everywhere_good_one_switches_version(client, loc
     assert again[0].token_ids == before[0].token_ids
 
     # a good refresh lands while long requests are in flight: they continue, token_versions show it
+    generated = sum(s["generated_tokens"] for s in client.stats())
     it = client.stream([RolloutRequest([9, 8, 7], SamplingParams(max_tokens=400, ignore_eos=True),
                                        request_id=f"inflight{i}") for i in range(2)])
-    time.sleep(0.2)
+    deadline = time.time() + 60  # first tokens out, then hold the workers so the refresh lands mid-generation
+    while sum(s["generated_tokens"] for s in client.stats()) == generated and time.time() < deadline:
+        time.sleep(0.01)
+    client.pause()
     client.update_weights(new, 1)
+    client.resume()
     inflight = list(it)
     assert [s["policy_version"] for s in client.stats()] == [1, 1]
     for r in inflight:
@@ -215,8 +220,14 @@ def test_on_refresh_abort_ends_in_flight_requests(ray_cluster, service_config, m
     try:
         it = backend.submit([RolloutRequest([4, 5, 6], SamplingParams(n=2, max_tokens=400, ignore_eos=True),
                                             request_id="r")])
-        time.sleep(0.3)
+        # Refresh while the samples are mid-flight, whatever this machine's speed: wait for the first tokens,
+        # then pause so that none can finish before the new weights land.
+        deadline = time.time() + 60
+        while backend.stats()[0]["generated_tokens"] == 0 and time.time() < deadline:
+            time.sleep(0.01)
+        backend.pause()
         backend.update_weights(make_tiny_llama(seed=5).state_dict(), 1)
+        backend.resume()
         results = list(it)
         assert sorted(r.sample_index for r in results) == [0, 1]
         assert all(r.finish_reason == "abort" and 0 < len(r.token_ids) < 400 for r in results)
