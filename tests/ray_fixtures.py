@@ -4,6 +4,7 @@ tiny random Llama saved as a HF folder. Test modules load this with `pytest_plug
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -15,6 +16,20 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ROLLOUT_NODE = "rollout_node"   # the custom resource cluster_configs/multi-node.yaml asks for
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=256, max_position_embeddings=512, tie_word_embeddings=False)
+
+
+def _refresh_mid_generation(service, named_tensors, version: int, timeout: float = 60.0) -> None:
+    """Push a refresh while the requests just submitted are mid-generation, however fast this machine
+    decodes: wait for a new token somewhere, then hold the workers between two steps (pause) so that
+    none can finish before the new weights land. `service`: a RolloutClient or a RayBackend."""
+    def generated() -> int:
+        return sum(s.get("generated_tokens") or 0 for s in service.stats() if s.get("alive", True))
+    before, deadline = generated(), time.time() + timeout
+    while generated() == before and time.time() < deadline:
+        time.sleep(0.01)
+    service.pause()
+    service.update_weights(named_tensors, version)
+    service.resume()
 
 
 def tiny_llama(seed: int = 0):
@@ -60,6 +75,12 @@ def tiny_service_config(model_dir: str, **overrides) -> dict:
     }
     cfg.update(overrides)
     return cfg
+
+
+@pytest.fixture(scope="session")
+def refresh_mid_generation():
+    """refresh_mid_generation(service, named_tensors, version): a refresh that lands mid-generation."""
+    return _refresh_mid_generation
 
 
 @pytest.fixture(scope="session")

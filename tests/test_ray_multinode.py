@@ -44,16 +44,10 @@ def test_placement_that_cannot_fit_fails_clearly(ray_cluster, tiny_model_dir):
                           placement={"timeout_s": 3}, engine={"model": tiny_model_dir})
 
 
-def test_stale_results_are_regenerated_with_the_current_policy(backend, make_tiny_llama):
+def test_stale_results_are_regenerated_with_the_current_policy(backend, make_tiny_llama, refresh_mid_generation):
     it = backend.submit([RolloutRequest([5, 6, 7, i], SamplingParams(max_tokens=300, ignore_eos=True),
                                         request_id=f"st{i}") for i in range(4)])
-    deadline = time.time() + 30
-    while not any(w.get("running", 0) for w in backend.stats()) and time.time() < deadline:
-        time.sleep(0.01)  # until decoding has started somewhere
-    # hold the workers between two steps so the refresh lands mid-generation however fast they decode
-    backend.pause()
-    backend.update_weights(make_tiny_llama(seed=3).state_dict(), 1)
-    backend.resume()
+    refresh_mid_generation(backend, make_tiny_llama(seed=3).state_dict(), 1)
     results = list(it)
     assert sorted(r.request_id for r in results) == [f"st{i}" for i in range(4)]
     # max_staleness=0: nothing generated (even partly) by version 0 is delivered

@@ -149,7 +149,8 @@ def test_fuzzed_bad_requests_get_clear_errors_and_good_ones_return(client):
     assert client._backend.info()["in_flight"] == 0
 
 
-def test_refresh_bad_is_refused_everywhere_good_one_switches_version(client, local, make_tiny_llama):
+def test_refresh_bad_is_refused_everywhere_good_one_switches_version(client, local, make_tiny_llama,
+                                                                   refresh_mid_generation):
     new = make_tiny_llama(seed=1).state_dict()
     before = client.generate([[3, 4, 5]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     bad = dict(new)
@@ -161,15 +162,9 @@ def test_refresh_bad_is_refused_everywhere_good_one_switches_version(client, loc
     assert again[0].token_ids == before[0].token_ids
 
     # a good refresh lands while long requests are in flight: they continue, token_versions show it
-    generated = sum(s["generated_tokens"] for s in client.stats())
     it = client.stream([RolloutRequest([9, 8, 7], SamplingParams(max_tokens=400, ignore_eos=True),
                                        request_id=f"inflight{i}") for i in range(2)])
-    deadline = time.time() + 60  # first tokens out, then hold the workers so the refresh lands mid-generation
-    while sum(s["generated_tokens"] for s in client.stats()) == generated and time.time() < deadline:
-        time.sleep(0.01)
-    client.pause()
-    client.update_weights(new, 1)
-    client.resume()
+    refresh_mid_generation(client, new, 1)
     inflight = list(it)
     assert [s["policy_version"] for s in client.stats()] == [1, 1]
     for r in inflight:
@@ -212,7 +207,7 @@ def test_worker_killed_mid_batch_all_results_once_and_restarted_worker_catches_u
     assert len(more) == 6 and all(r.token_versions == [version] * 4 for r in more)
 
 
-def test_on_refresh_abort_ends_in_flight_requests(ray_cluster, service_config, make_tiny_llama):
+def test_on_refresh_abort_ends_in_flight_requests(ray_cluster, service_config, make_tiny_llama, refresh_mid_generation):
     from rollout_service.service import RayBackend
     cfg = service_config(name="svc-abort-on-refresh", num_workers=1)
     cfg["engine"] = {**cfg["engine"], "on_refresh": "abort"}
@@ -220,14 +215,7 @@ def test_on_refresh_abort_ends_in_flight_requests(ray_cluster, service_config, m
     try:
         it = backend.submit([RolloutRequest([4, 5, 6], SamplingParams(n=2, max_tokens=400, ignore_eos=True),
                                             request_id="r")])
-        # Refresh while the samples are mid-flight, whatever this machine's speed: wait for the first tokens,
-        # then pause so that none can finish before the new weights land.
-        deadline = time.time() + 60
-        while backend.stats()[0]["generated_tokens"] == 0 and time.time() < deadline:
-            time.sleep(0.01)
-        backend.pause()
-        backend.update_weights(make_tiny_llama(seed=5).state_dict(), 1)
-        backend.resume()
+        refresh_mid_generation(backend, make_tiny_llama(seed=5).state_dict(), 1)
         results = list(it)
         assert sorted(r.sample_index for r in results) == [0, 1]
         assert all(r.finish_reason == "abort" and 0 < len(r.token_ids) < 400 for r in results)
