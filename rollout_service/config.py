@@ -30,6 +30,8 @@ class EngineConfig:
     GPU, from `gpu_memory_utilization` of the free memory)."""
 
     model: Any = "smollm2-135m"
+    # "dummy": read only the model's config, random weights (the first refresh brings the real ones)
+    load_format: str = "auto"
     backend: str = "auto"
     dtype: str | None = None
     device: str | None = None
@@ -50,6 +52,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         c = "EngineConfig"
+        if self.load_format not in ("auto", "dummy"):
+            _fail(c, "load_format", self.load_format, "must be 'auto' or 'dummy'")
         if self.backend not in BACKENDS:
             _fail(c, "backend", self.backend, f"must be one of {BACKENDS}")
         if self.dtype not in DTYPES:

@@ -41,24 +41,28 @@ class CudaGraphRunner:
         self.disabled = False
 
     @torch.inference_mode()
-    def capture(self) -> None:
-        """Capture every bucket, largest first so smaller graphs reuse the pool; on failure run eager."""
+    def capture(self, warm_every_bucket: bool = True) -> None:
+        """Capture every bucket, largest first so smaller graphs reuse the pool; on failure run eager.
+        A recapture (after sleep) warms up the largest bucket only: every kernel and shape has run before,
+        so only the freed workspaces need to come back outside a capture."""
         try:
             pool = None
             device = self.inputs.device
+            # One side stream for every warm-up and capture: cuBLAS keeps a workspace per stream it has seen,
+            # so a stream per bucket would hold ~35 workspaces (32 MiB each) until the process ends.
+            stream = torch.cuda.Stream(device)
             for bs in reversed(self.buckets):
                 # every row a 1-token sequence on the scratch page: capture writes K/V nowhere that matters
                 self.inputs.fill([[SCRATCH_PAGE]], [0], [1], rows=bs)
                 self.inputs.upload()
                 input_ids, meta = self.inputs.batch(bs, full_tables=True)
-                stream = torch.cuda.Stream(device)
                 stream.wait_stream(torch.cuda.current_stream(device))
                 with torch.cuda.stream(stream):  # warm-up: lazy inits and allocator growth happen outside capture
-                    for _ in range(2):
+                    for _ in range(2 if warm_every_bucket else int(bs == self.max_batch)):
                         self.forward(input_ids, meta)
                 torch.cuda.current_stream(device).wait_stream(stream)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
                     out = self.forward(input_ids, meta)
                 pool = graph.pool()
                 self.graphs[bs], self.outputs[bs] = graph, out

@@ -28,12 +28,14 @@ from rollout_service.engine.model_runner import ModelRunner
 from rollout_service.engine.sampler import Sampler, SamplerOutput, needs_history
 from rollout_service.engine.scheduler import Batch, Scheduler
 from rollout_service.engine.sequence import Sequence, SeqStatus
+from rollout_service.engine.sleep import Sleeper, process_gpu_bytes
 from rollout_service.engine.transfers import copy_to_host, to_device
 from rollout_service.model.loader import load_model
-from rollout_service.model.weight_update import apply_named_tensors, validate_named_tensors
+from rollout_service.model.weight_update import apply_named_tensors, validate_manifest, validate_named_tensors
 from rollout_service.ops.backend import resolve_backend
 from rollout_service.prompts import PromptProcessor
 from rollout_service.types import RolloutRequest, RolloutResult
+from rollout_service.weights.buckets import named_items, reject_nonfinite
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +79,8 @@ class Engine:
         self.backend = resolve_backend(config.backend, self.device)
         dtype = getattr(torch, config.dtype) if config.dtype else None
         source = model_source if model_source is not None else config.model
-        loaded = load_model(source, dtype=dtype, device=self.device, backend=self.backend, tokenizer=tokenizer)
+        loaded = load_model(source, dtype=dtype, device=self.device, backend=self.backend, tokenizer=tokenizer,
+                            load_format=config.load_format)
         self.model, self.hf_config, self.tokenizer = loaded.model, loaded.hf_config, loaded.tokenizer
         self.max_model_len = min(config.max_model_len or 1 << 30, self.hf_config.max_position_embeddings)
         self.prompts = PromptProcessor(self.tokenizer, self.hf_config.vocab_size)
@@ -92,6 +95,7 @@ class Engine:
                                   use_graphs, config.cuda_graph_max_batch)
         self.sampler = Sampler(self.model.ops)
         self.policy_version = 0
+        self.sleeper = Sleeper(self.model, self.kv, self.runner, self.scheduler, self.device)
         self.counters = EngineCounters()
         self._requests: dict[str, _Request] = {}
         self._outbox: list[RolloutResult] = []
@@ -159,6 +163,8 @@ class Engine:
     # ---- one step -----------------------------------------------------------------------------------
     def step(self) -> list[RolloutResult]:
         with self._lock:
+            if self.sleeper.level:
+                raise RuntimeError(f"the engine is asleep (level {self.sleeper.level}): call wake_up() first")
             out, self._outbox = self._outbox, []
             prev, self._in_flight = self._in_flight, None
             if prev is not None:
@@ -337,21 +343,74 @@ class Engine:
         )
 
     # ---- weights ------------------------------------------------------------------------------------
-    def validate_weights(self, named_tensors: Any) -> None:
-        validate_named_tensors(self.model, named_tensors)
+    def validate_weights(self, named_tensors: Any, partial: bool = False) -> None:
+        validate_named_tensors(self.model, named_items(named_tensors), partial)
 
-    def update_weights(self, named_tensors: Any, version: int) -> None:
-        """Validate every tensor, then swap at a step boundary. In-flight sequences keep their KV and go on
-        with the new weights (token_versions shows the switch), or are aborted if on_refresh="abort"."""
-        if not isinstance(version, int) or isinstance(version, bool):
-            raise ValueError(f"update_weights: version must be an int, got {version!r}")
-        plan = validate_named_tensors(self.model, named_tensors)
+    def validate_manifest(self, manifest: Any, partial: bool = False) -> None:
+        """A refresh's names, shapes and dtypes (no data), checked before its bytes move."""
+        validate_manifest(self.model, manifest.entries, partial)
+
+    def check_version(self, version: Any) -> None:
+        if not isinstance(version, int) or isinstance(version, bool) or version <= self.policy_version:
+            raise ValueError(f"update_weights: version={version!r} must be an int > the current version "
+                             f"{self.policy_version}")
+
+    def update_weights(self, named_tensors: Any, version: int, partial: bool = False,
+                       check_finite: bool = True) -> None:
+        """Validate every tensor (name, shape, dtype, every weight present unless `partial`, finite unless
+        told otherwise), then swap at a step boundary. In-flight sequences keep their KV and go on with the
+        new weights (token_versions shows the switch), or are aborted if on_refresh="abort". While asleep
+        the weights come back to the device with the new values; wake_up then restores the rest."""
+        self.check_version(version)
+        items = named_items(named_tensors)
+        plan = validate_named_tensors(self.model, items, partial)
+        if check_finite:
+            reject_nonfinite(items)
         with self._lock:
+            self.sleeper.before_refresh(partial)
             self._flush()  # its tokens came from the old weights and say so
             apply_named_tensors(plan)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # the sources may be reused once this returns
             self.policy_version = version
             if self.config.on_refresh == "abort":
                 self._outbox += self.abort(list(self._requests))
+
+    def weights_digest(self) -> str:
+        """sha256 of every weight's bytes, in parameter order: two engines (or an engine and a learner's
+        engine-side check) hold bitwise the same weights iff their digests are equal."""
+        import hashlib
+        h = hashlib.sha256()
+        with self._lock:
+            for name, p in self.model.named_parameters():
+                h.update(name.encode())
+                # a copy: exporting a parameter's own storage to numpy would make it non-resizable (sleep)
+                h.update(p.detach().reshape(-1).view(torch.uint8).to("cpu", copy=True).numpy().tobytes())
+        return h.hexdigest()
+
+    # ---- sleep / wake (engine/sleep.py) --------------------------------------------------------------
+    @property
+    def sleep_level(self) -> int:
+        return self.sleeper.level
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self.sleeper.level > 0
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the device memory for a colocated learner. Level 1 parks the weights in host memory, level 2
+        drops them (the next update_weights must bring every weight). Sequences in flight are preempted and
+        recomputed after wake; requests added meanwhile wait. A deeper level may follow a lighter one."""
+        with self._lock:
+            self._flush()
+            self.sleeper.sleep(level)
+
+    def wake_up(self) -> None:
+        """Weights, KV cache and CUDA graphs back on the device. ValueError if sleep(2) dropped the weights
+        and no refresh brought them back; RuntimeError if the KV cache no longer fits. Either way the engine
+        stays asleep."""
+        with self._lock:
+            self.sleeper.wake()
 
     # ---- introspection ------------------------------------------------------------------------------
     def stats(self) -> dict:
@@ -365,5 +424,8 @@ class Engine:
             "recomputes": c.recomputes, "preemptions": self.scheduler.num_preemptions,
             "overlapped_steps": c.overlapped_steps,
             "generated_tokens": c.generated_tokens, "backend": self.backend, "device": str(self.device),
+            "sleep_level": self.sleeper.level, "weights": self.sleeper.parking.state,
+            "device_memory_bytes": self.sleeper.device_memory(), "graph_capture_s": self.runner.capture_s,
+            "process_gpu_bytes": process_gpu_bytes() if self.device.type == "cuda" else None,
         }
 

@@ -77,6 +77,23 @@ class KVCache:
                        dtype: torch.dtype) -> int:
         return num_layers * 2 * num_kv_heads * page_size * head_dim * torch.empty((), dtype=dtype).element_size()
 
+    @property
+    def nbytes(self) -> int:
+        return sum(layer.untyped_storage().nbytes() for layer in self.layers)
+
+    def release(self) -> None:
+        """Free the cache's memory (sleep); the page pool must hold no sequence's pages."""
+        assert self.pool.num_used == 0, "releasing a KV cache that sequences still use"
+        for layer in self.layers:
+            layer.untyped_storage().resize_(0)
+
+    def reallocate(self) -> None:
+        """Memory for every page again (wake); contents undefined, as at start-up."""
+        for layer in self.layers:
+            want = layer.numel() * layer.element_size()
+            if layer.untyped_storage().nbytes() != want:
+                layer.untyped_storage().resize_(want)
+
     def copy_page(self, src: int, dst: int) -> None:
         """Copy-on-write for a forked sample's partial last prompt page."""
         for layer in self.layers:

@@ -7,6 +7,7 @@ the rows that sample a next token (a sequence's last computed position) reach th
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -27,19 +28,29 @@ class ModelRunner:
         self.page_size = kv.page_size
         self.max_pages_per_seq = pages_for(max_model_len, kv.page_size)
         self.decode_inputs = DecodeInputs(max_num_seqs, self.max_pages_per_seq, self.page_size, device)
+        self.graph_max_batch = min(cuda_graph_max_batch, max_num_seqs) if use_cuda_graphs and device.type == "cuda" else 0
         self.graphs = None
-        if use_cuda_graphs and device.type == "cuda":
-            self.graphs = self._capture_graphs(min(cuda_graph_max_batch, max_num_seqs))
+        self.capture_s = 0.0  # wall time of the last capture: paid at start-up and on every wake
+        self.capture_graphs()
 
-    def _capture_graphs(self, max_batch: int):
+    def capture_graphs(self) -> None:
+        """Capture the decode graphs (at start-up, and on wake: they hold pointers into weights and KV)."""
+        if not self.graph_max_batch:
+            return
+        t0 = time.perf_counter()
         try:
             from rollout_service.engine.cuda_graph import CudaGraphRunner
-            runner = CudaGraphRunner(self._decode_logits, self.decode_inputs, max_batch)
-            runner.capture()
-            return runner
+            runner = CudaGraphRunner(self._decode_logits, self.decode_inputs, self.graph_max_batch)
+            runner.capture(warm_every_bucket=not self.capture_s)
+            self.graphs = runner
+            self.capture_s = time.perf_counter() - t0
         except Exception as e:  # a failed capture costs speed, never correctness
             log.warning("CUDA graph capture failed, decoding eagerly: %s", e)
-            return None
+            self.graphs = None
+
+    def drop_graphs(self) -> None:
+        """Free the graphs and their memory pool (sleep)."""
+        self.graphs = None
 
     def _decode_logits(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return self.model.compute_logits(self.model(input_ids, meta.positions, self.kv.layers, meta))

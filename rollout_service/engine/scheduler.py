@@ -107,6 +107,17 @@ class Scheduler:
             seq.pages += self.pool.allocate(1)
         return Batch(False, list(seqs))
 
+    def preempt_all(self) -> None:
+        """Free every sequence's pages (engine sleep): running ones are requeued first, in their order, and
+        recomputed when they are scheduled again, like any preempted sequence."""
+        for seq in reversed(self.running):
+            self._preempt(seq)
+        self.running = []
+        for seq in self.waiting:
+            if seq.pages:  # a prompt part-way through a chunked prefill
+                self.pool.release(seq.pages)
+                seq.pages, seq.num_computed = [], 0
+
     def _preempt(self, seq: Sequence) -> None:
         self.pool.release(seq.pages)
         seq.pages = []

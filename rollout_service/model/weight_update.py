@@ -1,6 +1,7 @@
 """Check and apply named tensors (HF state_dict names) to a DecoderLM: used by loading and weight refresh.
 
-Validation is complete before anything is written, so a bad refresh leaves the old weights untouched.
+Validation is complete before anything is written, so a bad refresh leaves the old weights untouched. A
+refresh's manifest (names, shapes, dtypes; no data) is checked by the same rules before its bytes move.
 """
 from __future__ import annotations
 
@@ -10,33 +11,59 @@ import torch
 from torch import nn
 
 
-def validate_named_tensors(
-    model: nn.Module, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
-) -> list[tuple[nn.Parameter, torch.Tensor]]:
-    """(parameter, new value) pairs; ValueError naming the first unknown name, wrong shape or non-float tensor.
+def _check(params: dict[str, nn.Parameter], name: str, shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:
+    param = params.get(name)
+    if param is None:
+        raise ValueError(f"unknown weight name {name!r} (expected HF state_dict names such as {next(iter(params))!r})")
+    if tuple(shape) != tuple(param.shape):
+        raise ValueError(f"weight {name!r} has shape {tuple(shape)}, expected {tuple(param.shape)}")
+    if not dtype.is_floating_point:
+        raise ValueError(f"weight {name!r} has dtype {dtype}, expected a floating point dtype")
+    return param
 
-    A partial set of names is allowed (the rest keep their values). With tied embeddings both
-    `model.embed_tokens.weight` and `lm_head.weight` name the same parameter.
-    """
+
+def _check_complete(model: nn.Module, covered: set[int]) -> None:
+    missing = [name for name, p in model.named_parameters() if id(p) not in covered]
+    if missing:
+        raise ValueError(f"update_weights: {len(missing)} weight(s) missing, e.g. {missing[:3]}; send every "
+                         "weight, or pass partial=True to change only some")
+
+
+def validate_named_tensors(
+    model: nn.Module, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+    partial: bool = True,
+) -> list[tuple[nn.Parameter, torch.Tensor]]:
+    """(parameter, new value) pairs; ValueError naming the first unknown name, wrong shape or non-float tensor,
+    or (partial=False) the weights left out. With tied embeddings both `model.embed_tokens.weight` and
+    `lm_head.weight` name the same parameter."""
     params = dict(model.named_parameters(remove_duplicate=False))
     items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
     pairs = []
     for name, tensor in items:
-        param = params.get(name)
-        if param is None:
-            raise ValueError(f"unknown weight name {name!r} (expected HF state_dict names such as {next(iter(params))!r})")
         if not isinstance(tensor, torch.Tensor):
             raise ValueError(f"weight {name!r} is a {type(tensor).__name__}, not a torch.Tensor")
-        if tuple(tensor.shape) != tuple(param.shape):
-            raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
-        if not tensor.is_floating_point():
-            raise ValueError(f"weight {name!r} has dtype {tensor.dtype}, expected a floating point dtype")
-        pairs.append((param, tensor))
+        pairs.append((_check(params, name, tuple(tensor.shape), tensor.dtype), tensor))
+    if not partial:
+        _check_complete(model, {id(p) for p, _ in pairs})
     return pairs
+
+
+def validate_manifest(model: nn.Module, entries: Iterable, partial: bool = False) -> None:
+    """The same checks on a refresh's manifest entries (name, shape, dtype name), before any bytes move."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    covered = set()
+    for e in entries:
+        dtype = getattr(torch, e.dtype, None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"weight {e.name!r} has unknown dtype {e.dtype!r}")
+        covered.add(id(_check(params, e.name, e.shape, dtype)))
+    if not partial:
+        _check_complete(model, covered)
 
 
 @torch.no_grad()
 def apply_named_tensors(pairs: list[tuple[nn.Parameter, torch.Tensor]]) -> None:
-    """Copy validated values in place (cast to the model's dtype and device), keeping parameter identity."""
+    """Copy validated values in place (cast to the model's dtype and device), keeping parameter identity.
+    Copies into GPU parameters are queued, not waited for: the caller synchronises once at the end."""
     for param, tensor in pairs:
-        param.copy_(tensor)
+        param.copy_(tensor, non_blocking=param.is_cuda)

@@ -1,0 +1,216 @@
+"""The bucket layout every weight transport shares: a state dict as a few large byte buffers + a manifest.
+
+A refresh never moves one tensor at a time. The learner plans a `Manifest` (name, dtype, shape, bucket,
+offset of every tensor; small, it travels first and is validated by every worker before any byte moves),
+then fills a `Buckets` set: one uint8 buffer per bucket, on the host (pinned when CUDA is present) or on a
+GPU, allocated once and reused by every later refresh with the same layout. Readers take zero-copy views
+of any buffers laid out by the manifest: object-store memory, CUDA-IPC mappings or broadcast staging.
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Iterable, Iterator, Mapping, Sequence, Union
+
+import numpy as np
+import torch
+
+NamedTensors = Union[Mapping[str, torch.Tensor], Iterable[tuple[str, torch.Tensor]]]
+DEFAULT_BUCKET_BYTES = 512 << 20
+_ALIGN = 64  # every tensor starts on a 64-byte boundary, so views are aligned for any dtype and kernel
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    name: str
+    dtype: str          # torch dtype name, e.g. "bfloat16"
+    shape: tuple[int, ...]
+    bucket: int
+    offset: int
+    nbytes: int
+
+    def torch_dtype(self) -> torch.dtype:
+        dtype = getattr(torch, self.dtype, None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"update_weights: {self.name!r} has unknown dtype {self.dtype!r}")
+        return dtype
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """Where each tensor of a refresh lives in the buckets. Equal manifests share one set of buffers."""
+
+    entries: tuple[TensorEntry, ...]
+    bucket_sizes: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.bucket_sizes)
+
+    def names(self) -> list[str]:
+        return [e.name for e in self.entries]
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def named_items(named_tensors: NamedTensors) -> list[tuple[str, torch.Tensor]]:
+    """Normalise a dict / iterable of pairs, rejecting anything that is not (str, Tensor)."""
+    if isinstance(named_tensors, PackedWeights):
+        return list(unpack(named_tensors))
+    items = list(named_tensors.items()) if isinstance(named_tensors, Mapping) else None
+    if items is None:
+        try:
+            items = [(n, t) for n, t in named_tensors]
+        except (TypeError, ValueError):
+            raise ValueError("update_weights: expected a dict or an iterable of (name, tensor) pairs") from None
+    for name, t in items:
+        if not isinstance(name, str):
+            raise ValueError(f"update_weights: parameter name {name!r} is not a string")
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"update_weights: {name!r} is a {type(t).__name__}, not a torch.Tensor")
+    if not items:
+        raise ValueError("update_weights: no tensors given")
+    names = [n for n, _ in items]
+    if len(set(names)) != len(names):
+        dup = next(n for n in names if names.count(n) > 1)
+        raise ValueError(f"update_weights: {dup!r} is given twice")
+    return items
+
+
+def reject_nonfinite(items: Sequence[tuple[str, torch.Tensor]]) -> None:
+    """ValueError naming the first tensor holding NaN or inf. One read of the data in a few fused launches
+    (max |x| of each tensor: NaN and inf survive it, and it cannot overflow), one sync per device."""
+    groups: dict[tuple, list[tuple[str, torch.Tensor]]] = {}
+    for n, t in items:
+        if t.is_floating_point() and t.numel():
+            groups.setdefault((t.device, t.dtype), []).append((n, t))
+    bad = set()
+    for group in groups.values():
+        amax = torch.stack([m.float() for m in torch._foreach_norm([t.detach() for _, t in group], float("inf"))])
+        bad |= {n for (n, _), good in zip(group, torch.isfinite(amax).tolist()) if not good}
+    if bad:
+        first = next(n for n, _ in items if n in bad)
+        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+        raise ValueError(f"update_weights: weight {first!r} holds NaN or inf{more}; nothing was changed "
+                         "(pass check_finite=False to send it anyway)")
+
+
+def plan(items: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Manifest:
+    """Lay tensors out in buckets of about `bucket_bytes` (a larger tensor gets a bucket of its own)."""
+    if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes={bucket_bytes!r} must be an int >= 1")
+    entries, sizes, size = [], [], 0
+    for name, t in items:
+        n = _nbytes(t)
+        if not sizes or (size and size + n > bucket_bytes):
+            sizes.append(0)
+            size = 0
+        entries.append(TensorEntry(name, str(t.dtype).removeprefix("torch."), tuple(t.shape),
+                                   len(sizes) - 1, size, n))
+        size += _aligned(n)
+        sizes[-1] = max(size, 1)
+    return Manifest(tuple(entries), tuple(sizes))
+
+
+def views(manifest: Manifest, buffers: Sequence) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) views into buffers laid out by `manifest` (uint8 tensors or numpy arrays; no copy).
+    Object-store buffers are read-only: consumers copy, as Engine.update_weights does."""
+    if len(buffers) != len(manifest.bucket_sizes):
+        raise ValueError(f"update_weights: {len(buffers)} buffers for {len(manifest.bucket_sizes)} buckets")
+    flats = [_as_bytes(b) for b in buffers]
+    for e in manifest.entries:
+        raw = flats[e.bucket][e.offset:e.offset + e.nbytes]
+        yield e.name, raw.view(e.torch_dtype()).reshape(e.shape)
+
+
+def _as_bytes(buf) -> torch.Tensor:
+    if isinstance(buf, torch.Tensor):
+        return buf.view(torch.uint8).reshape(-1)
+    with warnings.catch_warnings():  # object-store buffers are read-only; nothing here writes to them
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(buf, dtype=torch.uint8) if len(buf) else torch.empty(0, dtype=torch.uint8)
+
+
+class Buckets:
+    """One buffer per bucket of a manifest on one device, filled by copies of the learner's tensors."""
+
+    def __init__(self, manifest: Manifest, device: torch.device | str = "cpu", pin_memory: bool = False):
+        self.manifest = manifest
+        self.device = torch.device(device)
+        pin = pin_memory and self.device.type == "cpu" and torch.cuda.is_available()
+        self.buffers = [torch.empty(n, dtype=torch.uint8, device=self.device, pin_memory=pin)
+                        for n in manifest.bucket_sizes]
+
+    def fits(self, manifest: Manifest, device: torch.device | str) -> bool:
+        """Whether these buffers can be reused for `manifest` on `device`."""
+        return manifest == self.manifest and torch.device(device) == self.device
+
+    def fill(self, items: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """Copy every tensor into its slot, then wait for the copies (the buffers are then safe to read
+        from any process or stream)."""
+        slots = dict(views(self.manifest, self.buffers))
+        for name, t in items:
+            dst = slots[name]
+            if dst.numel():
+                dst.copy_(t.detach(), non_blocking=True)
+        for dev in {self.device} | {t.device for _, t in items}:
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+
+    def views(self) -> list[tuple[str, torch.Tensor]]:
+        return list(views(self.manifest, self.buffers))
+
+    @property
+    def nbytes(self) -> int:
+        return self.manifest.nbytes
+
+
+def reuse_or_allocate(current: Buckets | None, manifest: Manifest, device: torch.device | str,
+                      pin_memory: bool = False) -> Buckets:
+    """The buffers of the last refresh when the layout is the same (no allocation per step), else new ones."""
+    if current is not None and current.fits(manifest, device):
+        return current
+    del current  # free the old buffers before allocating the new ones
+    return Buckets(manifest, device, pin_memory)
+
+
+# -- a self-contained host copy: the object-store form, and a convenience for tests and tools ------------
+
+@dataclass
+class PackedWeights:
+    """A state dict as contiguous host byte buckets + its manifest; what goes through the object store."""
+
+    manifest: Manifest
+    buckets: list[np.ndarray]
+
+    @property
+    def entries(self) -> tuple[TensorEntry, ...]:
+        return self.manifest.entries
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(b.nbytes) for b in self.buckets)
+
+    def names(self) -> list[str]:
+        return self.manifest.names()
+
+
+def pack(named_tensors: NamedTensors, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> PackedWeights:
+    """Copy tensors (any device) into fresh host buckets."""
+    items = named_items(named_tensors)
+    buckets = Buckets(plan(items, bucket_bytes))
+    buckets.fill(items)
+    return PackedWeights(buckets.manifest, [b.numpy() for b in buckets.buffers])
+
+
+def unpack(packed: PackedWeights) -> Iterator[tuple[str, torch.Tensor]]:
+    """Zero-copy (name, tensor) views of packed weights."""
+    if not isinstance(packed, PackedWeights):
+        raise ValueError(f"unpack: expected PackedWeights, got {type(packed).__name__}")
+    return views(packed.manifest, packed.buckets)
