@@ -17,6 +17,8 @@ from typing import Any
 import ray
 
 from rollout_service.types import RolloutRequest, RolloutResult
+from rollout_service.weights.group import GroupSpec
+from rollout_service.weights.receiver import WeightReceiver
 
 
 class RolloutWorker:
@@ -31,6 +33,8 @@ class RolloutWorker:
         # A restarted actor gets a new incarnation: the router uses it to tell that the engine is empty.
         self.incarnation = uuid.uuid4().hex
         self.engine = Engine(EngineConfig.from_dict(dict(engine_config)), model_source=model_source)
+        self.receiver = WeightReceiver(self.engine.device)
+        self.last_refresh: dict[str, float] = {}  # seconds of each phase of the last refresh, for stats()
         self._lock = threading.Lock()            # guards self.engine
         self._cv = threading.Condition()         # guards outbox/paused/stop and wakes the loop
         self._outbox: list[RolloutResult] = []
@@ -49,13 +53,15 @@ class RolloutWorker:
                 if self._stop:
                     return
                 paused, wakeups = self._paused, self._wakeups
-            if paused or not self._has_work():
+            if paused or self.engine.is_sleeping or not self._has_work():
                 with self._cv:  # sleep until submit/resume/shutdown (unless one came in meanwhile)
                     if self._wakeups == wakeups and not self._stop:
                         self._cv.wait(1.0)
                 continue
             try:
                 with self._lock:
+                    if self.engine.is_sleeping:  # sleep() landed since the check above
+                        continue
                     finished = self.engine.step()
                     self._steps += 1
             except Exception as e:  # an engine bug must be visible, not a silent hang
@@ -121,18 +127,60 @@ class RolloutWorker:
             self._outbox = [r for r in self._outbox if r.request_id not in ids]
         return done + list(results)
 
-    # -- weights ----------------------------------------------------------------------------------
-    def validate_weights(self, packed) -> None:
-        from rollout_service.weights import fetch
-        with self._lock:
-            self.engine.validate_weights(fetch(packed))
+    # -- weights (the learner's side is RolloutClient.update_weights; the protocol is actors/refresh.py) --
+    def weights_prepare(self, payload: dict, partial: bool = False) -> None:
+        """Check the refresh's manifest against the model and get its transport ready; nothing changes
+        yet. ValueError naming what is wrong."""
+        t0 = time.perf_counter()
+        self.engine.validate_manifest(payload["manifest"], partial)
+        self.receiver.prepare(payload)
+        self.last_refresh = {"transport": payload["transport"], "prepare_s": time.perf_counter() - t0}
 
-    def update_weights(self, packed, version: int) -> int:
-        """Applied between two steps (the engine lock); returns the new policy version."""
-        from rollout_service.weights import fetch
+    def weights_receive(self, payload: dict) -> None:
+        """Broadcast: take the bytes into staging while the engine keeps generating."""
+        t0 = time.perf_counter()
+        self.receiver.receive(payload)
+        self.last_refresh["receive_s"] = time.perf_counter() - t0
+
+    def weights_apply(self, payload: dict, version: int, partial: bool = False) -> int:
+        """Swap between two steps (the engine lock); returns the new policy version. A worker that already
+        runs `version` (a re-sent refresh) keeps its weights."""
+        t0 = time.perf_counter()
         with self._lock:
-            self.engine.update_weights(fetch(packed), version)
+            t1 = time.perf_counter()
+            if version != self.engine.policy_version:
+                # finite values were checked on the learner, before anything was sent
+                self.engine.update_weights(self.receiver.views(payload), version, partial, check_finite=False)
+            self.receiver.discard()
+            self.last_refresh.update(lock_wait_s=t1 - t0, apply_s=time.perf_counter() - t1)
             return self.engine.policy_version
+
+    def weights_digest(self) -> str:
+        return self.engine.weights_digest()
+
+    def weights_discard(self) -> None:
+        self.receiver.discard()
+
+    def join_weight_group(self, spec: GroupSpec, rank: int) -> None:
+        self.receiver.join(spec, rank)
+
+    def leave_weight_group(self) -> None:
+        self.receiver.leave()
+
+    def release_weight_buffers(self) -> None:
+        self.receiver.release()
+
+    # -- sleep / wake -----------------------------------------------------------------------------
+    def sleep(self, level: int = 1) -> dict:
+        with self._lock:
+            self.engine.sleep(level)
+        return self.stats()
+
+    def wake_up(self) -> dict:
+        with self._lock:
+            self.engine.wake_up()
+        self._wake()
+        return self.stats()
 
     # -- control ----------------------------------------------------------------------------------
     def pause(self) -> None:
@@ -151,6 +199,7 @@ class RolloutWorker:
             s = dict(self.engine.stats())
         with self._cv:
             s.update(worker=self.worker_index, incarnation=self.incarnation, paused=self._paused,
+                     last_refresh={k: round(v, 4) if isinstance(v, float) else v for k, v in self.last_refresh.items()},
                      outbox=len(self._outbox), steps=self._steps, pid=os.getpid(),
                      node_id=ray.get_runtime_context().get_node_id())
         return s
@@ -158,13 +207,15 @@ class RolloutWorker:
     def health(self) -> dict:
         """Cheap liveness check that does not wait for the engine lock."""
         return {"worker": self.worker_index, "incarnation": self.incarnation, "alive": self._thread.is_alive(),
-                "error": self._error, "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
+                "error": self._error, "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid(),
+                "device": str(self.engine.device), "weight_group": self.receiver.group_id()}
 
     def shutdown(self) -> None:
         with self._cv:
             self._stop = True
         self._wake()
         self._thread.join(timeout=10)
+        self.receiver.leave()
 
 
 RolloutWorkerActor = ray.remote(RolloutWorker)

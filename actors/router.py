@@ -7,9 +7,11 @@
   and results are matched back to it; a (request_id, sample_index) is delivered once, later copies
   are dropped.
 - Faults: when a worker dies its jobs go to live workers; when Ray restarts it (new incarnation, empty
-  engine) it first gets the latest weights, then serves again.
-- Refresh: validate on every worker first (all or none), then apply; the ObjectRef is kept so a
-  restarted worker can load it. Results older than `max_staleness` versions are regenerated.
+  engine) it first gets the latest weights, then serves again (or, after a broadcast, waits for the
+  learner's next push: actors/refresh.py).
+- Refresh: actors/refresh.py (all workers or none). Results older than `max_staleness` versions are
+  regenerated.
+- Sleep: every worker frees its device memory; requests wait (or are refused) until wake_up.
 """
 from __future__ import annotations
 
@@ -20,10 +22,15 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from actors.ledger import Ledger, Tracked, decode_request
 from actors.placement import create_workers
+from actors.refresh import RefreshCoordinator
 from rollout_service.config import ServiceConfig
 from rollout_service.types import RolloutRequest, RolloutResult
 
 _ACTOR_DOWN = (RayActorError, getattr(ray.exceptions, "ActorUnavailableError", RayActorError))
+
+
+def is_down(e: BaseException) -> bool:
+    return isinstance(e, _ACTOR_DOWN)
 
 
 def error_text(e: BaseException) -> str:
@@ -47,11 +54,14 @@ class Router:
         n = int(config.num_workers)
         self._alive = [False] * n
         self._gone = [False] * n           # dead for good (no restarts left)
+        self._awaiting = [False] * n       # restarted, waiting for the learner's weights before it serves
         self._incarnation: list[str | None] = [None] * n
+        self._places: list[dict] = [{} for _ in range(n)]  # node_id and device, from health()
         self.ledger = Ledger()
-        self._version = 0
-        self._weights_ref = None
+        self.refresh = RefreshCoordinator(self)
         self._paused = False
+        self._asleep = 0
+        self._fail_if_asleep = False
         self._closed = False
         self._tasks: list[asyncio.Task] = []
         self.counters = {"resubmitted": 0, "stale_regenerated": 0, "worker_deaths": 0}
@@ -65,7 +75,7 @@ class Router:
             return str(e)
         for i, w in enumerate(self.workers):
             try:
-                self._incarnation[i] = (await w.health.remote())["incarnation"]
+                self._on_health(i, await w.health.remote())
                 self._alive[i] = True
             except Exception as e:
                 return f"rollout worker {i} failed to start: {error_text(e)}"
@@ -77,6 +87,8 @@ class Router:
         """Accept a batch (all or none). Returns {"stream": id} or {"errors": [(index, message), ...]}."""
         if self._closed:
             return {"errors": [(-1, "the service is closed")]}
+        if self._asleep and self._fail_if_asleep:
+            return {"errors": [(-1, f"the service is asleep (sleep level {self._asleep}): call wake_up() first")]}
         reqs, errors, seen = [], [], set()
         for i, item in enumerate(items):
             try:
@@ -91,7 +103,7 @@ class Router:
             return {"errors": errors}
         if not reqs:
             return {"errors": [(-1, "empty batch")]}
-        if not any(self._alive) and all(self._gone):
+        if not any(self._alive) and not any(self._awaiting) and all(self._gone):
             return {"errors": [(-1, "no rollout worker is alive")]}
         sid, tracked = self.ledger.open_stream(reqs)
         errors = await self._dispatch(tracked, report_errors=True)
@@ -114,7 +126,7 @@ class Router:
         batches: dict[int, list[RolloutRequest]] = {}
         for t in sorted(tracked, key=lambda t: -t.cost_per_sample * t.missing):
             i = min(live, key=lambda j: loads[j])
-            job = self.ledger.new_job(t, i, self._version)
+            job = self.ledger.new_job(t, i, self.refresh.version)
             loads[i] += t.cost_per_sample * t.missing
             batches.setdefault(i, []).append(job)
         calls = {i: self.workers[i].submit.remote(jobs) for i, jobs in batches.items()}
@@ -155,10 +167,10 @@ class Router:
         if t is None:
             return
         k = self.config.max_staleness
-        if k is not None and r.token_versions and r.finish_reason != "abort" \
-                and self._version - min(r.token_versions) > k:
-            if t.fresh_as_of < self._version:  # regenerate once per refresh, not once per stale sample
-                t.fresh_as_of = self._version
+        version = self.refresh.version
+        if k is not None and r.token_versions and r.finish_reason != "abort" and version - min(r.token_versions) > k:
+            if t.fresh_as_of < version:  # regenerate once per refresh, not once per stale sample
+                t.fresh_as_of = version
                 self.counters["stale_regenerated"] += 1
                 self._spawn(self._regenerate(t))
             return
@@ -179,13 +191,14 @@ class Router:
             except _ACTOR_DOWN:
                 pass
 
-    async def next_results(self, sid: str, timeout: float = 1.0) -> tuple[list[RolloutResult], bool]:
-        """Results of stream `sid` delivered since the last call (waits up to `timeout` for one);
-        the flag says whether the stream is complete (it is then forgotten)."""
+    async def next_results(self, sid: str, timeout: float = 1.0) -> tuple[list[RolloutResult], bool, bool]:
+        """Results of stream `sid` delivered since the last call (waits up to `timeout` for one); whether
+        the stream is complete (it is then forgotten); whether no worker can serve until the learner pushes
+        weights (a restarted worker after a broadcast refresh)."""
         out, done = await self.ledger.next_results(sid, timeout)
         if not out and not done and all(self._gone):
             raise RuntimeError("every rollout worker is dead; the stream cannot finish")
-        return out, done
+        return out, done, not any(self._alive) and any(self._awaiting)
 
     async def close_stream(self, sid: str) -> None:
         """The consumer went away: abort what is still running for it."""
@@ -193,8 +206,8 @@ class Router:
 
     # -- faults -----------------------------------------------------------------------------------
     async def _worker_down(self, i: int) -> None:
-        if self._alive[i]:
-            self._alive[i] = False
+        if self._alive[i] or self._awaiting[i]:
+            self._alive[i] = self._awaiting[i] = False
             self.counters["worker_deaths"] += 1
         lost = self.ledger.on_worker(i)
         if lost:
@@ -213,25 +226,39 @@ class Router:
                 await asyncio.sleep(min(0.25 * (attempt + 1), 2.0))
                 continue
             try:
-                if self._weights_ref is not None:
-                    await self.workers[i].update_weights.remote(self._weights_ref, self._version)
+                self._on_health(i, h)
+                current = await self.refresh.bring_up_to_date(i)
                 if self._paused:
                     await self.workers[i].pause.remote()
+                if self._asleep:
+                    await self.workers[i].sleep.remote(self._asleep)
             except Exception as e:
                 self._log(f"worker {i} came back but could not be brought up to date: {error_text(e)}")
                 await asyncio.sleep(1.0)
                 continue
-            self._incarnation[i] = h["incarnation"]
-            self._alive[i] = True
-            waiting = self.ledger.on_worker(None) + self.ledger.on_worker(i)
-            if waiting:
-                await self._dispatch(waiting)
+            if current:
+                await self.back_in_service(i)
+            else:
+                self._awaiting[i] = True
+                self._log(f"worker {i} restarted; it serves again once the learner pushes weights")
             return
         self._gone[i] = True
         self._log(f"worker {i} is gone for good")
         if not any(self._alive):
             for t in list(self.ledger.tracked.values()):
                 self.ledger.fill_aborted(t)
+
+    async def back_in_service(self, i: int) -> None:
+        """Worker i runs the current weights: dispatch to it again, starting with requests that waited."""
+        self._awaiting[i] = False
+        self._alive[i] = True
+        waiting = self.ledger.on_worker(None) + self.ledger.on_worker(i)
+        if waiting:
+            await self._dispatch(waiting)
+
+    def _on_health(self, i: int, h: dict) -> None:
+        self._incarnation[i] = h["incarnation"]
+        self._places[i] = {"node_id": h.get("node_id"), "device": h.get("device", "cpu")}
 
     # -- control ----------------------------------------------------------------------------------
     async def abort(self, request_ids: list[str]) -> list[RolloutResult]:
@@ -263,24 +290,58 @@ class Router:
                 self.ledger.forget(t)
         return out
 
-    async def update_weights(self, refs: list, version: int) -> str | None:
-        """refs = [ObjectRef of PackedWeights] (wrapped so the router never copies the weights)."""
-        if not isinstance(version, int) or isinstance(version, bool) or version <= self._version:
-            return f"update_weights: version={version!r} must be an int > the current version {self._version}"
-        ref = refs[0]
-        live = [i for i, a in enumerate(self._alive) if a]
-        if not live:
-            return "update_weights: no rollout worker is alive"
-        for phase in ("validate", "apply"):
-            calls = [self.workers[i].validate_weights.remote(ref) if phase == "validate"
-                     else self.workers[i].update_weights.remote(ref, version) for i in live]
-            outcomes = await asyncio.gather(*calls, return_exceptions=True)
-            for i, out in zip(live, outcomes):
-                # a worker that died meanwhile gets these weights when it restarts
-                if isinstance(out, BaseException) and not isinstance(out, _ACTOR_DOWN):
-                    return f"worker {i} rejected the refresh ({phase}): {error_text(out)}"
-        self._weights_ref, self._version = ref, version
-        return None
+    # -- weights (actors/refresh.py) ----------------------------------------------------------------
+    async def update_weights(self, payload: dict, version: int, partial: bool = False) -> str | None:
+        """Object store or CUDA IPC refresh; returns an error message or None."""
+        return await self.refresh.update(payload, version, partial)
+
+    async def broadcast_begin(self, payload: dict, version: int, partial: bool = False, resend: bool = False,
+                              timeout_s: float = 300.0) -> str | None:
+        return await self.refresh.broadcast_begin(payload, version, partial, resend, timeout_s)
+
+    async def broadcast_finish(self) -> str | None:
+        return await self.refresh.broadcast_finish()
+
+    def weight_targets(self) -> list[dict]:
+        """Workers a refresh goes to, with where they run (the learner picks the transport from this)."""
+        return [{"index": i, **self._places[i]} for i in self.refresh.targets()]
+
+    async def form_weight_group(self, spec, members: list[int]) -> str | None:
+        return await self.refresh.form_group(spec, members)
+
+    async def weights_digests(self) -> list[str | None]:
+        """Per worker: the sha256 of its weights (None for a worker that is down)."""
+        out = []
+        for i, w in enumerate(self.workers):
+            try:
+                out.append(await w.weights_digest.remote() if self._alive[i] or self._awaiting[i] else None)
+            except _ACTOR_DOWN:
+                out.append(None)
+        return out
+
+    async def release_weight_buffers(self) -> None:
+        await self.refresh.release()
+
+    # -- sleep ------------------------------------------------------------------------------------
+    async def sleep(self, level: int = 1, fail_if_asleep: bool = False) -> str | None:
+        if level not in (1, 2):
+            return f"sleep: level={level!r} must be 1 (weights kept in host memory) or 2 (dropped)"
+        self._asleep, self._fail_if_asleep = max(self._asleep, level), bool(fail_if_asleep)
+        return await self._on_every_worker("sleep", level)
+
+    async def wake_up(self) -> str | None:
+        err = await self._on_every_worker("wake_up")
+        if err is None:
+            self._asleep, self._fail_if_asleep = 0, False
+        return err
+
+    async def _on_every_worker(self, method: str, *args) -> str | None:
+        targets = self.refresh.targets()
+        outcomes = await asyncio.gather(*[getattr(self.workers[i], method).remote(*args) for i in targets],
+                                        return_exceptions=True)
+        errors = [f"worker {i}: {error_text(o)}" for i, o in zip(targets, outcomes)
+                  if isinstance(o, BaseException) and not is_down(o)]
+        return f"{method} failed on " + "; ".join(errors) if errors else None
 
     async def pause(self) -> None:
         self._paused = True
@@ -291,30 +352,30 @@ class Router:
         await self._broadcast("resume")
 
     async def _broadcast(self, method: str) -> None:
-        for i, w in enumerate(self.workers):
-            if self._alive[i]:
-                try:
-                    await getattr(w, method).remote()
-                except _ACTOR_DOWN:
-                    pass
+        for i in self.refresh.targets():
+            try:
+                await getattr(self.workers[i], method).remote()
+            except _ACTOR_DOWN:
+                pass
 
     async def stats(self) -> list[dict]:
         out = []
         for i, w in enumerate(self.workers):
             s = {"worker": i, "alive": False, "queued": None, "running": None, "kv_pages_used": None,
                  "kv_pages_total": None, "tokens_per_s": None, "policy_version": None}
-            if self._alive[i]:
+            if self._alive[i] or self._awaiting[i]:
                 try:
-                    s = {**await w.stats.remote(), "alive": True}
+                    s = {**await w.stats.remote(), "alive": self._alive[i]}
                 except _ACTOR_DOWN:
                     pass
+            s["awaiting_weights"] = self._awaiting[i]
             out.append(s)
         return out
 
     def info(self) -> dict:
-        return {"name": self.config.name, "policy_version": self._version, "num_workers": len(self.workers),
-                "alive": list(self._alive), "in_flight": len(self.ledger.tracked),
-                "streams": len(self.ledger.streams), "paused": self._paused,
+        return {"name": self.config.name, "policy_version": self.refresh.version, "num_workers": len(self.workers),
+                "alive": list(self._alive), "awaiting_weights": list(self._awaiting), "in_flight": len(self.ledger.tracked),
+                "streams": len(self.ledger.streams), "paused": self._paused, "asleep": self._asleep,
                 "loads": self.ledger.loads(len(self.workers)), "duplicates_dropped": self.ledger.duplicates_dropped,
                 **self.counters}
 

@@ -1,16 +1,19 @@
 """RolloutClient: the one object a learner talks to, in-process (`local`) or over Ray (`launch`/`connect`).
 
 Both modes share this class; only the backend differs. A backend has: submit(requests) -> iterator of
-RolloutResults as they finish, update_weights, pause, resume, abort, stats, close.
+RolloutResults as they finish, update_weights, init_weight_group, release_weight_buffers, sleep, wake_up,
+pause, resume, abort, stats, close.
 """
 from __future__ import annotations
 
 import threading
+import time
 from collections import defaultdict
 from typing import Any, Iterable, Iterator, Sequence as Seq
 
 from rollout_service.config import EngineConfig
 from rollout_service.types import Prompt, RolloutRequest, RolloutResult, SamplingParams
+from rollout_service.weights.sender import TRANSPORTS
 
 
 class LocalBackend:
@@ -26,6 +29,8 @@ class LocalBackend:
     def submit(self, requests: list[RolloutRequest]) -> Iterator[RolloutResult]:
         if not self._unpaused.is_set():
             raise RuntimeError("the rollout client is paused: call resume() first")
+        if self.engine.is_sleeping:
+            raise RuntimeError(f"the engine is asleep (sleep level {self.engine.sleep_level}): call wake_up() first")
         ids = [r.request_id for r in requests]
         if len(set(ids)) != len(ids):
             raise ValueError("duplicate request_id in one call")
@@ -43,6 +48,8 @@ class LocalBackend:
             if not remaining:
                 break
             self._unpaused.wait()
+            while self.engine.is_sleeping:  # another thread put the engine to sleep: wait for wake_up
+                time.sleep(0.01)
             for res in self.engine.step():
                 if res.request_id in ids:
                     remaining -= 1
@@ -50,8 +57,30 @@ class LocalBackend:
                 else:
                     self._done[res.request_id].append(res)
 
-    def update_weights(self, named_tensors: Any, version: int) -> None:
-        self.engine.update_weights(named_tensors, version)
+    def update_weights(self, named_tensors: Any, version: int, transport: str = "auto", partial: bool = False,
+                       check_finite: bool = True) -> str:
+        """The engine is in this process: every transport is an in-place copy, except a broadcast, which
+        needs a weight group (there is none in-process)."""
+        if transport == "broadcast":
+            raise ValueError("update_weights: transport 'broadcast' needs a weight group; an in-process engine "
+                             "has none (use transport='auto')")
+        self.engine.update_weights(named_tensors, version, partial, check_finite)
+        return "in_process"
+
+    def init_weight_group(self, *args: Any, **kwargs: Any) -> None:
+        raise ValueError("init_weight_group: an in-process engine takes weights directly; no group is needed")
+
+    def release_weight_buffers(self) -> None:
+        pass  # an in-process refresh keeps no buffers
+
+    def weights_digests(self) -> list[str]:
+        return [self.engine.weights_digest()]
+
+    def sleep(self, level: int = 1, fail_if_asleep: bool = False) -> None:
+        self.engine.sleep(level)
+
+    def wake_up(self) -> None:
+        self.engine.wake_up()
 
     def pause(self) -> None:
         self._unpaused.clear()
@@ -132,11 +161,47 @@ class RolloutClient:
         results = list(self._backend.submit(reqs))
         return sorted(results, key=lambda r: (order[r.request_id], r.sample_index))
 
-    def update_weights(self, named_tensors: Any, version: int) -> None:
-        """Push a new policy: a dict or (name, tensor) pairs with the transformers model's parameter names."""
+    def update_weights(self, named_tensors: Any, version: int, transport: str = "auto", *, partial: bool = False,
+                       check_finite: bool = True) -> str:
+        """Push a new policy: a dict or (name, tensor) pairs with the transformers model's parameter names.
+
+        Every name, shape and dtype is checked on every worker before any worker swaps; the swap lands
+        between two engine steps. `transport`: "auto" (CUDA IPC when the tensors are on a GPU of the workers'
+        node, else a broadcast when init_weight_group() was called, else the object store), "object_store",
+        "cuda_ipc" or "broadcast". `partial=True` allows a subset of the weights; `check_finite=False` lets
+        NaN/inf through. Returns the transport used."""
+        if transport not in TRANSPORTS:
+            raise ValueError(f"update_weights: transport={transport!r}; choose one of {TRANSPORTS}")
         if not isinstance(named_tensors, dict):
             named_tensors = list(named_tensors)
-        self._backend.update_weights(named_tensors, version)
+        return self._backend.update_weights(named_tensors, version, transport, partial, check_finite)
+
+    def init_weight_group(self, master_address: str | None = None, backend: str = "auto",
+                          timeout_s: float = 300.0) -> None:
+        """Form the broadcast group: this process (rank 0) and every worker. `master_address`: this host's
+        address as the workers reach it (default: the IP Ray knows this node by). `backend`: "nccl" (GPUs),
+        "gloo" (CPUs, or GPUs through host memory) or "auto"."""
+        self._backend.init_weight_group(master_address, backend, timeout_s)
+
+    def release_weight_buffers(self) -> None:
+        """Free the buffers refreshes keep between steps (IPC and broadcast buckets, pinned host buckets,
+        the workers' staging and mappings). A worker restarted afterwards waits for the next refresh."""
+        self._backend.release_weight_buffers()
+
+    def weights_digests(self) -> list[str | None]:
+        """Per worker, the sha256 of the weights it runs (None: worker down). Equal digests = bitwise equal
+        weights: compare with `RolloutClient.local(model).weights_digests()` on the learner's weights."""
+        return self._backend.weights_digests()
+
+    def sleep(self, level: int = 1, fail_if_asleep: bool = False) -> None:
+        """Free the workers' device memory while a colocated learner trains. Level 1 keeps the weights in
+        host memory; level 2 drops them (update_weights must come before wake_up). Sequences in flight are
+        preempted and finish after wake; requests submitted meanwhile wait, or are refused with
+        `fail_if_asleep=True`."""
+        self._backend.sleep(level, fail_if_asleep)
+
+    def wake_up(self) -> None:
+        self._backend.wake_up()
 
     def pause(self) -> None:
         self._backend.pause()

@@ -13,7 +13,7 @@ import ray
 
 from rollout_service.config import ServiceConfig
 from rollout_service.types import RolloutResult
-from rollout_service.weights import publish
+from rollout_service.weights.push import WeightPusher
 
 
 def ensure_ray(address: str | None = None, namespace: str | None = None) -> None:
@@ -39,13 +39,15 @@ def resolve_auto(config: ServiceConfig) -> ServiceConfig:
 
 
 class RayBackend:
-    """The client backend interface: submit, update_weights, pause, resume, abort, stats, close."""
+    """The client backend interface: submit, update_weights, pause, resume, abort, stats, close (plus weight
+    groups and sleep/wake)."""
 
     def __init__(self, router: Any, name: str, owner: bool, namespace: str = "rollout_service"):
         self.router = router
         self.name = name
         self.namespace = namespace
         self._owner = owner  # a launched service is shut down by close(); a connected one is left running
+        self.weights = WeightPusher(router)  # this process is the learner side of every refresh
 
     @classmethod
     def launch(cls, config: str | dict | ServiceConfig | None = None, **overrides: Any) -> "RayBackend":
@@ -99,7 +101,9 @@ class RayBackend:
         done = False
         try:
             while not done:
-                results, done = ray.get(self.router.next_results.remote(sid, 1.0))
+                results, done, starved = ray.get(self.router.next_results.remote(sid, 1.0))
+                if starved:  # no worker can serve until this learner re-sends its last broadcast
+                    self.weights.heal()
                 yield from results
         finally:
             if not done:  # the consumer stopped early: free the workers
@@ -108,10 +112,28 @@ class RayBackend:
                 except ray.exceptions.RayActorError:
                     pass
 
-    def update_weights(self, named_tensors, version: int) -> None:
-        """One ray.put of the packed state dict; validated on every worker before any swaps."""
-        ref = publish(named_tensors)
-        err = ray.get(self.router.update_weights.remote([ref], version))
+    def update_weights(self, named_tensors, version: int, transport: str = "auto", partial: bool = False,
+                       check_finite: bool = True) -> str:
+        """Validated on every worker before any swaps (rollout_service/weights/push.py)."""
+        return self.weights.update_weights(named_tensors, version, transport, partial, check_finite)
+
+    def init_weight_group(self, master_address: str | None = None, backend: str = "auto",
+                          timeout_s: float = 300.0) -> None:
+        self.weights.init_group(master_address, backend, timeout_s)
+
+    def release_weight_buffers(self) -> None:
+        self.weights.release()
+
+    def weights_digests(self) -> list[str | None]:
+        return ray.get(self.router.weights_digests.remote())
+
+    def sleep(self, level: int = 1, fail_if_asleep: bool = False) -> None:
+        err = ray.get(self.router.sleep.remote(level, fail_if_asleep))
+        if err is not None:
+            raise ValueError(err)
+
+    def wake_up(self) -> None:
+        err = ray.get(self.router.wake_up.remote())
         if err is not None:
             raise ValueError(err)
 
@@ -134,6 +156,7 @@ class RayBackend:
     def close(self) -> None:
         if self.router is None:
             return
+        self.weights.close()
         if self._owner:
             try:
                 ray.get(self.router.shutdown.remote())

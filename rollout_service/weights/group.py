@@ -1,0 +1,97 @@
+"""Broadcast transport: one torch.distributed group of the learner (rank 0) and the workers (ranks 1..N).
+
+The group is built straight from a TCP store and a backend object, outside torch's default process group,
+so a learner that already trains with its own (FSDP, DDP) is not disturbed and a group can be dropped and
+formed again after a fault. The same code runs NCCL between GPUs and gloo on CPUs. The store's server
+lives in the learner process; its address is the learner node's IP as Ray reports it.
+
+A member that fails (a send or receive error, a peer that died) drops its group at once: closing it is
+what makes the other members' pending receives fail instead of waiting out the timeout. A broken group
+is formed again, with the members alive then, before the next broadcast.
+"""
+from __future__ import annotations
+
+import datetime
+import socket
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+BACKENDS = ("nccl", "gloo")
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """What every member needs to join: picklable, sent to the workers through the router."""
+
+    group_id: str
+    host: str
+    port: int
+    world_size: int
+    backend: str
+    timeout_s: float
+
+
+def free_port(host: str = "") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class WeightGroup:
+    """This process's membership of a weight group. Rank 0 (the learner) hosts the store and sends."""
+
+    def __init__(self, spec: GroupSpec, rank: int, device: torch.device | None = None):
+        import torch.distributed as dist
+
+        if spec.backend not in BACKENDS:
+            raise ValueError(f"weight group backend {spec.backend!r}: choose one of {BACKENDS}")
+        if spec.backend == "nccl" and not (torch.cuda.is_available() and dist.is_nccl_available()):
+            raise ValueError("weight group backend 'nccl' needs CUDA and a torch built with NCCL; use 'gloo'")
+        self.spec, self.rank = spec, rank
+        self.device = torch.device("cuda", torch.cuda.current_device()) if spec.backend == "nccl" else torch.device("cpu")
+        if device is not None and spec.backend == "nccl":
+            self.device = device
+        timeout = datetime.timedelta(seconds=spec.timeout_s)
+        self._store = dist.TCPStore(spec.host, spec.port, spec.world_size, is_master=rank == 0,
+                                    wait_for_workers=False, timeout=timeout)
+        prefixed = dist.PrefixStore(f"weights/{spec.group_id}/", self._store)
+        if spec.backend == "gloo":
+            self._pg = dist.ProcessGroupGloo(prefixed, rank, spec.world_size, timeout)
+        else:
+            torch.cuda.set_device(self.device)
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timeout
+            self._pg = dist.ProcessGroupNCCL(prefixed, rank, spec.world_size, opts)
+        self.broken = False
+
+    def broadcast(self, buffers: Sequence[torch.Tensor]) -> None:
+        """Rank 0 sends each buffer in turn; every other rank receives into its own. Any error drops the
+        group (so the peers stop waiting) and is raised."""
+        import torch.distributed as dist
+
+        if self.broken:
+            raise RuntimeError("the weight group is broken; it must be formed again")
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        try:
+            for buf in buffers:
+                self._pg.broadcast([buf], opts).wait()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        except Exception:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Leave the group: a peer still waiting on this member fails at once."""
+        self.broken = True
+        pg, self._pg = getattr(self, "_pg", None), None
+        if pg is not None and self.spec.backend == "nccl":
+            try:
+                pg.abort()
+            except Exception:  # already torn down
+                pass
+        del pg
+        self._store = None
