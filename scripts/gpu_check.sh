@@ -1,16 +1,21 @@
 #!/usr/bin/env bash
 # One command on a GPU host (no network; torch + transformers preinstalled; run from the source tree):
 # builds the kernels if the tree has them, runs tests/gpu, runs the benchmark harness on qwen2.5-0.5b and
-# llama3-8b, and writes benchmarks/results/<date>-<gpu>.json + .md (copied to $OUT too when set).
+# llama3-8b, and writes benchmarks/results/<date>-<gpu>[-TAG].json + .md (copied to $OUT too when set).
+# Ray: used when importable; else installed from an offline bundle in .raybundle/ (scripts/device_ray_env.sh).
 # Everything is bounded so the whole check ends in under 9 minutes; a failing step is reported, not fatal,
 # and the exit status is 0 only when the GPU tests and the benchmark both passed.
 #   usage: scripts/gpu_check.sh
 #   env: PYTHON (default python3), OUT, GPU_CHECK_BUDGET_S (default 530),
 #        GPU_CHECK_MODELS (default qwen2.5-0.5b,llama3-8b), GPU_CHECK_ARGS (extra harness arguments),
-#        GPU_CHECK_RESULTS (default benchmarks/results)
+#        GPU_CHECK_RESULTS (default benchmarks/results), GPU_CHECK_TAG (suffix of the result files)
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+if ! "${PYTHON:-python3}" -c "import ray" 2>/dev/null && [ -d .raybundle ]; then
+  source scripts/device_ray_env.sh
+fi
+TAG=${GPU_CHECK_TAG:+-$GPU_CHECK_TAG}
 export TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 PY=${PYTHON:-python3}
 BUDGET=${GPU_CHECK_BUDGET_S:-530}
@@ -40,7 +45,15 @@ else
 fi
 
 if [ -d tests/gpu ]; then
-  step gpu_tests 150 "$PY" -m pytest -q -rf tests/gpu  # no -x: one failure must not hide the rest
+  step gpu_tests 180 "$PY" -m pytest -q -rf tests/gpu  # no -x: one failure must not hide the rest
+fi
+
+# W3 (weight refresh by every transport through a one-worker service, and the sleep/wake cycle) on its own:
+# it starts a local Ray instance, which the main run should not carry.
+W3_S=$(( $(left) > 300 ? 200 : 0 ))
+if [ "$W3_S" -gt 0 ]; then
+  step bench_w3 "$W3_S" "$PY" scripts/bench.py --model "$MODELS" --workloads W3 --budget-s $(( W3_S - 20 )) \
+    --out "$RESULTS" --tag "w3${TAG}"
 fi
 
 # W4 (kernel micro-benchmarks; independent of the model) runs first, on its own: inside the main run it came
@@ -52,13 +65,13 @@ fi
 W4_S=$(( $(left) > 300 ? 130 : 0 ))
 if [ "$W4_S" -gt 0 ]; then
   step bench_w4 "$W4_S" "$PY" scripts/bench.py --model qwen2.5-0.5b --workloads W4 --budget-s $(( W4_S - 20 )) \
-    --out "$RESULTS" --tag w4
+    --out "$RESULTS" --tag "w4${TAG}"
 fi
 BENCH_S=$(( $(left) - 20 ))
 if [ "$BENCH_S" -gt 90 ]; then
   # shellcheck disable=SC2086  # GPU_CHECK_ARGS is meant to split into words
   step bench "$BENCH_S" "$PY" scripts/bench.py --model "$MODELS" \
-    --workloads W1,W2,W5,W3,W2n --budget-s $(( BENCH_S - 50 )) --out "$RESULTS" \
+    --workloads W1,W2,W5,W2n --budget-s $(( BENCH_S - 50 )) --out "$RESULTS" ${TAG:+--tag "${TAG#-}"} \
     --skip llama3-8b:hf_static --skip llama3-8b:W2n --skip W2n:hf_generate_batch \
     --skip llama3-8b:W1:hf_generate_batch ${GPU_CHECK_ARGS:-}
 else
@@ -74,5 +87,5 @@ echo "== summary after $(( $(date +%s) - START ))s:" | tee -a "$LOG"
 for k in "${!STATUS[@]}"; do echo "   $k: ${STATUS[$k]}"; done | tee -a "$LOG"
 echo "   results: ${NEW:-none}" | tee -a "$LOG"
 for f in $NEW; do case $f in *.md) cat "$f";; esac; done
-# green: the GPU tests (where the tree has them) and the benchmark both passed
-[ "${STATUS[gpu_tests]:-0}" = 0 ] && [ "${STATUS[bench]:-1}" = 0 ]
+# green: the GPU tests (where the tree has them) and the benchmarks all passed
+[ "${STATUS[gpu_tests]:-0}" = 0 ] && [ "${STATUS[bench]:-1}" = 0 ] && [ "${STATUS[bench_w3]:-0}" = 0 ]

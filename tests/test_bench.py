@@ -32,9 +32,9 @@ def _expected_ratio(row, peer):
 def quick_run(tmp_path_factory):
     torch.manual_seed(0)
     out = str(tmp_path_factory.mktemp("bench"))
-    # The object-store transport starts a Ray instance: left to tests/test_ray*.
+    # The W3 rows through the service start a Ray instance: tests/test_ray_weights.py runs them.
     rc = main(["--quick", "--model", "tiny-llama", "--workloads", "W1,W2,W2n,W3,W4,W5", "--out", out,
-               "--skip", "object_store"])
+               "--skip", "service"])
     assert rc == 0
     return _load(out)
 
@@ -80,7 +80,8 @@ def test_quick_refresh_and_kernel_rows(quick_run):
     w3 = rows["W3 local"]
     assert w3["engine"]["value"] > 0 and w3["details"]["tokens_changed_by_refresh"] is True
     assert w3["details"]["agreement_with_hf_on_new_weights"] >= 0.9
-    assert rows["W3 object store"]["engine"]["note"] == "skipped by --skip"
+    for transport in ("object_store", "cuda_ipc", "broadcast (gloo)", "sleep/wake"):
+        assert rows[f"W3 {transport}"]["engine"]["note"] == "skipped by --skip"
     w4 = [r for r in doc["rows"] if r["workload"].startswith("W4 decode[torch]")]
     assert len(w4) == 2 * 2  # two head shapes x batches (1, 4) x context 64
     for r in w4:

@@ -1,7 +1,7 @@
 """W3: push a full, changed state dict from a "learner" into the engine, then check generation uses it.
 
-The in-process client path is measured here; the Ray transports (object store, CUDA IPC, NCCL) get
-rows that say whether they could be run in this harness.
+The in-process client path is measured here; every transport through the Ray service, and the sleep/wake
+cycle, in refresh_service.py.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from .context import BenchContext
 from .engine_side import engine_generate, open_engine
 from .models import random_prompts
 from .peers import hf_generate
+from .refresh_service import w3_service_rows
 from .report import Cell, Row
 from .workloads import prefix_agreement
 
-TRANSPORTS = ("object store", "CUDA IPC", "NCCL")
 
 
 def timed(fn, device: torch.device) -> float:
@@ -58,6 +58,9 @@ def w3_refresh(ctx: BenchContext) -> list[Row]:
             # The update may land at the next step boundary: count that step, less a plain one.
             first = engine_generate(client, bm, prompts, 1).seconds
             found["after"] = engine_generate(client, bm, prompts, s.w3_check_new).token_ids
+            # the service rows check their tokens against this engine's on the same weights
+            client.update_weights(b_weights(new_sd), 2)
+            found["after_b"] = engine_generate(client, bm, prompts, s.w3_check_new).token_ids
         seconds = call + max(first - base, 0.0)
         row.details.update(update_call_s=float(f"{call:.3g}"), GBps=float(f"{nbytes / seconds / 1e9:.3g}"))
         return Cell(seconds)
@@ -76,60 +79,14 @@ def w3_refresh(ctx: BenchContext) -> list[Row]:
     if "after" in found and "hf_after" in found:
         agree = prefix_agreement(found["after"], found["hf_after"])
         row.details["agreement_with_hf_on_new_weights"] = round(agree, 3)
-    return [row, object_store_row(ctx, new_sd, nbytes, prompts, found.get("hf_after"))] + [
-        _unwired(ctx, t, nbytes) for t in TRANSPORTS[1:]]
+    if "after_b" not in found:
+        return [row]
+    return [row] + w3_service_rows(ctx, new_sd, nbytes, prompts, found)
 
 
-def _unwired(ctx: BenchContext, transport: str, nbytes: int) -> Row:
-    t = Row(ctx.bm.name, f"W3 {transport}", "refresh s through the transport", "s", False)
-    why = f"{transport} transport is not benchmarked by this harness yet"
-    if ctx.device.type != "cuda":
-        why = f"{transport} needs a GPU"
-    t.engine = t.hf_generate = t.hf_generate_batch = Cell.na(why)
-    t.floor = Cell(2 * nbytes / ctx.ceilings.bandwidth_Bps)
-    return t
-
-
-def object_store_row(ctx: BenchContext, new_sd: dict, nbytes: int, prompts: list[list[int]],
-                     hf_after: list[list[int]] | None) -> Row:
-    """The learner side packs and ray.put()s once; the worker side ray.get()s, unpacks and updates.
-    Both sides run in this process (a local Ray instance), so the hop between processes on one node
-    (shared memory) is in, the network between nodes is not."""
-    bm = ctx.bm
-    row = Row(bm.name, "W3 object store", "refresh s: pack + ray.put + ray.get + update, same node", "s", False)
-    row.hf_generate = row.hf_generate_batch = Cell.na("no HF generation peer for a refresh")
-    row.floor = Cell(2 * nbytes / ctx.ceilings.bandwidth_Bps)
-
-    def engine() -> Cell:
-        try:
-            import ray
-        except ImportError:
-            return Cell.na("Ray is not installed here")
-        from rollout_service.weights import fetch, publish
-
-        started = not ray.is_initialized()
-        if started:
-            # address="local": always a private instance, never a cluster some other process runs here.
-            ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
-        try:
-            with open_engine(bm, ctx.backend, len(prompts), 16 + ctx.shapes.w3_check_new, ctx.engine_extra) as client:
-                engine_generate(client, bm, prompts, 1)
-                sync(bm.device)
-                t0 = time.perf_counter()
-                ref = publish(new_sd)
-                client.update_weights(fetch(ray.get(ref)), 2)
-                engine_generate(client, bm, prompts, 1)
-                seconds = time.perf_counter() - t0
-                after = engine_generate(client, bm, prompts, ctx.shapes.w3_check_new).token_ids
-                del ref
-        finally:
-            if started:
-                ray.shutdown()
-        row.details["GBps"] = float(f"{nbytes / seconds / 1e9:.3g}")
-        if hf_after is not None:
-            row.details["agreement_with_hf_on_new_weights"] = round(prefix_agreement(after, hf_after), 3)
-        return Cell(seconds)
-
-    row.engine = ctx.measure(row, "object_store", engine)
-    return row
-
+def b_weights(a: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A second full state dict that differs from `a` in its tokens: the final norm scaled."""
+    b = dict(a)
+    norm = next(k for k in a if k.endswith("model.norm.weight"))
+    b[norm] = a[norm] * 1.5
+    return b
