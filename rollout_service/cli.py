@@ -58,10 +58,12 @@ def cmd_stats(args: argparse.Namespace) -> int:
     t = Table(title=f"service {args.name!r}: policy version {info['policy_version']}, "
                     f"{info['in_flight']} request(s) in flight")
     cols = ("worker", "alive", "queued", "running", "kv_pages_used", "kv_pages_total", "tokens_per_s",
-            "policy_version")
+            "policy_version", "sleep_level", "device_MiB")
     for c in cols:
         t.add_column(c, justify="right")
     for s in stats:
+        mem = s.get("device_memory_bytes")
+        s = {**s, "device_MiB": None if mem is None else mem / 2**20}
         t.add_row(*(f"{v:.1f}" if isinstance(v, float) else str(v) for v in (s.get(c) for c in cols)))
     console.print(t)
     return 0
