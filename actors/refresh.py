@@ -128,9 +128,6 @@ class RefreshCoordinator:
             self._done()
 
     # -- the weight group -------------------------------------------------------------------------
-    def group_members(self) -> list[int]:
-        return self.targets()
-
     def _group_current(self, targets: list[int]) -> bool:
         inc = self.router._incarnation
         return self.group is not None and sorted(self.group["members"]) == targets and \

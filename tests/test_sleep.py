@@ -47,7 +47,7 @@ def test_sleep_mid_generation_frees_memory_and_loses_nothing(llama, level):
         e.wake_up()
 
     got = run(eng, nap)
-    kv = eng.sleeper.kv_bytes()
+    kv = eng.kv.capacity_bytes()
     weights = eng.sleeper.parking.nbytes
     freed = seen["awake"] - seen["asleep"]["device_memory_bytes"]
     assert freed == (kv + weights if level == 2 else kv)

@@ -343,9 +343,6 @@ class Engine:
         )
 
     # ---- weights ------------------------------------------------------------------------------------
-    def validate_weights(self, named_tensors: Any, partial: bool = False) -> None:
-        validate_named_tensors(self.model, named_items(named_tensors), partial)
-
     def validate_manifest(self, manifest: Any, partial: bool = False) -> None:
         """A refresh's names, shapes and dtypes (no data), checked before its bytes move."""
         validate_manifest(self.model, manifest.entries, partial)

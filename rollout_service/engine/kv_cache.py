@@ -79,7 +79,12 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
+        """Bytes held now (0 while released)."""
         return sum(layer.untyped_storage().nbytes() for layer in self.layers)
+
+    def capacity_bytes(self) -> int:
+        """Bytes of every page: what the cache holds when allocated."""
+        return sum(layer.numel() * layer.element_size() for layer in self.layers)
 
     def release(self) -> None:
         """Free the cache's memory (sleep); the page pool must hold no sequence's pages."""
@@ -89,7 +94,7 @@ class KVCache:
 
     def reallocate(self) -> None:
         """Memory for every page again (wake); contents undefined, as at start-up."""
-        for layer in self.layers:
+        for layer in self.layers:  # layer by layer: a wake that ran out of memory part-way is retried
             want = layer.numel() * layer.element_size()
             if layer.untyped_storage().nbytes() != want:
                 layer.untyped_storage().resize_(want)

@@ -112,7 +112,7 @@ class Sleeper:
             self.kv.release()
             self._empty_cache()
             free = torch.cuda.mem_get_info(self.device)[0] / 2**30
-            raise RuntimeError(f"wake_up: no room for the KV cache ({self.kv_bytes() / 2**30:.1f} GiB wanted, "
+            raise RuntimeError(f"wake_up: no room for the KV cache ({self.kv.capacity_bytes() / 2**30:.1f} GiB wanted, "
                                f"{free:.1f} GiB free); free the learner's memory first") from None
         self.runner.capture_graphs()
         self.level = 0
@@ -127,9 +127,6 @@ class Sleeper:
             raise ValueError("update_weights: partial=True while asleep at level 2 would leave the other "
                              "weights undefined; send every weight")
         self.parking.restore() if partial else self.parking.reallocate()
-
-    def kv_bytes(self) -> int:
-        return sum(layer.numel() * layer.element_size() for layer in self.kv.layers)
 
     def device_memory(self) -> int:
         """Device memory the engine holds: the allocator's reserve on a GPU, weight + KV storages on a CPU."""

@@ -166,10 +166,6 @@ class Buckets:
     def views(self) -> list[tuple[str, torch.Tensor]]:
         return list(views(self.manifest, self.buffers))
 
-    @property
-    def nbytes(self) -> int:
-        return self.manifest.nbytes
-
 
 def reuse_or_allocate(current: Buckets | None, manifest: Manifest, device: torch.device | str,
                       pin_memory: bool = False) -> Buckets:

@@ -18,7 +18,7 @@ from typing import Any, Sequence
 
 import torch
 
-from rollout_service.weights.buckets import Buckets, Manifest, reuse_or_allocate, views
+from rollout_service.weights.buckets import Buckets, Manifest, views
 
 _DEVICE_ARG = 6  # index of the device in torch's rebuild_cuda_tensor arguments
 
@@ -47,7 +47,7 @@ class IpcSender:
         device = next(iter(devices))
         if self.buckets is None or not self.buckets.fits(manifest, device):
             self.release()
-            self.buckets = reuse_or_allocate(None, manifest, device)
+            self.buckets = Buckets(manifest, device)
             self.buffers_id = uuid.uuid4().hex
             self._handles = [reduce_tensor(b) for b in self.buckets.buffers]
         self.buckets.fill(items)

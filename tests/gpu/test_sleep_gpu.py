@@ -63,7 +63,7 @@ def test_sleep_mid_generation_frees_memory_and_wake_gives_the_same_tokens(model,
 
     got = run(eng, prompts, steps_then=nap)
     weights = eng.sleeper.parking.nbytes
-    kv = eng.sleeper.kv_bytes()
+    kv = eng.kv.capacity_bytes()
     assert figures["awake"] - figures["asleep"] >= 0.9 * (weights + kv), figures
     assert eng.stats()["recomputes"] > 0  # in-flight sequences were preempted by the sleep
     assert [g[:3] for g in got] == [w[:3] for w in want]  # seeded: the same tokens after recompute
