@@ -85,6 +85,30 @@ def load_model(
     return LoadedModel(model, config, tokenizer if tokenizer is not None else found_tokenizer)
 
 
+def check_source(source: Any) -> None:
+    """Cheap check that `source` names a model this process can find (no weights read): the embedded
+    model's package is installed, or the path is a .gguf file or a folder with a config.json. A launcher
+    calls it before starting anything, so a typo costs a second, not a cluster start-up."""
+    if isinstance(source, nn.Module):
+        return
+    if not isinstance(source, (str, os.PathLike)):
+        raise ValueError(f"unsupported model source of type {type(source).__name__}")
+    name = os.fspath(source)
+    if name.lower() in EMBEDDED_MODELS:
+        embedded_model_path()
+        return
+    path = Path(name).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"model folder {str(path)!r} has no config.json")
+        return
+    raise ValueError(
+        f"unknown model source {name!r}: not one of {EMBEDDED_MODELS}, a HF folder or a .gguf file"
+    )
+
+
 def _read_source(source: Any) -> tuple[Any, dict[str, torch.Tensor], Any | None]:
     if isinstance(source, nn.Module):
         if not hasattr(source, "config"):
