@@ -304,7 +304,7 @@ def test_top_p_prefilter_matches_brute_force():
 
 @pytest.mark.parametrize("vocab,keep", [(40_000, None), (3000, 40)])
 def test_noise_paths_match_full_vocab_argmax(vocab, keep):
-    from rollout_service.engine.random import gumbel, row_key, vocab_ids
+    from rollout_service.ops.random import gumbel, row_key, vocab_ids
     from rollout_service.engine.sampler import _draw
 
     x = torch.randn(5, vocab) * 2

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rollout_service.engine.random import (GOLDEN, MASK64, gumbel, random_bits, row_key, splitmix64_int,
+from rollout_service.ops.random import (GOLDEN, MASK64, gumbel, random_bits, row_key, splitmix64_int,
                                            uniforms, vocab_ids)
 
 COUNTERS = [(0, 0, 0), (1, 0, 0), (0, 1, 0), (0, 0, 1), (2**63 - 1, 4095, 100_000), (123456789, 7, 31)]

@@ -1,6 +1,6 @@
 """Hardware ceilings measured in the same run: memory copy bandwidth and matmul rate.
 
-GPU: 2 GiB device-to-device copy and an 8192^3 bf16 matmul (BENCHMARKS.md). CPU: a large tensor copy and
+GPU: 2 GiB device-to-device copy and an 8192^3 bf16 matmul (benchmarks/README.md). CPU: a large tensor copy and
 an fp32 matmul. The floor of every workload is computed from these two numbers.
 """
 

@@ -22,7 +22,7 @@ from .report import Cell, Row
 
 @dataclass(frozen=True)
 class Shapes:
-    """Workload sizes (BENCHMARKS.md); --quick and --shape override them."""
+    """Workload sizes (benchmarks/README.md); --quick and --shape override them."""
     w1_prompt: int = 128
     w1_new: int = 256
     w2_seqs: int = 256

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig, Qwen2Config
 
-# Real shapes from BENCHMARKS.md; weights are random (seeded), so no hub access is ever needed.
+# Real shapes (benchmarks/README.md); weights are random (seeded), so no hub access is ever needed.
 _RANDOM_CONFIGS = {
     "qwen2.5-0.5b": lambda: Qwen2Config(
         hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
@@ -94,7 +94,7 @@ def embedded_gguf() -> tuple[str, str]:
 
 
 def default_dtype(name: str, device: torch.device) -> torch.dtype:
-    # BENCHMARKS.md: random models in bf16; the CPU reference run of SmolLM2 is fp32.
+    # benchmarks/README.md: random models in bf16; the CPU reference run of SmolLM2 is fp32.
     if name == EMBEDDED and device.type == "cpu":
         return torch.float32
     if name == "tiny-llama":

@@ -1,5 +1,5 @@
 """W3 through the service: a learner (this process) refreshes one Ray rollout worker by each transport,
-then puts it to sleep and wakes it (BENCHMARKS.md, "W3 per transport").
+then puts it to sleep and wakes it (benchmarks/README.md, W3).
 
 The worker starts with random weights (load_format="dummy") on the model's config. For every transport
 the learner pushes full state dicts B, A, B (A = the refreshed weights of "W3 local", B = A with one norm

@@ -36,7 +36,7 @@ from numbers import Integral
 import torch
 
 from rollout_service.engine.logits_processors import apply_penalties, truncation_mask
-from rollout_service.engine.random import gumbel, row_key
+from rollout_service.ops.random import gumbel, row_key
 from rollout_service.engine.sequence import Sequence
 from rollout_service.engine.transfers import to_device
 from rollout_service.ops.backend import Ops

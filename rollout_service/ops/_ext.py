@@ -55,7 +55,7 @@ def cache_root() -> Path:
 
 def build_kernels(verbose: bool = False, csrc: Path = CSRC) -> ModuleType:
     """Compile (or reuse the cached build of) the kernels for the current GPU and import the module.
-    csrc: the source folder (another one only to time a modified copy, scripts/decode_sweep.py --csrc)."""
+    csrc: the source folder (another one only to time a modified copy, scripts/lab/decode_sweep.py --csrc)."""
     if not torch.cuda.is_available():
         raise RuntimeError("building the CUDA kernels needs a CUDA device and a CUDA build of torch")
     from torch.utils.cpp_extension import load
@@ -91,15 +91,3 @@ def load_kernels() -> ModuleType:
     if isinstance(result, BaseException):
         raise RuntimeError(f"rollout_service CUDA kernels failed to build/load: {result}") from result
     return result
-
-
-def kernels_available() -> bool:
-    """True when CUDA is usable and the kernels build/load; never raises."""
-    try:
-        if not torch.cuda.is_available():
-            return False
-        load_kernels()
-        return True
-    except Exception as exc:  # a broken toolchain must degrade to the torch backend, not crash
-        logger.warning("rollout_service CUDA kernels unavailable: %s", exc)
-        return False

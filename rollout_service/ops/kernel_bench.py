@@ -1,4 +1,4 @@
-"""Kernel micro-benchmarks (BENCHMARKS.md W4): paged decode attention and ragged prefill attention
+"""Kernel micro-benchmarks (benchmarks/README.md, W4): paged decode attention and ragged prefill attention
 against torch SDPA on contiguous (unpaged) KV, with the measured HBM copy bandwidth as the ceiling.
 
 Each timed region is a CUDA graph of `iters` launches that cycle through enough independent input copies

@@ -1,14 +1,14 @@
 """Gumbel-max sampling over a whole vocabulary: the torch reference of the sampling kernel.
 
 token[b] = argmax over vocab ids v of x[b, v] + gumbel(keys[b], v), an exact draw from softmax(x[b])
-(rollout_service/engine/random.py makes the noise). torch.argmax's order decides: NaN counts as the
+(rollout_service/ops/random.py makes the noise). torch.argmax's order decides: NaN counts as the
 largest value, ties go to the smallest id.
 """
 from __future__ import annotations
 
 import torch
 
-from rollout_service.engine.random import gumbel, vocab_ids
+from rollout_service.ops.random import gumbel, vocab_ids
 
 _CPU_BLOCK = 1 << 16  # elements per block of the CPU noise loop (~0.5 MiB of int64)
 

@@ -3,7 +3,7 @@ import pytest
 import torch
 from kv_utils import requires_cuda
 
-from rollout_service.engine.random import gumbel, row_key, vocab_ids
+from rollout_service.ops.random import gumbel, row_key, vocab_ids
 from rollout_service.engine.sampler import Sampler
 from rollout_service.engine.sequence import Sequence
 from rollout_service.ops.torch_ops import TorchOps

@@ -5,7 +5,7 @@ runner (inputs + launch), the sampler launches, the wait for the sampled ids, an
 Evidence for the W1/W2 figures: if host phases add up to more than the GPU forward, the step is host bound.
 With overlapped decode (the default) the wait is not timed apart (timing it would undo the overlap): the
 step time against the GPU forward then shows how much host work is left in the way.
-    usage: python scripts/profile_step.py --model qwen2.5-0.5b --batch 1 [--steps 200] [--no-overlap] [--json out.json]
+    usage: python scripts/lab/profile_step.py --model qwen2.5-0.5b --batch 1 [--steps 200] [--no-overlap] [--json out.json]
 """
 from __future__ import annotations
 

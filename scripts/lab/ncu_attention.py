@@ -1,12 +1,12 @@
 """One attention kernel case, for Nsight Compute and for page-layout experiments (csrc/NOTES.md).
 
-  python scripts/ncu_attention.py decode B CTX HQ HK D [--launches N]   # N launches of our decode kernel
-  python scripts/ncu_attention.py prefill L HQ HK D [--batch B]          # one causal prefill of B x L
-  python scripts/ncu_attention.py layout                                 # shuffled vs in-order pages, W4 cases
+  python scripts/lab/ncu_attention.py decode B CTX HQ HK D [--launches N]   # N launches of our decode kernel
+  python scripts/lab/ncu_attention.py prefill L HQ HK D [--batch B]          # one causal prefill of B x L
+  python scripts/lab/ncu_attention.py layout                                 # shuffled vs in-order pages, W4 cases
 
 Under ncu, profile one launch after warm-up, e.g.
   ncu --clock-control none -k regex:decode_kernel --launch-skip 2 --launch-count 1 --section ... \
-      python scripts/ncu_attention.py decode 128 1024 14 2 64
+      python scripts/lab/ncu_attention.py decode 128 1024 14 2 64
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 Times, on one engine: the W2 call itself (cold, as the harness runs it after a 2-prompt warm-up), the same
 prompts with max_tokens=1 (the prefill of every prompt plus one sample) twice, and the full call again; the
 decode phase is the full call minus the prefill-only call.
-    usage: python scripts/profile_generate.py --model llama3-8b [--seqs 256 --prompt-len 128 --new 256]
+    usage: python scripts/lab/profile_generate.py --model llama3-8b [--seqs 256 --prompt-len 128 --new 256]
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Decode attention split-count sweep over the W4 cases, for tuning decode_num_splits (csrc/NOTES.md).
 
-  python scripts/decode_sweep.py [--csrc DIR] [--splits 1,2] [--batches 256 --contexts 256]
+  python scripts/lab/decode_sweep.py [--csrc DIR] [--splits 1,2] [--batches 256 --contexts 256]
   (DIR: a modified copy of csrc/ to build and time instead)
 """
 from __future__ import annotations
