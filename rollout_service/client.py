@@ -9,10 +9,12 @@ from __future__ import annotations
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Mapping
 from typing import Any, Iterable, Iterator, Sequence as Seq
 
 from rollout_service.config import EngineConfig
-from rollout_service.types import Prompt, RolloutRequest, RolloutResult, SamplingParams
+from rollout_service.types import Prompt, RolloutRequest, RolloutResult, SamplingParams, check_request_ids
+from rollout_service.weights.buckets import named_items
 from rollout_service.weights.sender import TRANSPORTS
 
 
@@ -37,7 +39,7 @@ class LocalBackend:
         seqs = [self.engine.prepare(r) for r in requests]  # every request validated before any is queued
         for r, s in zip(requests, seqs):
             self.engine.add_request(r, s)
-        return self._drain(set(ids), sum(r.sampling.n for r in requests))
+        return self._drain(set(ids), sum(s.sampling.n for s in seqs))
 
     def _drain(self, ids: set[str], remaining: int) -> Iterator[RolloutResult]:
         while remaining:
@@ -103,8 +105,16 @@ def _is_single_prompt(p: Any) -> bool:
 
 
 class RolloutClient:
+    """Every argument is checked here, in the caller's process: bad input is a ValueError naming it."""
+
     def __init__(self, backend: Any):
         self._backend = backend
+
+    @property
+    def _open(self) -> Any:
+        if self._backend is None:
+            raise ValueError("the rollout client is closed")
+        return self._backend
 
     @classmethod
     def local(cls, model: Any = "smollm2-135m", backend: str = "auto", dtype: str | None = None,
@@ -136,14 +146,22 @@ class RolloutClient:
 
     def requests(self, prompts: Prompt | Seq[Prompt | RolloutRequest], sampling: SamplingParams | None = None,
                  apply_chat_template: bool = True, metadata: Seq[Any] | None = None) -> list[RolloutRequest]:
-        """Normalise prompts (one or many; RolloutRequests pass through) into RolloutRequests."""
-        if _is_single_prompt(prompts):
+        """Normalise prompts (one or many; RolloutRequests, checked again, pass through) into RolloutRequests."""
+        if isinstance(prompts, RolloutRequest) or _is_single_prompt(prompts):
             prompts = [prompts]
+        if isinstance(prompts, (bytes, Mapping)) or not isinstance(prompts, Iterable):
+            raise ValueError(f"prompts: expected a prompt, a RolloutRequest or a list of them, got "
+                             f"{type(prompts).__name__}")
         prompts = list(prompts)
-        if metadata is not None and len(metadata) != len(prompts):
-            raise ValueError(f"metadata has {len(metadata)} entries for {len(prompts)} prompts")
-        sampling = sampling or SamplingParams()
-        return [p if isinstance(p, RolloutRequest) else
+        if not prompts:
+            raise ValueError("prompts: the list is empty")
+        if metadata is not None and (not isinstance(metadata, (list, tuple)) or len(metadata) != len(prompts)):
+            raise ValueError(f"metadata: expected a list with one entry per prompt ({len(prompts)}), got "
+                             f"{len(metadata) if isinstance(metadata, (list, tuple)) else type(metadata).__name__}")
+        if sampling is not None and not isinstance(sampling, SamplingParams):
+            raise ValueError(f"sampling: expected a SamplingParams, got {type(sampling).__name__}")
+        sampling = (sampling or SamplingParams()).validated()
+        return [p.validated() if isinstance(p, RolloutRequest) else
                 RolloutRequest(prompt=p, sampling=sampling, apply_chat_template=apply_chat_template,
                                metadata=None if metadata is None else metadata[i])
                 for i, p in enumerate(prompts)]
@@ -151,14 +169,14 @@ class RolloutClient:
     def stream(self, prompts: Any, sampling: SamplingParams | None = None, apply_chat_template: bool = True,
                metadata: Seq[Any] | None = None) -> Iterator[RolloutResult]:
         """Yield each sample's result as soon as it finishes."""
-        return self._backend.submit(self.requests(prompts, sampling, apply_chat_template, metadata))
+        return self._open.submit(self.requests(prompts, sampling, apply_chat_template, metadata))
 
     def generate(self, prompts: Any, sampling: SamplingParams | None = None, apply_chat_template: bool = True,
                  metadata: Seq[Any] | None = None) -> list[RolloutResult]:
         """All results, prompt-major: prompt 0's n samples, then prompt 1's, ..."""
         reqs = self.requests(prompts, sampling, apply_chat_template, metadata)
         order = {r.request_id: i for i, r in enumerate(reqs)}
-        results = list(self._backend.submit(reqs))
+        results = list(self._open.submit(reqs))
         return sorted(results, key=lambda r: (order[r.request_id], r.sample_index))
 
     def update_weights(self, named_tensors: Any, version: int, transport: str = "auto", *, partial: bool = False,
@@ -170,50 +188,53 @@ class RolloutClient:
         node, else a broadcast when init_weight_group() was called, else the object store), "object_store",
         "cuda_ipc" or "broadcast". `partial=True` allows a subset of the weights; `check_finite=False` lets
         NaN/inf through. Returns the transport used."""
-        if transport not in TRANSPORTS:
+        backend = self._open
+        if not isinstance(transport, str) or transport not in TRANSPORTS:
             raise ValueError(f"update_weights: transport={transport!r}; choose one of {TRANSPORTS}")
-        if not isinstance(named_tensors, dict):
-            named_tensors = list(named_tensors)
-        return self._backend.update_weights(named_tensors, version, transport, partial, check_finite)
+        for name, flag in (("partial", partial), ("check_finite", check_finite)):
+            if not isinstance(flag, bool):
+                raise ValueError(f"update_weights: {name}={flag!r} must be a bool")
+        return backend.update_weights(named_items(named_tensors), version, transport, partial, check_finite)
 
     def init_weight_group(self, master_address: str | None = None, backend: str = "auto",
                           timeout_s: float = 300.0) -> None:
         """Form the broadcast group: this process (rank 0) and every worker. `master_address`: this host's
         address as the workers reach it (default: the IP Ray knows this node by). `backend`: "nccl" (GPUs),
         "gloo" (CPUs, or GPUs through host memory) or "auto"."""
-        self._backend.init_weight_group(master_address, backend, timeout_s)
+        self._open.init_weight_group(master_address, backend, timeout_s)
 
     def release_weight_buffers(self) -> None:
         """Free the buffers refreshes keep between steps (IPC and broadcast buckets, pinned host buckets,
         the workers' staging and mappings). A worker restarted afterwards waits for the next refresh."""
-        self._backend.release_weight_buffers()
+        self._open.release_weight_buffers()
 
     def weights_digests(self) -> list[str | None]:
         """Per worker, the sha256 of the weights it runs (None: worker down). Equal digests = bitwise equal
         weights: compare with `RolloutClient.local(model).weights_digests()` on the learner's weights."""
-        return self._backend.weights_digests()
+        return self._open.weights_digests()
 
     def sleep(self, level: int = 1, fail_if_asleep: bool = False) -> None:
         """Free the workers' device memory while a colocated learner trains. Level 1 keeps the weights in
         host memory; level 2 drops them (update_weights must come before wake_up). Sequences in flight are
         preempted and finish after wake; requests submitted meanwhile wait, or are refused with
         `fail_if_asleep=True`."""
-        self._backend.sleep(level, fail_if_asleep)
+        self._open.sleep(level, fail_if_asleep)
 
     def wake_up(self) -> None:
-        self._backend.wake_up()
+        self._open.wake_up()
 
     def pause(self) -> None:
-        self._backend.pause()
+        self._open.pause()
 
     def resume(self) -> None:
-        self._backend.resume()
+        self._open.resume()
 
     def abort(self, request_ids: Iterable[str]) -> list[RolloutResult]:
-        return self._backend.abort(list(request_ids))
+        """Finish these requests now: their results (finish_reason "abort", tokens so far)."""
+        return self._open.abort(check_request_ids(request_ids))
 
     def stats(self) -> list[dict]:
-        return self._backend.stats()
+        return self._open.stats()
 
     def close(self) -> None:
         if self._backend is not None:

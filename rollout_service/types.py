@@ -1,13 +1,16 @@
 """Public request/result types and their msgpack wire format.
 
 Names follow vLLM where the concept is the same. Every field is validated at construction, so a bad
-value is rejected where it enters the service, with the field named, and never reaches an engine.
+value is rejected where it enters the service, with the field named. A field set after construction, or
+an object unpickled in another process, was never checked: every boundary (client, router, engine) takes
+`validated()`, a checked copy, so nothing that a later step cannot handle gets past it.
 """
 from __future__ import annotations
 
 import math
 import uuid
-from dataclasses import asdict, dataclass, field, fields
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Iterable, Union
 
@@ -17,6 +20,7 @@ import numpy as np
 LOGPROBS_MODES = ("processed", "scaled", "raw")
 FINISH_REASONS = ("stop", "length", "abort")
 WIRE_SCHEMA_VERSION = 1
+MAX_INT32 = 2**31 - 1  # token ids and policy versions travel as int32 (RolloutResult's wire format)
 
 ChatMessage = dict[str, str]
 Prompt = Union[str, list[ChatMessage], list[int]]
@@ -32,7 +36,40 @@ def _is_int(x: Any) -> bool:
 
 
 def _is_real(x: Any) -> bool:
-    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool) and math.isfinite(x)
+    if isinstance(x, bool) or not isinstance(x, (int, float, np.integer, np.floating)):
+        return False
+    return isinstance(x, (int, np.integer)) or math.isfinite(x)  # isfinite overflows on a huge int
+
+
+def _check_text(s: str, what: str) -> None:
+    """ValueError unless `s` is Unicode text that can be encoded: a lone surrogate such as "\\ud800" is
+    a valid Python str that tokenizers and msgpack reject."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{what}: not valid Unicode text ({e.reason} at position {e.start})") from None
+
+
+def check_policy_version(version: Any, current: int) -> None:
+    """ValueError unless `version` is an int above `current` that fits the int32 `token_versions` of the
+    wire format (versions only go forward)."""
+    if not isinstance(version, int) or isinstance(version, bool) or not current < version <= MAX_INT32:
+        raise ValueError(f"update_weights: version={version!r} must be an int > the current version {current} "
+                         "and < 2**31")
+
+
+def check_request_ids(request_ids: Any) -> list[str]:
+    """abort's argument as a list of ids, or ValueError: one id must be wrapped in a list (a str would
+    iterate its characters)."""
+    if isinstance(request_ids, (str, bytes, Mapping)) or not isinstance(request_ids, Iterable):
+        hint = " (wrap one id in a list)" if isinstance(request_ids, str) else ""
+        raise ValueError(f"abort: request_ids must be a list of request id strings, got "
+                         f"{type(request_ids).__name__}{hint}")
+    ids = list(request_ids)
+    bad = [r for r in ids if not isinstance(r, str)]
+    if bad:
+        raise ValueError(f"abort: request id {bad[0]!r} is a {type(bad[0]).__name__}, not a str")
+    return ids
 
 
 @dataclass
@@ -56,37 +93,54 @@ class SamplingParams:
     logprobs_mode: str = "processed"
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop)
-        self.stop_token_ids = list(self.stop_token_ids)
-        self._validate()
+        if isinstance(self.stop, (str, tuple)):
+            self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        if isinstance(self.stop_token_ids, tuple):
+            self.stop_token_ids = list(self.stop_token_ids)
+        self.validate()
+        # numpy scalars pass the checks; plain numbers are what msgpack and the sampler take
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, (np.integer, np.floating)):
+                setattr(self, f.name, v.item())
+        self.stop, self.stop_token_ids = list(self.stop), [int(t) for t in self.stop_token_ids]
 
-    def _validate(self) -> None:
+    def validate(self) -> None:
+        """Check every field as it is now (ValueError naming the first bad one)."""
         _require(_is_int(self.n) and 1 <= self.n <= 4096, "n", "must be an int in [1, 4096]", self.n)
-        _require(_is_real(self.temperature) and 0 <= self.temperature <= 100, "temperature",
-                 "must be a finite float in [0, 100]", self.temperature)
-        _require(_is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1), "top_k",
-                 "must be -1 (off) or an int >= 1", self.top_k)
+        # logits / a tiny temperature (or repetition penalty) overflow float32 to inf: NaN log-probs. Below
+        # 0.01 (vLLM's floor too) sampling is greedy in all but name.
+        _require(_is_real(self.temperature) and (self.temperature == 0 or 0.01 <= self.temperature <= 100),
+                 "temperature", "must be 0 (greedy) or a finite float in [0.01, 100]", self.temperature)
+        _require(_is_int(self.top_k) and (self.top_k == -1 or 1 <= self.top_k <= MAX_INT32), "top_k",
+                 "must be -1 (off) or an int in [1, 2**31)", self.top_k)
         _require(_is_real(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]", self.top_p)
         _require(_is_real(self.min_p) and 0 <= self.min_p <= 1, "min_p", "must be in [0, 1]", self.min_p)
         for name in ("frequency_penalty", "presence_penalty"):
             v = getattr(self, name)
             _require(_is_real(v) and -2 <= v <= 2, name, "must be in [-2, 2]", v)
-        _require(_is_real(self.repetition_penalty) and 0 < self.repetition_penalty <= 10, "repetition_penalty",
-                 "must be in (0, 10]", self.repetition_penalty)
-        _require(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", "must be an int >= 1",
-                 self.max_tokens)
-        _require(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings", self.stop)
-        _require(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
-                 "must be ints >= 0", self.stop_token_ids)
+        _require(_is_real(self.repetition_penalty) and 0.01 <= self.repetition_penalty <= 10, "repetition_penalty",
+                 "must be in [0.01, 10]", self.repetition_penalty)
+        _require(_is_int(self.max_tokens) and 1 <= self.max_tokens <= MAX_INT32, "max_tokens",
+                 "must be an int in [1, 2**31)", self.max_tokens)
+        _require(isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop), "stop",
+                 "must be a str or a list of non-empty strings ([] for none)", self.stop)
+        for i, s in enumerate(self.stop):
+            _check_text(s, f"SamplingParams.stop[{i}]")
+        _require(isinstance(self.stop_token_ids, list) and
+                 all(_is_int(t) and 0 <= t <= MAX_INT32 for t in self.stop_token_ids), "stop_token_ids",
+                 "must be a list of token ids (ints in [0, 2**31))", self.stop_token_ids)
         _require(isinstance(self.ignore_eos, bool), "ignore_eos", "must be a bool", self.ignore_eos)
         _require(self.seed is None or (_is_int(self.seed) and 0 <= self.seed < 2**63), "seed",
                  "must be None or an int in [0, 2**63)", self.seed)
         _require(_is_int(self.logprobs) and 0 <= self.logprobs <= 20, "logprobs",
                  "must be an int in [0, 20] (number of top alternatives)", self.logprobs)
-        _require(self.logprobs_mode in LOGPROBS_MODES, "logprobs_mode", f"must be one of {LOGPROBS_MODES}",
-                 self.logprobs_mode)
+        _require(isinstance(self.logprobs_mode, str) and self.logprobs_mode in LOGPROBS_MODES, "logprobs_mode",
+                 f"must be one of {LOGPROBS_MODES}", self.logprobs_mode)
+
+    def validated(self) -> "SamplingParams":
+        """A checked copy, independent of this object: what a boundary keeps of params a caller may change."""
+        return replace(self)
 
     @property
     def greedy(self) -> bool:
@@ -96,28 +150,53 @@ class SamplingParams:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "SamplingParams":
-        known = {f.name for f in fields(cls)}
-        unknown = set(d) - known
-        if unknown:
-            raise ValueError(f"SamplingParams: unknown field(s) {sorted(unknown)}")
+    def from_dict(cls, d: Any) -> "SamplingParams":
+        if not isinstance(d, Mapping):
+            raise ValueError(f"SamplingParams: expected a dict of fields, got {type(d).__name__}")
+        _reject_unknown(d, {f.name for f in fields(cls)}, "SamplingParams")
         return cls(**d)
 
 
-def _check_prompt(prompt: Any) -> None:
+def _reject_unknown(d: Mapping, known: set[str], what: str) -> None:
+    unknown = set(d) - known
+    if unknown:
+        raise ValueError(f"{what}: unknown field(s) {sorted(map(str, unknown))}; known: {sorted(known)}")
+
+
+def _checked_prompt(prompt: Any) -> Prompt:
+    """The prompt, checked, as a new list (or the str): the caller's list may change later."""
+    what = "RolloutRequest.prompt"
     if isinstance(prompt, str):
         if not prompt:
-            raise ValueError("RolloutRequest.prompt: empty string")
-        return
+            raise ValueError(f"{what}: empty string")
+        _check_text(prompt, what)
+        return prompt
     if not isinstance(prompt, (list, tuple)) or len(prompt) == 0:
-        raise ValueError("RolloutRequest.prompt: must be a non-empty str, list of token ids or list of chat messages")
-    if all(_is_int(t) for t in prompt):
-        if min(prompt) < 0:
-            raise ValueError("RolloutRequest.prompt: negative token id")
-        return
-    for m in prompt:
+        raise ValueError(f"{what}: must be a non-empty str, list of token ids or list of chat messages")
+    if all(type(t) is int for t in prompt):  # the common case first: the generic check costs 3x more
+        ids = list(prompt)
+    elif all(_is_int(t) for t in prompt):
+        ids = [int(t) for t in prompt]  # numpy ints as plain ones: msgpack packs only those
+    else:
+        return _checked_messages(prompt)
+    lo, hi = min(ids), max(ids)
+    if lo < 0 or hi > MAX_INT32:
+        raise ValueError(f"{what}: token id {lo if lo < 0 else hi} is outside [0, 2**31)")
+    return ids
+
+
+def _checked_messages(messages: list | tuple) -> list[ChatMessage]:
+    for i, m in enumerate(messages):
         if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
-            raise ValueError("RolloutRequest.prompt: chat messages must be dicts with str 'role' and 'content'")
+            raise ValueError(f"RolloutRequest.prompt: chat messages must be dicts with str 'role' and 'content' "
+                             f"(message {i} is {m!r:.80})")
+        for k, v in m.items():
+            if isinstance(v, str):
+                _check_text(v, f"RolloutRequest.prompt[{i}][{k!r}]")
+    return [dict(m) for m in messages]
+
+
+_REQUEST_KEYS = {"prompt", "sampling", "request_id", "metadata", "apply_chat_template"}
 
 
 @dataclass
@@ -131,38 +210,51 @@ class RolloutRequest:
     apply_chat_template: bool = True
 
     def __post_init__(self) -> None:
-        _check_prompt(self.prompt)
-        if isinstance(self.prompt, tuple):
-            self.prompt = list(self.prompt)
+        self.prompt = _checked_prompt(self.prompt)
         if not isinstance(self.sampling, SamplingParams):
-            raise ValueError("RolloutRequest.sampling: must be a SamplingParams")
+            raise ValueError(f"RolloutRequest.sampling: must be a SamplingParams, got {type(self.sampling).__name__}")
         if not isinstance(self.request_id, str) or not self.request_id:
-            raise ValueError("RolloutRequest.request_id: must be a non-empty str")
+            raise ValueError(f"RolloutRequest.request_id={self.request_id!r}: must be a non-empty str")
+        _check_text(self.request_id, "RolloutRequest.request_id")
+        if not isinstance(self.apply_chat_template, bool):
+            raise ValueError(f"RolloutRequest.apply_chat_template={self.apply_chat_template!r}: must be a bool")
+
+    def validated(self) -> "RolloutRequest":
+        """A checked copy of this request as it is now (every field again, the sampling params' too; the
+        prompt and the params copied, the metadata shared): ValueError naming the first bad field."""
+        if not isinstance(self.sampling, SamplingParams):  # so that the error names the field, not replace()
+            raise ValueError(f"RolloutRequest.sampling: must be a SamplingParams, got {type(self.sampling).__name__}")
+        return replace(self, sampling=self.sampling.validated())
 
     def to_dict(self) -> dict:
         return {"request_id": self.request_id, "prompt": self.prompt, "sampling": self.sampling.to_dict(),
                 "metadata": self.metadata, "apply_chat_template": self.apply_chat_template}
 
     @classmethod
-    def from_dict(cls, d: dict) -> "RolloutRequest":
-        if not isinstance(d, dict) or "prompt" not in d:
+    def from_dict(cls, d: Any) -> "RolloutRequest":
+        if not isinstance(d, Mapping) or "prompt" not in d:
             raise ValueError("RolloutRequest: expected a dict with a 'prompt'")
-        return cls(prompt=d["prompt"], sampling=SamplingParams.from_dict(d.get("sampling") or {}),
-                   request_id=d.get("request_id") or uuid.uuid4().hex, metadata=d.get("metadata"),
-                   apply_chat_template=bool(d.get("apply_chat_template", True)))
+        _reject_unknown(d, _REQUEST_KEYS, "RolloutRequest")
+        sampling, rid = d.get("sampling"), d.get("request_id")
+        return cls(prompt=d["prompt"],
+                   sampling=SamplingParams() if sampling is None else SamplingParams.from_dict(sampling),
+                   request_id=uuid.uuid4().hex if rid is None else rid, metadata=d.get("metadata"),
+                   apply_chat_template=d.get("apply_chat_template", True))
 
     def to_msgpack(self) -> bytes:
         return msgpack.packb({"schema": WIRE_SCHEMA_VERSION, "kind": "request", **self.to_dict()})
 
     @classmethod
     def from_msgpack(cls, data: bytes) -> "RolloutRequest":
-        return cls.from_dict(_unpack(data, "request"))
+        record = _unpack(data, "request")
+        return cls.from_dict({k: v for k, v in record.items() if k not in ("schema", "kind")})
 
 
 @dataclass
 class RolloutResult:
     """One sample of one request. `logprobs[i]` is the behaviour policy's log-prob of `token_ids[i]`
-    (mode per SamplingParams.logprobs_mode), produced by policy version `token_versions[i]`."""
+    (mode per SamplingParams.logprobs_mode), produced by policy version `token_versions[i]`. `error`: why
+    the service gave up on the request (finish_reason "abort", the tokens so far); None otherwise."""
 
     request_id: str
     sample_index: int
@@ -176,6 +268,7 @@ class RolloutResult:
     reward: float | None = None
     metadata: Any = None
     timings: dict[str, float] = field(default_factory=dict)
+    error: str | None = None
 
     def __post_init__(self) -> None:
         self.logprobs = np.asarray(self.logprobs, dtype=np.float32)
@@ -183,10 +276,8 @@ class RolloutResult:
             raise ValueError(f"RolloutResult.finish_reason={self.finish_reason!r}: must be one of {FINISH_REASONS}")
         if not (len(self.token_ids) == len(self.logprobs) == len(self.token_versions)):
             raise ValueError("RolloutResult: token_ids, logprobs and token_versions must have equal lengths")
-
-    @property
-    def min_version(self) -> int | None:
-        return min(self.token_versions) if self.token_versions else None
+        if self.error is not None and not (isinstance(self.error, str) and self.finish_reason == "abort"):
+            raise ValueError(f"RolloutResult.error={self.error!r}: must be None, or a str on an \"abort\" result")
 
     def to_dict(self) -> dict:
         top = None
@@ -197,7 +288,7 @@ class RolloutResult:
             "prompt_token_ids": _i32(self.prompt_token_ids), "token_ids": _i32(self.token_ids),
             "logprobs": self.logprobs.astype("<f4").tobytes(), "token_versions": _i32(self.token_versions),
             "finish_reason": self.finish_reason, "text": self.text, "top_logprobs": top, "reward": self.reward,
-            "metadata": self.metadata, "timings": dict(self.timings),
+            "metadata": self.metadata, "timings": dict(self.timings), "error": self.error,
         }
 
     @classmethod
@@ -211,6 +302,7 @@ class RolloutResult:
                 token_versions=_from_i32(d["token_versions"]), finish_reason=d["finish_reason"],
                 text=d["text"], top_logprobs=None if top is None else [dict(zip(k, v)) for k, v in top],
                 reward=d["reward"], metadata=d["metadata"], timings=dict(d["timings"]),
+                error=d.get("error"),  # absent from records written before it existed
             )
         except (KeyError, TypeError) as e:
             raise ValueError(f"malformed result record ({type(e).__name__}: {e})") from None

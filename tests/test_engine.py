@@ -233,3 +233,85 @@ def test_top_logprobs_and_modes(llama):
     raw = c.generate([[3, 4, 5]], SamplingParams(temperature=0.7, top_k=5, max_tokens=6, seed=1, logprobs_mode="raw"))
     assert raw[0].token_ids == r.token_ids  # the mode changes what is reported, never what is sampled
     assert all(a <= b + 1e-6 for a, b in zip(raw[0].logprobs, r.logprobs))
+
+
+
+def _batch(llama, poison=None, after_steps: int = 0, **opts) -> tuple[Engine, dict[str, list]]:
+    """Three seeded requests (one with n=3) in one batch; `poison(seq)`, after `after_steps` steps, spoils the
+    middle one's sequence through the engine's own object (out of validation's reach). Returns the engine
+    and each request's results by sample index. On the CPU: on a GPU these faults (an index out of range)
+    are device-side asserts, which end the process's CUDA context; validation keeps them from a step."""
+    eng = Engine(model_source=llama, num_pages=128, device="cpu", **opts)
+    sp = SamplingParams(temperature=1.0, max_tokens=12, seed=11, ignore_eos=True)
+    reqs = [RolloutRequest([4, 5, 6, 7], sp, request_id="a"), RolloutRequest([8, 9, 10], sp, request_id="bad"),
+            RolloutRequest([1, 2, 3, 4, 5], SamplingParams(n=3, temperature=0.8, max_tokens=9, seed=3),
+                           request_id="c")]
+    seqs = {r.request_id: eng.prepare(r) for r in reqs}
+    for r in reqs:
+        eng.add_request(r, seqs[r.request_id])
+    results = [r for _ in range(after_steps) for r in eng.step()]
+    if poison is not None:
+        poison(seqs["bad"])
+    results += eng.run_until_done()
+    by_id: dict[str, list] = {}
+    for r in sorted(results, key=lambda r: r.sample_index):
+        by_id.setdefault(r.request_id, []).append(r)
+    return eng, by_id
+
+
+def _mates_unharmed(llama, eng: Engine, got: dict[str, list]) -> None:
+    _, clean = _batch(llama)
+    for rid in ("a", "c"):
+        assert [(r.token_ids, r.finish_reason) for r in got[rid]] == \
+            [(r.token_ids, r.finish_reason) for r in clean[rid]]
+        assert all(r.error is None for r in got[rid])
+        assert [r.logprobs.tolist() for r in got[rid]] == \
+            [pytest.approx(r.logprobs.tolist(), abs=1e-4) for r in clean[rid]]  # recomputed: last bits may move
+    assert eng.kv.pool.num_used == 0 and not eng.has_unfinished()
+    eng.add_request(RolloutRequest([4, 5, 6, 7], SamplingParams(temperature=0, max_tokens=5), request_id="next"))
+    assert len(eng.run_until_done()[0].token_ids) == 5  # the engine still serves
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_step_failure_from_params_only_reachable_past_validation(llama, overlap):
+    """top_k = 0 on the engine's own copy of the params (it crashed workers): a decode step raises, the
+    request found invalid on a re-check finishes with that error, its batch mates go on unchanged."""
+    def poison(seq):
+        seq.sampling.top_k = 0
+    eng, got = _batch(llama, poison, after_steps=3, overlap_decode=overlap)
+    (bad,) = got["bad"]
+    assert bad.finish_reason == "abort" and "SamplingParams.top_k=0" in bad.error
+    assert 0 < len(bad.token_ids) < 12  # the tokens it had
+    _mates_unharmed(llama, eng, got)
+
+
+def test_step_failure_from_a_bad_state_is_found_by_running_requests_alone(llama):
+    """An out-of-vocabulary prompt token in one sequence (its params are fine): the batch's prefill raises in
+    the model, each request of the step runs alone until the one that fails is found; the others go on."""
+    def poison(seq):
+        seq.prompt_token_ids[1] = 10**6
+    eng, got = _batch(llama, poison)
+    (bad,) = got["bad"]
+    assert bad.finish_reason == "abort" and bad.error.startswith("IndexError") and not bad.token_ids
+    _mates_unharmed(llama, eng, got)
+
+
+def test_failure_recording_the_step_in_flight_for_an_abort_fails_only_its_request(llama):
+    """abort() records the overlapped step in flight first: a request whose recording raises (stop strings
+    spoilt past validation) fails alone there too; the abort and the other requests are unaffected."""
+    eng = Engine(model_source=llama, num_pages=128, device="cpu")
+    sp = SamplingParams(temperature=1.0, max_tokens=12, seed=11, ignore_eos=True)
+    seqs = {rid: eng.prepare(RolloutRequest([4, 5, 6, 7], sp, request_id=rid)) for rid in ("a", "bad", "c")}
+    for rid, seq in seqs.items():
+        eng.add_request(RolloutRequest([4, 5, 6, 7], sp, request_id=rid), seq)
+    for _ in range(3):
+        assert eng.step() == []
+    assert eng._in_flight is not None
+    seqs["bad"].sampling.stop = 5
+    aborted = eng.abort(["a"])
+    assert [(r.request_id, r.finish_reason, r.error) for r in aborted] == [("a", "abort", None)]
+    rest = {r.request_id: r for r in eng.run_until_done()}
+    assert rest["bad"].finish_reason == "abort" and "SamplingParams.stop=5" in rest["bad"].error
+    alone = Engine(model_source=llama, num_pages=64, device="cpu")
+    alone.add_request(RolloutRequest([4, 5, 6, 7], sp, request_id="c"))
+    assert rest["c"].error is None and rest["c"].token_ids == alone.run_until_done()[0].token_ids

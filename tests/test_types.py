@@ -74,3 +74,20 @@ def test_bad_sampling_values_name_the_field(field, value):
 def test_bad_prompts_rejected(prompt):
     with pytest.raises(ValueError, match="prompt"):
         RolloutRequest(prompt=prompt)
+
+
+def test_result_error_round_trips_and_old_records_load_without_it():
+    failed = RolloutResult("r", 0, [1, 2], [3], [-0.5], [2], "abort", error="IndexError: index out of range")
+    assert RolloutResult.from_msgpack(failed.to_msgpack()).error == "IndexError: index out of range"
+    old = _result().to_dict()
+    del old["error"]  # a record written before the field existed (same schema version)
+    assert RolloutResult.from_msgpack(msgpack.packb({"schema": 1, "kind": "result", **old})).error is None
+    with pytest.raises(ValueError, match="RolloutResult.error"):
+        RolloutResult("r", 0, [1], [3], [-0.5], [2], "length", error="an error on a finished result")
+
+
+def test_numpy_values_are_plain_numbers_on_the_wire():
+    sp = SamplingParams(n=np.int64(2), temperature=np.float32(0.5), stop_token_ids=[np.int32(7)], seed=np.uint64(3))
+    req = RolloutRequest([np.int64(3), np.int64(4)], sp)
+    back = RolloutRequest.from_msgpack(req.to_msgpack())
+    assert back.to_dict() == req.to_dict() and type(back.sampling.n) is int and back.prompt == [3, 4]

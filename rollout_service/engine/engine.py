@@ -8,6 +8,10 @@ Decode steps overlap (overlap_decode): a decode step is launched and left in fli
 launches the following decode step on the device-side sampled ids, and only then reads and records the
 first step's tokens, so the host's work hides behind the GPU's. A sequence that turns out to have
 finished wasted one step's row; nothing else changes (the same tokens, log-probs and random draws).
+
+A request is checked again when it is added and the sequence keeps a copy of its sampling params, so a
+caller changing the request afterwards cannot reach a step. A step that raises anyway loses no request:
+see `_isolate` (the request at fault finishes with its error, its batch mates go on).
 """
 from __future__ import annotations
 
@@ -34,7 +38,7 @@ from rollout_service.model.loader import load_model
 from rollout_service.model.weight_update import apply_named_tensors, validate_manifest, validate_named_tensors
 from rollout_service.ops.backend import resolve_backend
 from rollout_service.prompts import PromptProcessor
-from rollout_service.types import RolloutRequest, RolloutResult
+from rollout_service.types import RolloutRequest, RolloutResult, check_policy_version, check_request_ids
 from rollout_service.weights.buckets import named_items, reject_nonfinite
 
 log = logging.getLogger(__name__)
@@ -42,7 +46,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class _Request:
-    request: RolloutRequest
+    metadata: Any
     seqs: list[Sequence]
     num_pending: int
 
@@ -123,12 +127,24 @@ class Engine:
 
     # ---- requests -----------------------------------------------------------------------------------
     def prepare(self, req: RolloutRequest) -> Sequence:
-        """Validate and tokenize a request without enqueuing it (ValueError on bad input)."""
+        """Validate and tokenize a request without enqueuing it (ValueError naming the request on bad
+        input). The sequence holds a checked copy of the request's sampling params."""
         if not isinstance(req, RolloutRequest):
             raise ValueError(f"expected a RolloutRequest, got {type(req).__name__}")
+        try:
+            return self._prepare(req.validated())
+        except ValueError as e:
+            raise ValueError(f"request {req.request_id!r}: {e}") from None
+
+    def _prepare(self, req: RolloutRequest) -> Sequence:
         if req.request_id in self._requests:
-            raise ValueError(f"request_id {req.request_id!r} is already in flight")
-        ids = self.prompts.encode(req.prompt, req.apply_chat_template)
+            raise ValueError("this request_id is already in flight")
+        try:
+            ids = self.prompts.encode(req.prompt, req.apply_chat_template)
+        except ValueError:
+            raise
+        except Exception as e:  # tokenizers reject what they cannot encode with errors of their own
+            raise ValueError(f"the tokenizer rejected the prompt ({type(e).__name__}: {e})") from None
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len} "
                              "(room for at least one new token is needed)")
@@ -140,9 +156,15 @@ class Engine:
         return Sequence(req.request_id, ids, req.sampling, seed, num_samples=req.sampling.n)
 
     def add_request(self, req: RolloutRequest, seq: Sequence | None = None) -> None:
+        """Queue a request; `seq`: what prepare(req) returned (prepared here when None)."""
         with self._lock:
-            seq = seq or self.prepare(req)
-            self._requests[req.request_id] = _Request(req, [seq], req.sampling.n)
+            seq = self.prepare(req) if seq is None else seq
+            if seq.request_id != req.request_id:
+                raise ValueError(f"add_request: the sequence was prepared for request {seq.request_id!r}, "
+                                 f"not {req.request_id!r}")
+            if seq.request_id in self._requests:
+                raise ValueError(f"request {seq.request_id!r}: this request_id is already in flight")
+            self._requests[seq.request_id] = _Request(req.metadata, [seq], seq.sampling.n)
             self.scheduler.add(seq)
 
     def has_unfinished(self) -> bool:
@@ -150,6 +172,7 @@ class Engine:
 
     def abort(self, request_ids: list[str]) -> list[RolloutResult]:
         """Finish the given requests now (finish_reason "abort", tokens so far); unknown ids are ignored."""
+        request_ids = check_request_ids(request_ids)
         out: list[RolloutResult] = []
         with self._lock:
             self._flush()  # the tokens of the step in flight are the sequences' too
@@ -165,30 +188,96 @@ class Engine:
         with self._lock:
             if self.sleeper.level:
                 raise RuntimeError(f"the engine is asleep (level {self.sleeper.level}): call wake_up() first")
+            try:
+                self._step()
+            except Exception as e:
+                self._isolate(e)
             out, self._outbox = self._outbox, []
-            prev, self._in_flight = self._in_flight, None
-            if prev is not None:
-                # launch the next decode step first, then read and record prev's tokens while it runs
-                nxt = self._schedule_ahead(prev) if prev.can_chain else None
-                if nxt is not None:
-                    batch, rows = nxt
-                    ids = prev.out.token_ids if rows is None else prev.out.token_ids[rows]
-                    self._in_flight = self._launch(batch, ids)
-                    self.counters.overlapped_steps += 1
-                    return out + self._record(prev)
-                out += self._record(prev)  # then this call runs the step that schedule picks, as always
-            batch = self.scheduler.schedule()
-            if batch is None:
-                return out
-            if batch.is_prefill:
-                logits = self.runner.run(batch)
-                self.counters.steps += 1
-                return out + self._after_prefill(batch, logits)
+            return out
+
+    def _step(self) -> bool:
+        """One step; what finishes goes to the outbox. False when there was nothing to run."""
+        prev, self._in_flight = self._in_flight, None
+        if prev is not None:
+            # launch the next decode step first, then read and record prev's tokens while it runs
+            nxt = self._schedule_ahead(prev) if prev.can_chain else None
+            if nxt is not None:
+                batch, rows = nxt
+                ids = prev.out.token_ids if rows is None else prev.out.token_ids[rows]
+                self._in_flight = self._launch(batch, ids)
+                self.counters.overlapped_steps += 1
+                self._record(prev)
+                return True
+            self._record(prev)  # then this call runs the step that schedule picks, as always
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return prev is not None
+        if batch.is_prefill:
+            logits = self.runner.run(batch)
+            self.counters.steps += 1
+            self._after_prefill(batch, logits)
+        else:
             launched = self._launch(batch)
             if launched.can_chain:
                 self._in_flight = launched
-                return out
-            return out + self._record(launched)
+            else:
+                self._record(launched)
+        return True
+
+    # ---- a step that raised ---------------------------------------------------------------------------
+    def _isolate(self, error: Exception) -> None:
+        """A step raised `error`. Every sequence it touched is preempted (recomputed later: seeded sampling
+        gives the same tokens), then the request at fault is looked for: first one whose sampling params no
+        longer pass validation, else each request of the step runs alone until its sequences have one more
+        token. One that raises alone finishes with its error ("abort", RolloutResult.error); the others go
+        on. A fault only a batch shows leaves no one to blame: they go on, each a token further."""
+        self._in_flight = None  # its tokens are drawn again from the recomputed KV
+        touched = self.scheduler.running + [s for s in self.scheduler.waiting if s.pages]
+        suspects = list(dict.fromkeys(s.request_id for s in touched))
+        if not suspects:
+            raise error  # not a request's doing: an engine bug, for the caller to see
+        log.warning("engine step failed (%s: %s); isolating the request at fault among %d",
+                    type(error).__name__, error, len(suspects))
+        self.scheduler.preempt_all()
+        invalid = False
+        for rid in suspects:
+            try:
+                self._requests[rid].seqs[0].sampling.validate()
+            except ValueError as e:
+                self._fail(rid, e)
+                invalid = True
+        if not invalid:
+            for rid in suspects:
+                self._run_alone(rid)
+
+    def _run_alone(self, rid: str) -> None:
+        """Run request rid's unfinished sequences by themselves until each has one more token; if that
+        raises, rid is at fault and fails. Every sequence is preempted after, as _isolate left them."""
+        sched = self.scheduler
+        seqs = [s for s in self._requests[rid].seqs if not s.is_finished]
+        goal = {s.seq_id: s.num_output_tokens + 1 for s in seqs}
+        others = deque(s for s in sched.waiting if s.request_id != rid)
+        sched.waiting = deque(s for s in sched.waiting if s.request_id == rid)
+        try:
+            while any(not s.is_finished and s.num_output_tokens < goal[s.seq_id] for s in seqs):
+                if not self._step():
+                    break
+            self._record_in_flight()
+        except Exception as e:
+            self._in_flight = None
+            self._fail(rid, e)
+        finally:
+            sched.preempt_all()
+            sched.waiting += others
+
+    def _fail(self, rid: str, error: Exception) -> None:
+        """Finish every sequence of a request now, with the error."""
+        text = f"{type(error).__name__}: {error}"
+        log.warning("request %r failed inside an engine step: %s", rid, text)
+        state = self._requests.get(rid)  # None: every sample finished before the error
+        for seq in list(state.seqs) if state else []:
+            if not seq.is_finished:
+                self._outbox += self._finish(seq, "abort", text)
 
     def _launch(self, batch: Batch, input_ids: torch.Tensor | None = None) -> _Launched:
         """Queue a decode step's forward and sampling on the device (input_ids: one token ahead)."""
@@ -218,19 +307,26 @@ class Engine:
         """Whether seq is done by max_tokens / max_model_len once it has `outputs` output tokens."""
         return outputs >= seq.sampling.max_tokens or outputs + len(seq.prompt_token_ids) >= self.max_model_len
 
-    def _record(self, launched: _Launched) -> list[RolloutResult]:
+    def _record(self, launched: _Launched) -> None:
         """Read a decode step's tokens and record them (sequences finished or aborted meanwhile skip theirs)."""
         for seq in launched.seqs:
             seq.num_computed = seq.num_tokens  # the step's query token now has its KV
         if launched.copied is not None:
             launched.copied.synchronize()  # this step's copy only, not the step launched after it
-        return self._append(launched.seqs, launched.host, launched.version)
+        self._append(launched.seqs, launched.host, launched.version)
 
     def _flush(self) -> None:
-        """Record the step in flight now (before an abort or a weight swap)."""
+        """Record the step in flight now (before an abort, a weight swap or a sleep); a request at fault
+        fails alone, as in step()."""
+        try:
+            self._record_in_flight()
+        except Exception as e:
+            self._isolate(e)
+
+    def _record_in_flight(self) -> None:
         if self._in_flight is not None:
             prev, self._in_flight = self._in_flight, None
-            self._outbox += self._record(prev)
+            self._record(prev)
 
     def run_until_done(self) -> list[RolloutResult]:
         out: list[RolloutResult] = []
@@ -238,7 +334,7 @@ class Engine:
             out += self.step()
         return out
 
-    def _after_prefill(self, batch: Batch, logits: torch.Tensor | None) -> list[RolloutResult]:
+    def _after_prefill(self, batch: Batch, logits: torch.Tensor | None) -> None:
         self.counters.prefill_steps += 1
         to_sample, rows, row = [], [], 0
         for i, seq in enumerate(batch.seqs):
@@ -255,10 +351,10 @@ class Engine:
             row += 1
         self.scheduler.after_prefill(batch, to_sample)
         if not to_sample:
-            return []
+            return
         if len(rows) != logits.shape[0]:
             logits = logits[torch.tensor(rows, device=logits.device)]
-        return self._sample(to_sample, logits)
+        self._append(to_sample, self.sampler(logits, to_sample), self.policy_version)
 
     def _fork(self, seq: Sequence) -> list[Sequence]:
         """Give the n - 1 sibling samples the prompt's pages: full pages shared, the partial one copied."""
@@ -277,16 +373,13 @@ class Engine:
         self._requests[seq.request_id].seqs += children
         return children
 
-    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[RolloutResult]:
-        return self._append(seqs, self.sampler(logits, seqs), self.policy_version)
-
-    def _append(self, seqs: list[Sequence], out: SamplerOutput, version: int) -> list[RolloutResult]:
-        """Record one sampled token per running sequence, then check for stops. `out` is on the host for a
-        decode step (copied behind its sampler); a prefill step's is read here: its one sync."""
+    def _append(self, seqs: list[Sequence], out: SamplerOutput, version: int) -> None:
+        """Record one sampled token per running sequence, then check for stops (finished ones go to the
+        outbox). `out` is on the host for a decode step (copied behind its sampler); a prefill step's is
+        read here: its one sync."""
         token_ids, logprobs = out.token_ids.tolist(), out.logprobs.tolist()
         top_ids = out.top_ids.tolist() if out.top_ids is not None else None
         top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
-        finished: list[RolloutResult] = []
         recorded = 0
         for i, seq in enumerate(seqs):
             if seq.status is not SeqStatus.RUNNING:
@@ -299,10 +392,9 @@ class Engine:
             seq.append(token_ids[i], logprobs[i], version, top)
             reason = self._stop_reason(seq, token_ids[i])
             if reason:
-                finished += self._finish(seq, reason)
+                self._outbox += self._finish(seq, reason)
         self.counters.generated_tokens += recorded
         self.counters.recent.append((time.time(), recorded))
-        return finished
 
     def _stop_reason(self, seq: Sequence, tok: int) -> str | None:
         sp = seq.sampling
@@ -318,28 +410,30 @@ class Engine:
             return "length"
         return None
 
-    def _finish(self, seq: Sequence, reason: str) -> list[RolloutResult]:
+    def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> list[RolloutResult]:
         seq.finish_reason, seq.t_finished = reason, time.time()
-        self.scheduler.finish(seq)
+        state = self._requests[seq.request_id]
         # an aborted prompt that never forked stands for all of its samples
         indices = range(seq.sample_index, seq.sample_index + seq.num_samples)
-        state = self._requests[seq.request_id]
+        results = [self._result(seq, state.metadata, i, error) for i in indices]  # first: decoding may raise
+        self.scheduler.finish(seq)
         state.num_pending -= len(indices)
         if state.num_pending == 0:
             del self._requests[seq.request_id]
-        return [self._result(seq, state.request, i) for i in indices]
+        return results
 
-    def _result(self, seq: Sequence, req: RolloutRequest, sample_index: int) -> RolloutResult:
-        text = self.prompts.decode(seq.output_token_ids)
+    def _result(self, seq: Sequence, metadata: Any, sample_index: int, error: str | None) -> RolloutResult:
+        # a failed request's text is left empty: decoding its tokens may be what failed
+        text = self.prompts.decode(seq.output_token_ids) if error is None else ""
         if seq.stop_text_end is not None:
             text = text[:seq.stop_text_end]
         return RolloutResult(
             request_id=seq.request_id, sample_index=sample_index, prompt_token_ids=seq.prompt_token_ids,
             token_ids=list(seq.output_token_ids), logprobs=seq.output_logprobs,
             token_versions=list(seq.token_versions), finish_reason=seq.finish_reason, text=text,
-            top_logprobs=list(seq.output_top) if seq.sampling.logprobs else None, metadata=req.metadata,
+            top_logprobs=list(seq.output_top) if seq.sampling.logprobs else None, metadata=metadata,
             timings={"queued": seq.t_arrival, "first_token": seq.t_first_token or seq.t_finished,
-                     "finished": seq.t_finished},
+                     "finished": seq.t_finished}, error=error,
         )
 
     # ---- weights ------------------------------------------------------------------------------------
@@ -348,9 +442,7 @@ class Engine:
         validate_manifest(self.model, manifest.entries, partial)
 
     def check_version(self, version: Any) -> None:
-        if not isinstance(version, int) or isinstance(version, bool) or version <= self.policy_version:
-            raise ValueError(f"update_weights: version={version!r} must be an int > the current version "
-                             f"{self.policy_version}")
+        check_policy_version(version, self.policy_version)
 
     def update_weights(self, named_tensors: Any, version: int, partial: bool = False,
                        check_finite: bool = True) -> None:

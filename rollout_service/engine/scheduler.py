@@ -43,9 +43,6 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
-
     def schedule(self) -> Batch | None:
         return self._schedule_prefill() or self._schedule_decode()
 

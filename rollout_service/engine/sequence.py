@@ -55,10 +55,6 @@ class Sequence:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
-
-    @property
     def is_finished(self) -> bool:
         return self.status == SeqStatus.FINISHED
 
@@ -67,7 +63,7 @@ class Sequence:
         return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
 
     def token_slice(self, start: int, end: int) -> list[int]:
-        """all_token_ids[start:end] without concatenating the whole sequence."""
+        """(prompt + output tokens)[start:end] without concatenating the whole sequence."""
         n = len(self.prompt_token_ids)
         if end <= n:
             return self.prompt_token_ids[start:end]

@@ -35,17 +35,31 @@ def validate_named_tensors(
 ) -> list[tuple[nn.Parameter, torch.Tensor]]:
     """(parameter, new value) pairs; ValueError naming the first unknown name, wrong shape or non-float tensor,
     or (partial=False) the weights left out. With tied embeddings both `model.embed_tokens.weight` and
-    `lm_head.weight` name the same parameter."""
+    `lm_head.weight` name the same parameter: sent together, they must hold the same values."""
     params = dict(model.named_parameters(remove_duplicate=False))
     items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
-    pairs = []
+    given: dict[int, tuple[str, torch.Tensor]] = {}  # id(parameter) -> the first (name, value) for it
     for name, tensor in items:
         if not isinstance(tensor, torch.Tensor):
             raise ValueError(f"weight {name!r} is a {type(tensor).__name__}, not a torch.Tensor")
-        pairs.append((_check(params, name, tuple(tensor.shape), tensor.dtype), tensor))
+        param = _check(params, name, tuple(tensor.shape), tensor.dtype)
+        if id(param) in given:
+            _check_tied(*given[id(param)], name, tensor)
+        else:
+            given[id(param)] = (name, tensor)
+    pairs = [(params[name], tensor) for name, tensor in given.values()]
     if not partial:
-        _check_complete(model, {id(p) for p, _ in pairs})
+        _check_complete(model, set(given))
     return pairs
+
+
+def _check_tied(first: str, a: torch.Tensor, second: str, b: torch.Tensor) -> None:
+    """Two names of one (tied) parameter: one value is copied, so the other must not differ from it."""
+    same_storage = (a.device == b.device and a.dtype == b.dtype and a.data_ptr() == b.data_ptr()
+                    and a.stride() == b.stride())
+    if not same_storage and not torch.equal(a, b.to(a.device, a.dtype)):
+        raise ValueError(f"weights {first!r} and {second!r} are tied in this model (one parameter) but were "
+                         "given different values; send one of them, or equal values")
 
 
 def validate_manifest(model: nn.Module, entries: Iterable, partial: bool = False) -> None:

@@ -14,6 +14,7 @@ from typing import Any
 import ray
 import torch
 
+from rollout_service.types import check_policy_version
 from rollout_service.weights.buckets import Manifest, NamedTensors, named_items, reject_nonfinite
 from rollout_service.weights.group import GroupSpec, free_port
 from rollout_service.weights.sender import REGROUP, WeightSender, WorkerPlace, choose_transport
@@ -34,9 +35,7 @@ class WeightPusher:
         t0 = time.perf_counter()
         items = named_items(named_tensors)
         targets = ray.get(self.router.weight_targets.remote())
-        current = ray.get(self.router.info.remote())["policy_version"]
-        if not isinstance(version, int) or isinstance(version, bool) or version <= current:
-            raise ValueError(f"update_weights: version={version!r} must be an int > the current version {current}")
+        check_policy_version(version, ray.get(self.router.info.remote())["policy_version"])
         places = [WorkerPlace(t["index"], t.get("node_id"), t.get("device", "cpu")) for t in targets]
         kind = choose_transport(transport, items, ray.get_runtime_context().get_node_id(), places,
                                 self.sender.has_group())
