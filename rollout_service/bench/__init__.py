@@ -1,9 +1,60 @@
 """Benchmark harness: the engine vs HF transformers on fixed workloads, with the hardware floor.
 
-`python scripts/bench.py --help`, or `main(argv)` from Python. Workloads, models and peers are the
-ones fixed in BENCHMARKS.md; results go to benchmarks/results/<date>-<hardware>.json and .md.
+`rollout-service bench --help` (or `python scripts/bench.py --help`), or `main(argv)` from Python. Workloads,
+models and peers are the ones fixed in benchmarks/README.md; results go to benchmarks/results/<date>-<hardware>.json
+and .md. The command line is read here, before the harness imports torch and transformers (seconds), so
+--help and a mistyped option answer at once.
 """
+from __future__ import annotations
 
-from .harness import WORKLOADS, main
+import argparse
+
+# Run order = priority when a time budget runs out: the headline rollout and latency figures, then the
+# cheap ones, W2n (the longest) last. Workloads after W3 run on the refreshed weights, which the engine
+# and the peers then share just the same.
+WORKLOADS = ("W2", "W1", "W5", "W3", "W4", "W2n")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def parse_args(argv: list[str] | None, prog: str | None = None) -> argparse.Namespace:
+    """prog: the command's name in usage lines (None: this program's, as argparse finds it)."""
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=None,
+                   help="comma-separated names from rollout_service/bench/models.py (default: smollm2-135m on "
+                        "CPU, qwen2.5-0.5b on GPU, tiny-llama with --quick)")
+    p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset of W1,W2,W2n,W3,W4,W5")
+    p.add_argument("--out", default="benchmarks/results", help="folder for <date>-<hardware>.json and .md")
+    p.add_argument("--tag", default="", help="suffix of the result file name")
+    p.add_argument("--quick", action="store_true", help="tiny shapes: a smoke run of every code path")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--dtype", default=None, choices=DTYPES, help="default: bf16 (fp32 for smollm2 on CPU)")
+    p.add_argument("--backend", default="auto", choices=["auto", "torch", "cuda"], help="engine ops backend")
+    p.add_argument("--shape", action="append", default=[], help="override a workload size, e.g. w2_seqs=32")
+    p.add_argument("--engine-opt", action="append", default=[], help="extra engine option KEY=VALUE")
+    p.add_argument("--skip", action="append", default=[],
+                   help="skip a workload or part, optionally per model/workload: W2n, hf_generate_batch, "
+                        "llama3-8b:hf_static, W1:hf_generate_batch, llama3-8b:W1:hf_generate_batch")
+    p.add_argument("--static-peer", default="auto", choices=["auto", "on", "off"],
+                   help="HF static cache + compile peer for W1 (auto: GPU only)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="runs of each W1/W2/W2n measurement, best kept (for a shared machine)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads for every contender (default: torch's own choice)")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="time budget of the whole run, shared out between the models; parts that would start "
+                        "after it is spent become n/a")
+    args = p.parse_args(argv)
+    args.workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    unknown = [w for w in args.workloads if w not in WORKLOADS]
+    if unknown:
+        p.error(f"unknown workload(s) {unknown}; choose from {', '.join(WORKLOADS)}")
+    return args
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    args = parse_args(argv, prog)
+    from .harness import run
+    return run(args, argv)
+
 
 __all__ = ["WORKLOADS", "main"]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import gc
 import os
 import platform
@@ -14,6 +13,7 @@ import torch
 import transformers
 from tqdm import tqdm
 
+from . import DTYPES as DTYPE_NAMES, WORKLOADS
 from .attention_bench import w4_kernels
 from .ceilings import measure_ceilings
 from .context import CPU, QUICK, BenchContext, Shapes, parse_shape
@@ -22,46 +22,10 @@ from .refresh import w3_refresh
 from .report import Cell, Row, now_utc, write_report
 from .workloads import w1_latency, w2_rollout, w2n_samples, w5_graphs
 
-# Run order = priority when a time budget runs out: the headline rollout and latency figures, then the
-# cheap ones, W2n (the longest) last. Workloads after W3 run on the refreshed weights, which the engine
-# and the peers then share just the same.
-WORKLOADS = {"W2": w2_rollout, "W1": w1_latency, "W5": w5_graphs, "W3": w3_refresh, "W4": w4_kernels,
-             "W2n": w2n_samples}
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="bench", description=__doc__)
-    p.add_argument("--model", default=None,
-                   help=f"comma-separated, from {', '.join(MODEL_NAMES)} (default: smollm2-135m on CPU, "
-                        "qwen2.5-0.5b on GPU, tiny-llama with --quick)")
-    p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset of W1,W2,W2n,W3,W4,W5")
-    p.add_argument("--out", default="benchmarks/results", help="folder for <date>-<hardware>.json and .md")
-    p.add_argument("--tag", default="", help="suffix of the result file name")
-    p.add_argument("--quick", action="store_true", help="tiny shapes: a smoke run of every code path")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--dtype", default=None, choices=list(DTYPES), help="default: bf16 (fp32 for smollm2 on CPU)")
-    p.add_argument("--backend", default="auto", choices=["auto", "torch", "cuda"], help="engine ops backend")
-    p.add_argument("--shape", action="append", default=[], help="override a workload size, e.g. w2_seqs=32")
-    p.add_argument("--engine-opt", action="append", default=[], help="extra engine option KEY=VALUE")
-    p.add_argument("--skip", action="append", default=[],
-                   help="skip a workload or part, optionally per model/workload: W2n, hf_generate_batch, "
-                        "llama3-8b:hf_static, W1:hf_generate_batch, llama3-8b:W1:hf_generate_batch")
-    p.add_argument("--static-peer", default="auto", choices=["auto", "on", "off"],
-                   help="HF static cache + compile peer for W1 (auto: GPU only)")
-    p.add_argument("--repeats", type=int, default=1,
-                   help="runs of each W1/W2/W2n measurement, best kept (for a shared machine)")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads for every contender (default: torch's own choice)")
-    p.add_argument("--budget-s", type=float, default=None,
-                   help="time budget of the whole run, shared out between the models; parts that would start "
-                        "after it is spent become n/a")
-    args = p.parse_args(argv)
-    args.workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
-    unknown = [w for w in args.workloads if w not in WORKLOADS]
-    if unknown:
-        p.error(f"unknown workload(s) {unknown}; choose from {', '.join(WORKLOADS)}")
-    return args
+# the workloads' names and run order: rollout_service/bench/__init__.py
+RUNNERS = {"W2": w2_rollout, "W1": w1_latency, "W5": w5_graphs, "W3": w3_refresh, "W4": w4_kernels,
+           "W2n": w2n_samples}
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 
 def _value(text: str):
@@ -131,7 +95,7 @@ def run_model(name: str, args, device: torch.device, shapes: Shapes, ceil, rows:
             rows.append(Row(name, wl, "-", "-", True, engine=Cell.na("skipped by --skip")))
         else:
             try:
-                rows.extend(WORKLOADS[wl](ctx))
+                rows.extend(RUNNERS[wl](ctx))
             except Exception as exc:  # noqa: BLE001 - set-up failure of one workload; keep the rest
                 ctx.errors.append(f"{name} {wl}: {type(exc).__name__}: {exc}")
                 rows.append(Row(name, wl, "-", "-", True, engine=Cell.na(f"error: {type(exc).__name__}: {exc}")))
@@ -145,8 +109,8 @@ def run_model(name: str, args, device: torch.device, shapes: Shapes, ceil, rows:
         torch.cuda.empty_cache()
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def run(args, argv: list[str] | None) -> int:
+    """The benchmark run of arguments parsed by rollout_service.bench.parse_args (argv: for the report)."""
     if args.threads:
         torch.set_num_threads(args.threads)
     device = pick_device(args.device)
