@@ -82,8 +82,7 @@ class GRPOLearner:
         self.policy = load_policy(policy).train()
         if isinstance(client, str):
             from rollout_service.client import RolloutClient
-            from rollout_service.service import RayBackend
-            client = RolloutClient(RayBackend.connect(client, namespace=namespace))
+            client = RolloutClient.connect(client, namespace=namespace)
         self.client = client
         self.reward_fn = reward_fn or (lambda r: tasks.reward(r.text, r.metadata["answer"]))
         self.prompt_fn = prompt_fn or (lambda p: p.messages())
@@ -206,10 +205,7 @@ class GRPOLearner:
 
 def _service_version(client: Any) -> int:
     """The policy version the service serves now, so pushed versions keep increasing after a restart."""
-    if client.engine is not None:
-        return int(client.engine.policy_version)
-    info = getattr(client._backend, "info", None)
-    return int(info()["policy_version"]) if info else 0
+    return int(client.info()["policy_version"])
 
 
 GRPOActor = ray.remote(GRPOLearner)

@@ -19,15 +19,19 @@ from rollout_service.types import RolloutResult, SamplingParams
 
 
 def load_policy(model: Any) -> torch.nn.Module:
-    """A trainable transformers model from a HF folder, "smollm2-135m" (embedded GGUF) or a live module."""
+    """A trainable fp32 transformers model from a HF folder, "smollm2-135m" or a .gguf file (through the
+    same cached HF folder the rollout workers load), or a live module; local files only."""
     from transformers import AutoModelForCausalLM
+
+    from rollout_service.model.gguf_cache import pretrained_location
+    from rollout_service.model.loader import check_source, gguf_file
+
     if isinstance(model, torch.nn.Module):
         return model
-    if model == "smollm2-135m":
-        from rollout_service.model.loader import embedded_model_path
-        folder, gguf = embedded_model_path()
-        return AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf, dtype=torch.float32)
-    return AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    check_source(model)  # a hub id is a ValueError here, never a download
+    gguf = gguf_file(model)
+    path, extra = (model, {}) if gguf is None else pretrained_location(gguf)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True, **extra)
 
 
 def group_advantages(rewards: Sequence[float], group_size: int, eps: float = 1e-6) -> np.ndarray:
@@ -44,12 +48,11 @@ class Learner:
     def __init__(self, model: Any, service: str = "rollout_service", namespace: str = "rollout_service",
                  lr: float = 1e-5, clip: float = 0.2, seed: int = 0):
         from rollout_service.client import RolloutClient
-        from rollout_service.service import RayBackend
 
         torch.manual_seed(seed)
         self.model = load_policy(model).train()
-        self.client = RolloutClient(RayBackend.connect(service, namespace=namespace))
-        self.version = int(self.client._backend.info()["policy_version"])
+        self.client = RolloutClient.connect(service, namespace=namespace)
+        self.version = int(self.client.info()["policy_version"])
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr)
         self.clip = clip
 

@@ -96,6 +96,9 @@ class LocalBackend:
     def stats(self) -> list[dict]:
         return [self.engine.stats()]
 
+    def info(self) -> dict:
+        return {"policy_version": self.engine.policy_version, "num_workers": 1, "in_flight": len(self.engine._requests)}
+
     def close(self) -> None:
         self.engine = None
 
@@ -234,7 +237,13 @@ class RolloutClient:
         return self._open.abort(check_request_ids(request_ids))
 
     def stats(self) -> list[dict]:
+        """Per worker: queued, running, KV pages, tokens/s, policy version, sleep level, memory."""
         return self._open.stats()
+
+    def info(self) -> dict:
+        """The service as a whole: policy_version, num_workers, in_flight requests (over Ray also: streams,
+        alive/awaiting/gone workers, resubmission counters)."""
+        return self._open.info()
 
     def close(self) -> None:
         if self._backend is not None:
