@@ -4,11 +4,15 @@ runs where, what was delivered, and the client streams results wait in.
 Each dispatch of a request is a "job" with its own engine request id, so the same request can be in
 flight twice (resubmitted after a fault, regenerated when stale) and every result still maps back
 to it. A (request_id, sample_index) is delivered once; later copies are dropped.
+
+A stream is leased: reading it or renewing it (the client process does so while it holds the stream)
+extends the lease; a stream whose lease ran out has lost its client and is cancelled by the router.
 """
 from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 import uuid
 from dataclasses import dataclass, field
 
@@ -37,6 +41,7 @@ class Stream:
     results: list[RolloutResult] = field(default_factory=list)
     delivered: int = 0
     event: asyncio.Event = field(default_factory=asyncio.Event)
+    renewed: float = field(default_factory=time.monotonic)  # when its client last read or renewed it
 
 
 def cost_estimate(req: RolloutRequest) -> int:
@@ -52,10 +57,12 @@ def cost_estimate(req: RolloutRequest) -> int:
 
 
 def decode_request(item) -> RolloutRequest:
-    """A RolloutRequest from a request, a dict or msgpack bytes (untrusted: never unpickled)."""
+    """A checked RolloutRequest of the router's own from a request, a dict or msgpack bytes (untrusted:
+    never unpickled; a request object is checked again, since its fields may have been set after it was
+    built)."""
     try:
         if isinstance(item, RolloutRequest):
-            return item
+            return item.validated()
         if isinstance(item, (bytes, bytearray, memoryview)):
             return RolloutRequest.from_msgpack(bytes(item))
         if isinstance(item, dict):
@@ -83,9 +90,23 @@ class Ledger:
         return sid, ts
 
     def close_stream(self, sid: str) -> list[Tracked]:
-        """Forget a stream; returns its requests that are still running."""
+        """Forget a stream and its requests; returns those that were still running (to abort their jobs)."""
         s = self.streams.pop(sid, None)
-        return [self.tracked[r] for r in (s.request_ids if s else []) if r in self.tracked]
+        running = [self.tracked[r] for r in (s.request_ids if s else []) if r in self.tracked]
+        for t in running:
+            self.forget(t)
+        return running
+
+    def renew(self, sids: list[str]) -> None:
+        now = time.monotonic()
+        for sid in sids:
+            if sid in self.streams:
+                self.streams[sid].renewed = now
+
+    def expired(self, lease_s: float) -> list[str]:
+        """Streams neither read nor renewed for `lease_s` seconds."""
+        now = time.monotonic()
+        return [sid for sid, s in self.streams.items() if now - s.renewed > lease_s]
 
     def new_job(self, t: Tracked, worker: int, version: int) -> RolloutRequest:
         job_id = f"{t.request.request_id}#{next(self._ids)}"
@@ -125,13 +146,14 @@ class Ledger:
         for j in t.jobs:
             self._job_owner.pop(j, None)
 
-    def fill_aborted(self, t: Tracked) -> list[RolloutResult]:
-        """Deliver an empty "abort" result for every sample that has none, so its stream ends."""
+    def fill_aborted(self, t: Tracked, error: str | None = None) -> list[RolloutResult]:
+        """Deliver an empty "abort" result (carrying `error`, if the request failed) for every sample that
+        has none, so its stream ends."""
         out = []
         for idx in range(t.request.sampling.n):
             if idx not in t.delivered and t.request.request_id in self.tracked:
                 out.append(RolloutResult(t.request.request_id, idx, [], [], [], [], "abort",
-                                         metadata=t.request.metadata))
+                                         metadata=t.request.metadata, error=error))
                 self.deliver(t, out[-1])
         return out
 
@@ -148,7 +170,9 @@ class Ledger:
     async def next_results(self, sid: str, timeout: float) -> tuple[list[RolloutResult], bool]:
         s = self.streams.get(sid)
         if s is None:
-            raise ValueError(f"unknown or finished stream {sid!r}")
+            raise ValueError(f"unknown stream {sid!r}: finished, closed, or cancelled when its client stopped "
+                             "renewing it")
+        s.renewed = time.monotonic()
         if not s.results and s.delivered < s.expected:
             try:
                 await asyncio.wait_for(s.event.wait(), timeout)

@@ -41,7 +41,10 @@ async def create_workers(config: ServiceConfig) -> tuple[list, object]:
                     resources={k: v for k, v in bundle.items() if k not in ("CPU", "GPU", "memory")},
                     scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
                     max_restarts=config.max_restarts, max_task_retries=0,
-                    max_concurrency=config.max_concurrency, name=None)
+                    max_concurrency=config.max_concurrency, name=None,
+                    # transformers' GGUF conversion bar is plain tqdm; through Ray's log forwarding its
+                    # carriage returns become blank "(RolloutWorker pid=...)" lines. tqdm reads this at import.
+                    runtime_env={"env_vars": {"TQDM_DISABLE": "1"}})
         if "memory" in bundle:
             opts["memory"] = bundle["memory"]
         engine = config.engine.to_dict() if isinstance(config.engine.model, str) else vars(config.engine)

@@ -7,27 +7,48 @@ Every transport follows one protocol (the learner's side is RolloutClient.update
 2. broadcast only: the workers take the bytes into staging while they keep generating, as the learner
    sends them. A failure anywhere (a dead member, a dead learner) fails the refresh everywhere.
 3. apply: each worker swaps between two steps and records the version.
-One refresh at a time: a second one while one is in flight is refused. The last refresh's payload is kept
-(object-store refs, IPC handles) so a restarted worker loads it before it serves; after a broadcast only
-the learner has the bytes, so a restarted worker waits for the learner to form the group again.
+One refresh at a time: a second one while one is in flight is refused.
+
+A restarted worker must serve exactly the weights its peers serve. The coordinator keeps a replay log:
+the refreshes that rebuild the current weights from the checkpoint (object-store refs, IPC handles), in
+order, the newest payload of every weight (an older refresh whose weights were all sent again is dropped,
+a full refresh starts the log afresh). A restarted worker replays the log before it serves. When some
+current weight exists only with the learner (a broadcast since the last full refresh of another
+transport, IPC buckets the learner has refilled, released buffers) there is no log, and a restarted
+worker waits for the learner's next FULL refresh; a partial one does not let it serve. After a full
+broadcast the learner can resend it (`heal`), which is accepted while nothing has been refreshed since.
 """
 from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass
 from typing import Any
 
+import ray
+
+from actors.remote_errors import error_text, is_down
 from rollout_service.weights.sender import REGROUP
+
+
+@dataclass(frozen=True)
+class Logged:
+    """An applied refresh that a restarted worker can replay."""
+    payload: dict
+    version: int
+    partial: bool
+    names: frozenset[str]
 
 
 class RefreshCoordinator:
     def __init__(self, router: Any):
         self.router = router
         self.version = 0
-        self.latest: dict | None = None    # what a restarted worker loads (None: nothing that it can load alone)
-        self.group: dict | None = None     # {"id": str, "members": {worker index: incarnation}}
-        self._busy_since: float | None = None
-        self._pending: dict | None = None  # a broadcast between begin and finish
+        self.replay: list[Logged] | None = []  # None: the current weights cannot be rebuilt without the learner
+        self.learner_holds: int | None = None  # version that the learner's last broadcast holds in full
+        self.group: dict | None = None         # {"id": str, "members": {worker index: incarnation}}
+        self._busy_until: float | None = None
+        self._pending: dict | None = None      # a broadcast between begin and finish
 
     # -- helpers ----------------------------------------------------------------------------------
     def targets(self) -> list[int]:
@@ -35,26 +56,34 @@ class RefreshCoordinator:
         r = self.router
         return [i for i in range(len(r.workers)) if r._alive[i] or r._awaiting[i]]
 
+    @property
+    def busy(self) -> bool:
+        """A refresh is in flight (one whose learner went silent counts until its group timeout)."""
+        return self._busy_until is not None and time.monotonic() < self._busy_until
+
+    async def idle(self) -> None:
+        while self.busy:
+            await asyncio.sleep(0.05)
+
     def _start(self, version: Any, resend: bool = False, stale_after: float = 300.0) -> str | None:
         if not isinstance(version, int) or isinstance(version, bool) or \
                 version < self.version or (version == self.version and not resend):
             return f"update_weights: version={version!r} must be an int > the current version {self.version}"
-        if self._busy_since is not None and time.monotonic() - self._busy_since < stale_after:
+        if self.busy:
             return "update_weights: another refresh is in flight; wait for it to finish"
         if not self.targets():
             return "update_weights: no rollout worker is alive"
-        self._busy_since = time.monotonic()
+        self._busy_until = time.monotonic() + stale_after
         return None
 
     def _done(self) -> None:
-        self._busy_since, self._pending = None, None
+        self._busy_until, self._pending = None, None
 
     async def _each(self, targets: list[int], method: str, *args: Any) -> list[tuple[int, Any]]:
         calls = [getattr(self.router.workers[i], method).remote(*args) for i in targets]
         return list(zip(targets, await asyncio.gather(*calls, return_exceptions=True)))
 
     async def _prepare(self, targets: list[int], payload: dict, partial: bool) -> str | None:
-        from actors.router import error_text, is_down
         for i, out in await self._each(targets, "weights_prepare", payload, partial):
             if isinstance(out, BaseException) and not is_down(out):  # a dead one catches up when it restarts
                 await self._each(targets, "weights_discard")
@@ -62,16 +91,36 @@ class RefreshCoordinator:
         return None
 
     async def _apply(self, targets: list[int], payload: dict, version: int, partial: bool) -> str | None:
-        from actors.router import error_text, is_down
-        errors = []
-        for i, out in await self._each(targets, "weights_apply", payload, version, partial):
-            if isinstance(out, BaseException):
-                if not is_down(out):
-                    errors.append(f"worker {i} failed to apply the refresh: {error_text(out)}")
-            elif self.router._awaiting[i]:  # a restarted worker that waited for these weights
-                await self.router.back_in_service(i)
+        outcomes = await self._each(targets, "weights_apply", payload, version, partial)
+        failed = [(i, out) for i, out in outcomes if isinstance(out, BaseException) and not is_down(out)]
+        errors = [f"worker {i} failed to apply the refresh: {error_text(out)}" for i, out in failed]
+        if failed and len(failed) == len(outcomes):  # nobody swapped (a check only the values can fail): nothing changes
+            return "; ".join(errors)
         self.version = version
+        self._record(payload, version, partial)
+        for i, _ in failed:  # its peers swapped: restart it, and the replay log brings it to their weights
+            self.router._log(f"worker {i} failed to apply version {version}; restarting it to replay the refreshes")
+            ray.kill(self.router.workers[i], no_restart=False)
+        for i, out in outcomes:
+            if isinstance(out, BaseException):
+                continue
+            if self.router._awaiting[i] and not partial:  # a restarted worker that waited for every weight
+                await self.router.back_in_service(i)
         return "; ".join(errors) or None
+
+    def _logs(self, transport: str) -> bool:
+        return any(e.payload["transport"] == transport for e in self.replay or [])
+
+    def _record(self, payload: dict, version: int, partial: bool) -> None:
+        """Log an applied refresh for the workers that restart later."""
+        kind = payload["transport"]
+        self.learner_holds = version if kind == "broadcast" and not partial else None
+        if kind == "broadcast" or (partial and self.replay is None):
+            self.replay = None
+            return
+        names = frozenset(payload["manifest"].names())
+        kept = [e for e in self.replay if not e.names <= names] if partial else []
+        self.replay = kept + [Logged(dict(payload), version, partial, names)]
 
     # -- object store and CUDA IPC: one call --------------------------------------------------------
     async def update(self, payload: dict, version: int, partial: bool = False) -> str | None:
@@ -79,19 +128,23 @@ class RefreshCoordinator:
         if err:
             return err
         try:
+            if payload["transport"] == "cuda_ipc" and self._logs("cuda_ipc"):
+                self.replay = None  # the learner has refilled (or freed) the IPC buckets the log points to
             targets = self.targets()
             err = await self._prepare(targets, payload, partial)
             if err:
                 return err
-            err = await self._apply(targets, payload, version, partial)
-            self.latest = None if partial else dict(payload, partial=False)
-            return err
+            return await self._apply(targets, payload, version, partial)
         finally:
             self._done()
 
     # -- broadcast: begin, then finish while the learner sends --------------------------------------
     async def broadcast_begin(self, payload: dict, version: int, partial: bool, resend: bool,
                               timeout_s: float) -> str | None:
+        if resend and version != self.learner_holds:
+            return (f"update_weights: a restarted worker needs every current weight (version {self.version}); the "
+                    "learner's last broadcast was partial, or another refresh came after it, so resending it cannot "
+                    "restore them: push the full weights with update_weights")
         err = self._start(version, resend, stale_after=timeout_s)
         if err:
             return err
@@ -107,7 +160,6 @@ class RefreshCoordinator:
         return None
 
     async def broadcast_finish(self) -> str | None:
-        from actors.router import error_text
         p = self._pending
         if p is None:
             return "update_weights: no broadcast was begun (or it was given up after the group timeout)"
@@ -121,9 +173,7 @@ class RefreshCoordinator:
                 i, out = failed[0]
                 return f"update_weights: the broadcast failed on worker {i} ({error_text(out)}); every worker " \
                        f"keeps version {self.version}"
-            err = await self._apply(targets, payload, p["version"], p["partial"])
-            self.latest = None  # only the learner holds these bytes
-            return err
+            return await self._apply(targets, payload, p["version"], p["partial"])
         finally:
             self._done()
 
@@ -135,7 +185,6 @@ class RefreshCoordinator:
 
     async def form_group(self, spec: Any, members: list[int]) -> str | None:
         """Workers join as ranks 1..N in `members` order while the learner joins as rank 0."""
-        from actors.router import error_text
         if members != self.targets():
             return "init_weight_group: the set of live workers changed meanwhile; call it again"
         await self._each(members, "leave_weight_group")
@@ -148,24 +197,29 @@ class RefreshCoordinator:
         return None
 
     # -- faults and memory ------------------------------------------------------------------------
-    async def bring_up_to_date(self, i: int) -> bool:
-        """Give a restarted worker the current weights. False: it must wait for the learner's next push."""
-        if self.version == 0:
-            return True  # never refreshed: the checkpoint it loaded is current
-        if self.latest is None:
-            return False
+    async def bring_up_to_date(self, i: int, has: int) -> int | None:
+        """Replay the log on worker i, which runs version `has` (0: a restarted worker, on its checkpoint).
+        Returns the version it then runs, or None: it must wait for the learner's next full refresh."""
+        if has == self.version:
+            return has
+        if self.replay is None:
+            return None
         w = self.router.workers[i]
         try:
-            await w.weights_prepare.remote(self.latest, False)
-            await w.weights_apply.remote(self.latest, self.version, False)
-        except Exception as e:  # e.g. the learner that held the IPC buffers is gone
-            from actors.router import error_text
-            self.router._log(f"worker {i} could not load the latest weights ({error_text(e)}); "
-                             "it waits for the next refresh")
-            return False
-        return True
+            for e in [e for e in self.replay if e.version > has]:
+                await w.weights_prepare.remote(e.payload, e.partial)
+                has = await w.weights_apply.remote(e.payload, e.version, e.partial)
+        except Exception as e:
+            if is_down(e):
+                raise
+            # e.g. the learner that owned the object-store copies or the IPC buckets is gone
+            self.router._log(f"worker {i} could not replay the refreshes ({error_text(e)}); it waits for the "
+                             "next full refresh")
+            self.replay = None
+            return None
+        return has
 
     async def release(self) -> None:
         """The learner frees its buffers: workers drop their mappings and staging first."""
-        self.latest = None
+        self.replay = None
         await self._each(self.targets(), "release_weight_buffers")

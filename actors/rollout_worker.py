@@ -4,7 +4,13 @@ The actor is threaded (max_concurrency > 1): while the engine thread steps, othe
 abort, update_weights, pause, stats) are served. One lock guards the engine, so every engine call
 happens between two steps — that is the step boundary at which a weight refresh is applied.
 Finished results wait in an outbox that the router drains with `poll` (a long poll: it returns as soon
-as something finished, so results stream back as they finish).
+as something finished, so results stream back as they finish). `stats` and `health` read without the
+lock, so they answer at once even in the middle of a long step.
+
+An engine that fails to build does not fail the constructor: that would make Ray print the traceback and
+a crash dump of every attempt and restart the actor into the same failure. The actor stays up, does
+nothing, and reports the one-line reason in `health()`; the router stops the service (at start) or gives
+the worker up (after a restart).
 """
 from __future__ import annotations
 
@@ -25,14 +31,18 @@ class RolloutWorker:
     def __init__(self, engine_config: dict, worker_index: int = 0, model_source: Any = None):
         from transformers.utils import logging as hf_logging
 
-        from rollout_service.config import EngineConfig
-        from rollout_service.engine.engine import Engine
-
         hf_logging.disable_progress_bar()  # N workers' load bars would interleave in the driver's log
         self.worker_index = worker_index
         # A restarted actor gets a new incarnation: the router uses it to tell that the engine is empty.
         self.incarnation = uuid.uuid4().hex
-        self.engine = Engine(EngineConfig.from_dict(dict(engine_config)), model_source=model_source)
+        self.startup_error: str | None = None
+        try:
+            from rollout_service.config import EngineConfig
+            from rollout_service.engine.engine import Engine
+            self.engine = Engine(EngineConfig.from_dict(dict(engine_config)), model_source=model_source)
+        except Exception as e:
+            self.startup_error = " ".join(error_message(e).split())
+            return
         self.receiver = WeightReceiver(self.engine.device)
         self.last_refresh: dict[str, float] = {}  # seconds of each phase of the last refresh, for stats()
         self._lock = threading.Lock()            # guards self.engine
@@ -85,21 +95,27 @@ class RolloutWorker:
             self._cv.notify_all()
 
     # -- requests ---------------------------------------------------------------------------------
-    def submit(self, requests: list[RolloutRequest]) -> list[str | None]:
-        """Add requests, all or none: every one is validated and tokenized before any is queued.
-        Returns one error message (or None) per request."""
+    def submit(self, requests: list[RolloutRequest], atomic: bool = True) -> list[str | None]:
+        """Validate and tokenize every request, then queue them: all or none when `atomic` (a client's
+        batch), else each one that passed (a resubmission: one bad request must not hold back the others).
+        Whatever a request raises is its error, never the call's. Returns one error message (or None) per
+        request."""
         errors: list[str | None] = [None] * len(requests)
         with self._lock:
-            seqs = []
+            seqs: list = [None] * len(requests)
             for i, req in enumerate(requests):
                 try:
-                    seqs.append(self.engine.prepare(req))
-                except ValueError as e:
-                    errors[i] = str(e)
-            if any(errors):
+                    seqs[i] = self.engine.prepare(req)
+                except Exception as e:
+                    errors[i] = error_message(e)
+            if atomic and any(errors):
                 return errors
-            for req, seq in zip(requests, seqs):
-                self.engine.add_request(req, seq)
+            for i, (req, seq) in enumerate(zip(requests, seqs)):
+                if seq is not None:
+                    try:
+                        self.engine.add_request(req, seq)
+                    except Exception as e:
+                        errors[i] = error_message(e)
         self._wake()
         return errors
 
@@ -195,8 +211,9 @@ class RolloutWorker:
         self._wake()
 
     def stats(self) -> dict:
-        with self._lock:
-            s = dict(self.engine.stats())
+        """The engine's counters, read without the engine lock (mid-step they may be a step apart from each
+        other), so that a long step does not hold this up."""
+        s = dict(self.engine.stats())
         with self._cv:
             s.update(worker=self.worker_index, incarnation=self.incarnation, paused=self._paused,
                      last_refresh={k: round(v, 4) if isinstance(v, float) else v for k, v in self.last_refresh.items()},
@@ -205,10 +222,14 @@ class RolloutWorker:
         return s
 
     def health(self) -> dict:
-        """Cheap liveness check that does not wait for the engine lock."""
-        return {"worker": self.worker_index, "incarnation": self.incarnation, "alive": self._thread.is_alive(),
-                "error": self._error, "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid(),
-                "device": str(self.engine.device), "weight_group": self.receiver.group_id()}
+        """Cheap liveness check that does not wait for the engine lock. `startup_error`: why the engine
+        could not be built (nothing else is then reported); `error`: why the engine loop stopped."""
+        h = {"worker": self.worker_index, "incarnation": self.incarnation, "startup_error": self.startup_error,
+             "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
+        if self.startup_error is not None:
+            return h
+        return {**h, "alive": self._thread.is_alive(), "error": self._error, "device": str(self.engine.device),
+                "policy_version": self.engine.policy_version, "weight_group": self.receiver.group_id()}
 
     def shutdown(self) -> None:
         with self._cv:
@@ -216,6 +237,11 @@ class RolloutWorker:
         self._wake()
         self._thread.join(timeout=10)
         self.receiver.leave()
+
+
+def error_message(e: BaseException) -> str:
+    """A ValueError's own message (it names what is wrong); anything else with its type."""
+    return str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
 
 
 RolloutWorkerActor = ray.remote(RolloutWorker)

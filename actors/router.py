@@ -5,10 +5,15 @@
 - Tracking: every request is tracked until its n samples were delivered. Each dispatch of a request is
   a "job" with its own engine request id, so the same request can be in flight twice (resubmitted)
   and results are matched back to it; a (request_id, sample_index) is delivered once, later copies
-  are dropped.
-- Faults: when a worker dies its jobs go to live workers; when Ray restarts it (new incarnation, empty
-  engine) it first gets the latest weights, then serves again (or, after a broadcast, waits for the
-  learner's next push: actors/refresh.py).
+  are dropped. A batch is validated (tokenized, on its worker) before any of it is queued; a refused
+  batch leaves nothing behind.
+- Streams end when read to the end, closed by the client, or, when the client process is gone, when
+  their lease runs out (a live client renews the leases of the streams it holds).
+- Faults: when a worker dies its jobs go to live workers, request by request (one that fails there ends
+  alone, its error on its results); when Ray restarts it (new incarnation, empty engine) it replays the
+  weight refreshes and serves again (or waits for the learner's next full push: actors/refresh.py). A
+  worker that cannot come back is given up with the reason in the log. Nothing a worker or a result
+  does ends the loop that collects a worker's results.
 - Refresh: actors/refresh.py (all workers or none). Results older than `max_staleness` versions are
   regenerated.
 - Sleep: every worker frees its device memory; requests wait (or are refused) until wake_up.
@@ -16,34 +21,21 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.exceptions import ActorDiedError, RayTaskError
 
 from actors.ledger import Ledger, Tracked, decode_request
 from actors.placement import create_workers
 from actors.refresh import RefreshCoordinator
+from actors.remote_errors import ACTOR_DOWN as _ACTOR_DOWN, error_text, is_down
 from rollout_service.config import ServiceConfig
 from rollout_service.types import RolloutRequest, RolloutResult
 
-_ACTOR_DOWN = (RayActorError, getattr(ray.exceptions, "ActorUnavailableError", RayActorError))
-
-
-def is_down(e: BaseException) -> bool:
-    return isinstance(e, _ACTOR_DOWN)
-
-
-def error_text(e: BaseException) -> str:
-    """The user-facing message of an exception that crossed a Ray actor boundary."""
-    cause = getattr(e, "cause", None) if isinstance(e, RayTaskError) else None
-    e = cause if cause is not None else e
-    if isinstance(e, ValueError):
-        return str(e)
-    text = str(e)
-    if isinstance(e, RayActorError) and "creation task" in text:  # keep the constructor's own error
-        lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-        return f"constructor failed: {lines[-1]}"
-    return f"{type(e).__name__}: {text}"
+STREAM_LEASE_S = 60.0      # a stream that its client has not renewed for this long is cancelled
+RESTART_TIMEOUT_S = 900.0  # a worker that Ray has not brought back by then is given up (a model load fits)
+STATS_TIMEOUT_S = 2.0      # a worker that does not answer stats() by then is reported without its counters
 
 
 class Router:
@@ -64,7 +56,8 @@ class Router:
         self._fail_if_asleep = False
         self._closed = False
         self._tasks: list[asyncio.Task] = []
-        self.counters = {"resubmitted": 0, "stale_regenerated": 0, "worker_deaths": 0}
+        self.stream_lease_s = STREAM_LEASE_S
+        self.counters = {"resubmitted": 0, "stale_regenerated": 0, "worker_deaths": 0, "streams_expired": 0}
 
     # -- start-up ---------------------------------------------------------------------------------
     async def start(self) -> str | None:
@@ -73,22 +66,52 @@ class Router:
             self.workers, self.placement_group = await create_workers(self.config)
         except ValueError as e:
             return str(e)
-        for i, w in enumerate(self.workers):
-            try:
-                self._on_health(i, await w.health.remote())
+        healths = await asyncio.gather(*[w.health.remote() for w in self.workers], return_exceptions=True)
+        failed = []
+        for i, h in enumerate(healths):
+            reason = error_text(h) if isinstance(h, BaseException) else h["startup_error"]
+            if reason:
+                failed.append((i, reason))
+            else:
+                self._on_health(i, h)
                 self._alive[i] = True
-            except Exception as e:
-                return f"rollout worker {i} failed to start: {error_text(e)}"
-        self._tasks = [asyncio.get_running_loop().create_task(self._poll_loop(i)) for i in range(len(self.workers))]
+        if failed:
+            (i, reason), more = failed[0], len(failed) - 1
+            return f"rollout worker {i}{f' (and {more} more)' if more else ''} failed to start: {reason}"
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._poll_loop(i)) for i in range(len(self.workers))]
+        self._tasks.append(loop.create_task(self._lease_loop()))
         return None
 
     # -- requests ---------------------------------------------------------------------------------
     async def submit(self, items: list) -> dict:
-        """Accept a batch (all or none). Returns {"stream": id} or {"errors": [(index, message), ...]}."""
+        """Accept a batch, all or none: every request decoded, validated and tokenized (on the worker it
+        goes to) before any is queued. Returns {"stream": id, "lease_s": seconds} or {"errors": [(index,
+        message), ...]}; a refused batch leaves nothing behind."""
         if self._closed:
             return {"errors": [(-1, "the service is closed")]}
         if self._asleep and self._fail_if_asleep:
             return {"errors": [(-1, f"the service is asleep (sleep level {self._asleep}): call wake_up() first")]}
+        reqs, errors = self._decode(items)
+        if errors:
+            return {"errors": errors}
+        if not reqs:
+            return {"errors": [(-1, "empty batch")]}
+        if all(self._gone):
+            return {"errors": [(-1, "no rollout worker is alive")]}
+        sid, tracked = self.ledger.open_stream(reqs)
+        try:
+            errors = await self._dispatch(tracked, atomic=True)
+        except Exception:
+            await self.close_stream(sid)
+            raise
+        if errors:
+            await self.close_stream(sid)
+            index = {r.request_id: i for i, r in enumerate(reqs)}
+            return {"errors": [(index.get(rid, -1), msg) for rid, msg in errors]}
+        return {"stream": sid, "lease_s": self.stream_lease_s}
+
+    def _decode(self, items: list) -> tuple[list[RolloutRequest], list[tuple[int, str]]]:
         reqs, errors, seen = [], [], set()
         for i, item in enumerate(items):
             try:
@@ -99,24 +122,14 @@ class Router:
                 reqs.append(r)
             except ValueError as e:
                 errors.append((i, str(e)))
-        if errors:
-            return {"errors": errors}
-        if not reqs:
-            return {"errors": [(-1, "empty batch")]}
-        if not any(self._alive) and not any(self._awaiting) and all(self._gone):
-            return {"errors": [(-1, "no rollout worker is alive")]}
-        sid, tracked = self.ledger.open_stream(reqs)
-        errors = await self._dispatch(tracked, report_errors=True)
-        if errors:
-            await self._abort_tracked(tracked, deliver=False)
-            self.ledger.close_stream(sid)
-            index = {r.request_id: i for i, r in enumerate(reqs)}
-            return {"errors": [(index.get(rid, -1), msg) for rid, msg in errors]}
-        return {"stream": sid}
+        return reqs, errors
 
-    async def _dispatch(self, tracked: list[Tracked], report_errors: bool = False) -> list[tuple[str, str]]:
-        """Send each request (as a new job) to the least-loaded live worker. With no live worker the
-        requests wait (worker None) until one comes back. Returns (request_id, error) pairs."""
+    async def _dispatch(self, tracked: list[Tracked], atomic: bool = False) -> list[tuple[str, str]]:
+        """Send each request (as a new job) to the least-loaded live worker; with none alive they wait
+        (worker None) until one comes back. `atomic` (a client's batch): a worker queues its share all or
+        none and the errors are returned for the caller to drop the batch. Otherwise (a resubmission) each
+        request stands alone: one that fails ends with its error, the others go on. Returns (request_id,
+        error) pairs."""
         live = [i for i, a in enumerate(self._alive) if a]
         if not live:
             for t in tracked:
@@ -129,38 +142,50 @@ class Router:
             job = self.ledger.new_job(t, i, self.refresh.version)
             loads[i] += t.cost_per_sample * t.missing
             batches.setdefault(i, []).append(job)
-        calls = {i: self.workers[i].submit.remote(jobs) for i, jobs in batches.items()}
+        calls = [self.workers[i].submit.remote(jobs, atomic) for i, jobs in batches.items()]
+        outcomes = await asyncio.gather(*calls, return_exceptions=True)
         errors = []
-        for i, ref in calls.items():
-            try:
-                for job, err in zip(batches[i], await ref):
-                    if err is not None:
-                        errors.append((self.ledger.owner(job.request_id).request.request_id, err))
-            except _ACTOR_DOWN:
-                pass  # its poll loop sees the death and moves these jobs on
-        if errors and not report_errors:  # cannot happen for requests accepted before; do not lose them
+        for jobs, out in zip(batches.values(), outcomes):
+            if is_down(out):
+                continue  # its poll loop sees the death and moves these jobs on
+            verdicts = [error_text(out)] * len(jobs) if isinstance(out, BaseException) else out
+            for job, err in zip(jobs, verdicts):
+                t = self.ledger.owner(job.request_id)
+                if err is not None and t is not None:  # (None: the request ended meanwhile)
+                    rid = t.request.request_id
+                    errors.append((rid, err.replace(job.request_id, rid)))  # the client knows its own id
+        if not atomic:
             for rid, msg in errors:
                 self._fail(rid, msg)
         return errors
 
     # -- results ----------------------------------------------------------------------------------
     async def _poll_loop(self, i: int) -> None:
+        """Collect worker i's results for as long as the service runs. A fault in here is logged and the
+        loop goes on: were it to end, the worker would be lost to the service."""
         while not self._closed and not self._gone[i]:
             try:
-                incarnation, results = await self.workers[i].poll.remote(0.5)
-            except _ACTOR_DOWN:
-                await self._worker_down(i)
-                continue
-            except RayTaskError as e:  # the engine loop crashed: restart the actor
-                self._log(f"worker {i} failed ({error_text(e)}); restarting it")
-                ray.kill(self.workers[i], no_restart=False)
-                await self._worker_down(i)
-                continue
-            if incarnation != self._incarnation[i]:  # restarted between two polls
-                await self._worker_down(i)
-                continue
-            for r in results:
+                await self._poll(i)
+            except Exception as e:
+                self._log(f"worker {i}: {error_text(e)} while collecting its results; carrying on")
+                await asyncio.sleep(0.5)
+
+    async def _poll(self, i: int) -> None:
+        try:
+            incarnation, results = await self.workers[i].poll.remote(0.5)
+        except _ACTOR_DOWN:
+            return await self._worker_down(i)
+        except RayTaskError as e:  # the engine loop crashed: restart the actor
+            self._log(f"worker {i} failed ({error_text(e)}); restarting it")
+            ray.kill(self.workers[i], no_restart=False)
+            return await self._worker_down(i)
+        if incarnation != self._incarnation[i]:  # restarted between two polls
+            return await self._worker_down(i)
+        for r in results:
+            try:
                 self._on_result(r)
+            except Exception as e:  # one bad result must not cost the others
+                self._log(f"worker {i}: a result could not be handled ({error_text(e)}); dropped")
 
     def _on_result(self, r: RolloutResult) -> None:
         t = self.ledger.is_new(r)
@@ -177,10 +202,11 @@ class Router:
         self.ledger.deliver(t, r)
 
     def _fail(self, rid: str, msg: str) -> None:
+        """End a request that cannot run any more: its missing samples come as "abort" results with `msg`."""
         t = self.ledger.tracked.get(rid)
         if t is not None:
-            self._log(f"request {rid} failed on resubmission: {msg}")
-            self.ledger.fill_aborted(t)
+            self._log(f"request {rid} failed: {msg}")
+            self.ledger.fill_aborted(t, error=msg)
 
     async def _regenerate(self, t: Tracked) -> None:
         old = (t.worker, t.jobs[-1]) if t.worker is not None else None
@@ -201,8 +227,24 @@ class Router:
         return out, done, not any(self._alive) and any(self._awaiting)
 
     async def close_stream(self, sid: str) -> None:
-        """The consumer went away: abort what is still running for it."""
-        await self._abort_tracked(self.ledger.close_stream(sid), deliver=False)
+        """The consumer went away: forget the stream (at once) and abort what still runs for it."""
+        await self._abort_jobs(self.ledger.close_stream(sid))
+
+    def renew_streams(self, sids: list[str]) -> None:
+        """The client process still holds these streams: extend their leases."""
+        self.ledger.renew(sids)
+
+    async def _lease_loop(self) -> None:
+        """Cancel the streams whose lease ran out: their client process is gone."""
+        while not self._closed:
+            await asyncio.sleep(min(self.stream_lease_s / 4, 5.0))
+            for sid in self.ledger.expired(self.stream_lease_s):
+                self.counters["streams_expired"] += 1
+                self._log(f"stream {sid} cancelled: its client has not renewed it for {self.stream_lease_s:g} s")
+                try:
+                    await self.close_stream(sid)
+                except Exception as e:
+                    self._log(f"stream {sid}: its jobs could not all be aborted ({error_text(e)})")
 
     # -- faults -----------------------------------------------------------------------------------
     async def _worker_down(self, i: int) -> None:
@@ -216,37 +258,78 @@ class Router:
         await self._recover(i)
 
     async def _recover(self, i: int) -> None:
-        """Wait for Ray to restart worker i, bring it to the current weights, put it back in service."""
-        for attempt in range(120):
+        """Wait for Ray to restart worker i, give it the current weights and put it back in service; or give
+        it up, saying why."""
+        deadline = time.monotonic() + RESTART_TIMEOUT_S
+        while not self._closed:
             try:
-                h = await asyncio.wait_for(asyncio.wrap_future(self.workers[i].health.remote().future()), 10)
-            except (asyncio.TimeoutError, GetTimeoutError, *_ACTOR_DOWN) as e:
-                if isinstance(e, ray.exceptions.ActorDiedError) and attempt >= 3:
-                    break
-                await asyncio.sleep(min(0.25 * (attempt + 1), 2.0))
-                continue
-            try:
-                self._on_health(i, h)
-                current = await self.refresh.bring_up_to_date(i)
-                if self._paused:
-                    await self.workers[i].pause.remote()
-                if self._asleep:
-                    await self.workers[i].sleep.remote(self._asleep)
+                if await self._restore(i, await self._health_when_back(i, deadline)):
+                    return
+            except ActorDiedError:
+                return self._give_up(i, f"Ray restarts it no more (max_restarts={self.config.max_restarts})")
+            except asyncio.TimeoutError:
+                return self._give_up(i, f"it was not back {RESTART_TIMEOUT_S:g} s after it went down")
+            except _CannotServe as e:
+                return self._give_up(i, str(e))
+            except _ACTOR_DOWN:
+                pass  # it went down again
             except Exception as e:
-                self._log(f"worker {i} came back but could not be brought up to date: {error_text(e)}")
+                self._log(f"worker {i} came back but could not be put in service ({error_text(e)}); trying again")
                 await asyncio.sleep(1.0)
-                continue
-            if current:
+
+    async def _health_when_back(self, i: int, deadline: float) -> dict:
+        """Worker i's health() as soon as it answers. A call made while Ray restarts the actor fails only
+        ~2 s later, even if the actor is back meanwhile: ask every 0.1 s, the calls overlapping, and take
+        the first answer (no back-off: every second of a restart is a worker's throughput lost)."""
+        pending: set[asyncio.Future] = set()
+        try:
+            while time.monotonic() < deadline:
+                if len(pending) < 32:  # (an actor waiting for resources may not answer at all)
+                    pending.add(asyncio.wrap_future(self.workers[i].health.remote().future()))
+                done, pending = await asyncio.wait(pending, timeout=0.1, return_when=asyncio.FIRST_COMPLETED)
+                for f in done:
+                    if f.exception() is None:
+                        return f.result()
+                    if not is_down(f.exception()) or isinstance(f.exception(), ActorDiedError):
+                        raise f.exception()
+            raise asyncio.TimeoutError
+        finally:
+            for f in pending:
+                f.cancel()
+
+    async def _restore(self, i: int, h: dict) -> bool:
+        """Bring worker i, whose health() is `h`, into service (or to wait for weights); False: not yet."""
+        if h["startup_error"]:
+            raise _CannotServe(f"its engine failed to start again: {h['startup_error']}")
+        if h["error"]:  # the incarnation whose engine loop failed: Ray has yet to replace it
+            await asyncio.sleep(0.05)
+            return False
+        self._on_health(i, h)
+        has = h["policy_version"]
+        while True:
+            reached = await self.refresh.bring_up_to_date(i, has)
+            if self._paused:
+                await self.workers[i].pause.remote()
+            if self._asleep:
+                await self.workers[i].sleep.remote(self._asleep)
+            await self.refresh.idle()  # a refresh in flight did not include this worker: wait for it, then
+            if reached == self.refresh.version:  # no await between this check and serving
                 await self.back_in_service(i)
-            else:
+                return True
+            if reached is None and self.refresh.replay is None:
                 self._awaiting[i] = True
-                self._log(f"worker {i} restarted; it serves again once the learner pushes weights")
-            return
+                self._log(f"worker {i} restarted; it serves again once the learner pushes the full weights")
+                return True
+            has = has if reached is None else reached  # a refresh landed meanwhile: catch up with it
+
+    def _give_up(self, i: int, reason: str) -> None:
         self._gone[i] = True
-        self._log(f"worker {i} is gone for good")
-        if not any(self._alive):
+        self._alive[i] = self._awaiting[i] = False
+        self._log(f"worker {i} is gone for good: {reason}")
+        ray.kill(self.workers[i])  # no restart: free its resources
+        if all(self._gone):
             for t in list(self.ledger.tracked.values()):
-                self.ledger.fill_aborted(t)
+                self.ledger.fill_aborted(t, error="every rollout worker is gone")
 
     async def back_in_service(self, i: int) -> None:
         """Worker i runs the current weights: dispatch to it again, starting with requests that waited."""
@@ -265,30 +348,25 @@ class Router:
         """Abort requests now. Their remaining samples end with finish_reason "abort" (tokens so far);
         those results go to the requests' streams (so they finish) and are returned here as well."""
         ts = [self.ledger.tracked[r] for r in request_ids if r in self.ledger.tracked]
-        return await self._abort_tracked(ts, deliver=True)
-
-    async def _abort_tracked(self, ts: list[Tracked], deliver: bool) -> list[RolloutResult]:
         out: list[RolloutResult] = []
+        for r in await self._abort_jobs(ts):
+            t = self.ledger.owner(r.request_id)
+            if t is not None and r.sample_index not in t.delivered:
+                self.ledger.deliver(t, r)
+                out.append(r)
+        for t in ts:
+            out += self.ledger.fill_aborted(t)
+        return out
+
+    async def _abort_jobs(self, ts: list[Tracked]) -> list[RolloutResult]:
+        """Abort the jobs of these requests on their workers; returns the partial results."""
         by_worker: dict[int, list[str]] = {}
         for t in ts:
             if t.worker is not None:
                 by_worker.setdefault(t.worker, []).extend(t.jobs)
-        for i, jobs in by_worker.items():
-            try:
-                partial = await self.workers[i].abort.remote(jobs)
-            except _ACTOR_DOWN:
-                partial = []
-            for r in partial if deliver else []:
-                t = self.ledger.owner(r.request_id)
-                if t is not None and r.sample_index not in t.delivered:
-                    self.ledger.deliver(t, r)
-                    out.append(r)
-        for t in ts:
-            if deliver:
-                out += self.ledger.fill_aborted(t)
-            else:
-                self.ledger.forget(t)
-        return out
+        outcomes = await asyncio.gather(*[self.workers[i].abort.remote(jobs) for i, jobs in by_worker.items()],
+                                        return_exceptions=True)
+        return [r for out in outcomes if not isinstance(out, BaseException) for r in out]
 
     # -- weights (actors/refresh.py) ----------------------------------------------------------------
     async def update_weights(self, payload: dict, version: int, partial: bool = False) -> str | None:
@@ -359,25 +437,28 @@ class Router:
                 pass
 
     async def stats(self) -> list[dict]:
-        out = []
-        for i, w in enumerate(self.workers):
-            s = {"worker": i, "alive": False, "queued": None, "running": None, "kv_pages_used": None,
-                 "kv_pages_total": None, "tokens_per_s": None, "policy_version": None}
-            if self._alive[i] or self._awaiting[i]:
-                try:
-                    s = {**await w.stats.remote(), "alive": self._alive[i]}
-                except _ACTOR_DOWN:
-                    pass
-            s["awaiting_weights"] = self._awaiting[i]
-            out.append(s)
-        return out
+        """Per worker, its counters (the workers read them without waiting for an engine step)."""
+        return list(await asyncio.gather(*[self._worker_stats(i) for i in range(len(self.workers))]))
+
+    async def _worker_stats(self, i: int) -> dict:
+        s = {"worker": i, "alive": False, "queued": None, "running": None, "kv_pages_used": None,
+             "kv_pages_total": None, "tokens_per_s": None, "policy_version": None}
+        if self._alive[i] or self._awaiting[i]:
+            try:
+                got = await asyncio.wait_for(asyncio.wrap_future(self.workers[i].stats.remote().future()),
+                                             STATS_TIMEOUT_S)
+                s = {**got, "alive": self._alive[i]}
+            except (asyncio.TimeoutError, *_ACTOR_DOWN):
+                s["alive"] = self._alive[i]
+        s["awaiting_weights"] = self._awaiting[i]
+        return s
 
     def info(self) -> dict:
         return {"name": self.config.name, "policy_version": self.refresh.version, "num_workers": len(self.workers),
-                "alive": list(self._alive), "awaiting_weights": list(self._awaiting), "in_flight": len(self.ledger.tracked),
-                "streams": len(self.ledger.streams), "paused": self._paused, "asleep": self._asleep,
-                "loads": self.ledger.loads(len(self.workers)), "duplicates_dropped": self.ledger.duplicates_dropped,
-                **self.counters}
+                "alive": list(self._alive), "awaiting_weights": list(self._awaiting), "gone": list(self._gone),
+                "in_flight": len(self.ledger.tracked), "streams": len(self.ledger.streams), "paused": self._paused,
+                "asleep": self._asleep, "loads": self.ledger.loads(len(self.workers)),
+                "duplicates_dropped": self.ledger.duplicates_dropped, **self.counters}
 
     async def shutdown(self) -> None:
         self._closed = True
@@ -400,6 +481,10 @@ class Router:
     @staticmethod
     def _log(msg: str) -> None:
         print(f"[rollout_service.router] {msg}", flush=True)
+
+
+class _CannotServe(Exception):
+    """A restarted worker that will not be able to serve, whatever the router waits for."""
 
 
 RouterActor = ray.remote(Router)

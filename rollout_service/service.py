@@ -5,8 +5,11 @@ instance) and `RolloutClient.connect(name)` attaches to a running one; both wrap
 """
 from __future__ import annotations
 
+import logging
 import os
+import socket
 import time
+from pathlib import Path
 from typing import Any, Iterator
 
 import ray
@@ -19,12 +22,79 @@ from rollout_service.weights.push import WeightPusher
 def ensure_ray(address: str | None = None, namespace: str | None = None) -> None:
     """Use the Ray this process is connected to; else join `address` / $RAY_ADDRESS (set inside a Ray
     job); else start a new local instance. A cluster merely running on this machine is joined only
-    when asked (`address: auto`), so two users' services never land in each other's clusters."""
+    when asked (`address: auto`), so two users' services never land in each other's clusters.
+    No cluster to join is a ConnectionError of one sentence that says what to do."""
     if ray.is_initialized():
         return
     address = address or os.environ.get("RAY_ADDRESS") or "local"
-    ray.init(address=address, namespace=namespace, log_to_driver=True,
-             **({"include_dashboard": False} if address == "local" else {}))
+    _use_token_auth(address)
+    _check_reachable(address)
+    try:
+        # logging_level: Ray's INFO lines ("Started a local Ray instance", ...) are not this CLI's output
+        ray.init(address=address, namespace=namespace, log_to_driver=True, logging_level=logging.WARNING,
+                 **({"include_dashboard": False} if address == "local" else {}))
+    except ConnectionError as e:
+        # Ray's first sentence says what failed; the advice after it is replaced by ours
+        first = str(e).strip().splitlines()[0].split(". ")[0].rstrip(".")
+        if _auth_failure(e):
+            raise ConnectionError(f"{first}: the cluster wants Ray's auth token, which this machine lacks "
+                                  f"(~/.ray/auth_token or $RAY_AUTH_TOKEN; README: \"Security\")") from None
+        raise ConnectionError(f"{first}. Start one with `ray start --head` (README: \"A long-lived "
+                              f"service\"), or pass its address.") from None
+
+
+def _auth_failure(e: BaseException | None) -> bool:
+    # Ray < 2.52 has no token authentication, and so no AuthenticationError
+    auth_error = getattr(ray.exceptions, "AuthenticationError", ())
+    while e is not None:
+        if auth_error and isinstance(e, auth_error):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def _use_token_auth(address: str) -> None:
+    """Authenticate with Ray's token where Ray would, and say so explicitly: a new local instance makes one
+    (Ray's default, which otherwise warns on every start), and a token on this machine is used for an
+    explicit address too, as Ray itself does only for `auto`. RAY_AUTH_MODE, when set, is respected."""
+    if "RAY_AUTH_MODE" in os.environ or not hasattr(ray.exceptions, "AuthenticationError"):  # Ray < 2.52: none
+        return
+    token = (os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH")
+             or (Path.home() / ".ray" / "auth_token").is_file())
+    if address == "local" or token:
+        os.environ["RAY_AUTH_MODE"] = "token"
+        # Ray reads its config once, at import: re-read it, as Ray does when it turns token auth on itself
+        from ray._raylet import Config
+        Config.initialize("")
+
+
+def _check_reachable(address: str) -> None:
+    """A HOST:PORT nobody listens on fails now, not after Ray's minutes of retries."""
+    host, sep, port = address.rpartition(":")
+    if "://" in address or not sep or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=5).close()
+    except OSError as e:
+        raise ConnectionError(f"no Ray cluster at {address} ({e.strerror or e}). Start one with `ray start "
+                              f"--head` (README: \"A long-lived service\"), or pass its address.") from None
+
+
+def _starts_local_ray(address: str | None) -> bool:
+    """Whether ensure_ray(address) will start a new Ray instance, which ends with this process."""
+    return not ray.is_initialized() and (address or os.environ.get("RAY_ADDRESS") or "local") == "local"
+
+
+def _check_model_here(cfg: ServiceConfig) -> None:
+    """Refuse an unknown model source before anything starts, where this process can judge it: a bare name
+    (the embedded model, or a typo of it) always, and a path when every worker will run on this machine
+    (a new local Ray instance). A path on a cluster may exist only on its other nodes: the workers judge it."""
+    from rollout_service.model.loader import check_source
+
+    source = cfg.engine.model
+    bare_name = isinstance(source, str) and "/" not in source and os.sep not in source
+    if bare_name or _starts_local_ray(cfg.address):
+        check_source(source)
 
 
 def resolve_auto(config: ServiceConfig) -> ServiceConfig:
@@ -54,6 +124,10 @@ class RayBackend:
         from actors.router import RouterActor
 
         cfg = ServiceConfig.load(config, **overrides)
+        if cfg.detached and _starts_local_ray(cfg.address):
+            raise ValueError("detached: true needs a Ray cluster that outlives this process: start one with "
+                             "`ray start --head` and set address: auto (or use `rollout-service serve`)")
+        _check_model_here(cfg)
         ensure_ray(cfg.address, cfg.namespace)
         cfg = resolve_auto(cfg)
         try:
@@ -84,33 +158,23 @@ class RayBackend:
         try:
             router = ray.get_actor(name, namespace=namespace)
         except ValueError:
-            raise ValueError(f"no rollout service named {name!r} in namespace {namespace!r} on this Ray cluster") from None
+            raise ValueError(f"no rollout service named {name!r} in namespace {namespace!r} on this Ray cluster "
+                             f"(start one with `rollout-service serve --config ...`)") from None
         return cls(router, name, owner=False, namespace=namespace)
 
     # -- the backend interface --------------------------------------------------------------------
     def submit(self, requests: list) -> Iterator[RolloutResult]:
         """Validate and dispatch now (ValueError naming the bad requests); then yield results as they
         finish, each (request_id, sample_index) exactly once. `requests` may hold RolloutRequests,
-        request dicts or msgpack-encoded requests."""
+        request dicts or msgpack-encoded requests. The stream (rollout_service/result_stream.py) ends in
+        the router however its consumer goes: read to the end, `close()`d, dropped unread, the client
+        closed, or this process gone."""
+        from rollout_service.result_stream import ResultStream, send_closes
+        send_closes()
         reply = ray.get(self.router.submit.remote(list(requests)))
         if "errors" in reply:
             raise ValueError("; ".join(f"request {i}: {msg}" if i >= 0 else msg for i, msg in reply["errors"]))
-        return self._results(reply["stream"])
-
-    def _results(self, sid: str) -> Iterator[RolloutResult]:
-        done = False
-        try:
-            while not done:
-                results, done, starved = ray.get(self.router.next_results.remote(sid, 1.0))
-                if starved:  # no worker can serve until this learner re-sends its last broadcast
-                    self.weights.heal()
-                yield from results
-        finally:
-            if not done:  # the consumer stopped early: free the workers
-                try:
-                    ray.get(self.router.close_stream.remote(sid))
-                except ray.exceptions.RayActorError:
-                    pass
+        return ResultStream(self.router, reply["stream"], reply["lease_s"], self.weights.heal, owner=self)
 
     def update_weights(self, named_tensors, version: int, transport: str = "auto", partial: bool = False,
                        check_finite: bool = True) -> str:
@@ -151,11 +215,24 @@ class RayBackend:
         return ray.get(self.router.stats.remote())
 
     def info(self) -> dict:
+        """The router's counters; the closes of streams dropped unread are sent first, so they count."""
+        from rollout_service.result_stream import send_closes
+        send_closes()
         return ray.get(self.router.info.remote())
 
+    def shutdown(self) -> None:
+        """Stop the service for every client (`rollout-service stop`), whether this client launched it or
+        merely connected to it."""
+        self._owner = True
+        self.close()
+
     def close(self) -> None:
+        """End this client's streams (a service this client merely connected to keeps running), then shut
+        down a service this client launched."""
+        from rollout_service.result_stream import close_streams
         if self.router is None:
             return
+        close_streams(self)
         self.weights.close()
         if self._owner:
             try:
@@ -178,5 +255,5 @@ def _wait_name_released(name: str, namespace: str, timeout: float = 10.0) -> Non
 
 
 def _message(e: BaseException) -> str:
-    from actors.router import error_text
+    from actors.remote_errors import error_text
     return error_text(e)

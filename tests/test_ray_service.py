@@ -146,7 +146,8 @@ def test_fuzzed_bad_requests_get_clear_errors_and_good_ones_return(client):
     # a batch with one bad request is refused as a whole, naming it
     with pytest.raises(ValueError, match="request 1: .*temperature"):
         client._backend.submit([{"prompt": [1, 2]}, {"prompt": [1], "sampling": {"temperature": -2}}])
-    assert client._backend.info()["in_flight"] == 0
+    info = client._backend.info()
+    assert info["in_flight"] == 0 and info["streams"] == 0, info
 
 
 def test_refresh_bad_is_refused_everywhere_good_one_switches_version(client, local, make_tiny_llama,

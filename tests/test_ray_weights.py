@@ -248,5 +248,16 @@ def test_a_lone_worker_restarted_after_a_broadcast_is_healed_by_the_learner(ray_
         results = client.generate([[1, 2, 3], [4, 5]], GREEDY)
         assert [r.token_versions for r in results] == [[1] * 6] * 2
         assert client.weights_digests() == [digest(h)] and client._backend.info()["worker_deaths"] == 1
+        # after a partial broadcast the learner holds only part of the current weights: no resend can heal
+        # a restarted worker, which serves again once the learner pushes every weight
+        client.update_weights({k: t for k, t in make_tiny_llama(seed=14).state_dict().items() if "mlp" in k}, 2,
+                              partial=True)
+        ray.kill(worker, no_restart=False)
+        with pytest.raises(ValueError, match="last broadcast was partial.*push the full weights"):
+            client.generate([[1, 2, 3]], GREEDY)
+        full = make_tiny_llama(seed=15).state_dict()
+        client.update_weights(full, 3)
+        assert client.weights_digests() == [digest(full)]
+        assert client.generate([[1, 2, 3]], GREEDY)[0].token_versions == [3] * 6
     finally:
         client.close()

@@ -1,0 +1,138 @@
+"""ResultStream: what RayBackend.submit returns, an iterator over one stream of results in the router.
+
+A stream holds requests in flight on the workers, so its end must reach the router however its consumer
+goes: read to the end (the router then forgets it), closed (`close()`, or its client closed), dropped
+unread (garbage-collected: a finalizer queues its close), or its process died (the router cancels a
+stream whose lease is not renewed; a thread of this process renews the leases of every stream still
+referenced here, so a stream kept for later, e.g. rollouts submitted before a training step, lives on).
+The finalizer only queues the close: the thread sends it, or the next submit/info/close of this process.
+"""
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from collections import deque
+from typing import Any, Callable, Iterator
+
+import ray
+
+from rollout_service.types import RolloutResult
+
+_TICK_S = 0.5  # how often the thread sends queued closes and checks whether leases are due
+
+
+class ResultStream(Iterator[RolloutResult]):
+    def __init__(self, router: Any, sid: str, lease_s: float, on_starved: Callable[[], Any], owner: Any):
+        self.router, self.sid, self.lease_s = router, sid, float(lease_s)
+        self.owner = owner              # the client it was submitted through (closed with it)
+        self._on_starved = on_starved  # no worker can serve until the learner re-sends its last broadcast
+        self._buffer: deque[RolloutResult] = deque()
+        self._done = False
+        self._finalizer = weakref.finalize(self, _pending.append, (router, sid))
+        _keeper.add(self)
+
+    def __iter__(self) -> "ResultStream":
+        return self
+
+    def __next__(self) -> RolloutResult:
+        while not self._buffer:
+            if self._done:
+                raise StopIteration
+            results, done, starved = ray.get(self.router.next_results.remote(self.sid, 1.0))
+            if done:  # the router forgot it
+                self._done = True
+                self._finalizer.detach()
+            if starved:
+                self._on_starved()
+            self._buffer.extend(results)
+        return self._buffer.popleft()
+
+    @property
+    def open(self) -> bool:
+        """Still known to the router: neither read to the end nor closed."""
+        return self._finalizer.alive
+
+    def close(self) -> None:
+        """Stop the stream now: the router forgets it and aborts what still runs for it."""
+        self._done = True
+        if self._finalizer.detach() is not None:
+            try:
+                ray.get(self.router.close_stream.remote(self.sid))
+            except ray.exceptions.RayActorError:
+                pass  # the service is gone, and the stream with it
+
+
+def close_streams(owner: Any) -> None:
+    """Close every open stream submitted through `owner` (a client that is closing)."""
+    for s in _keeper.streams():
+        if s.owner is owner:
+            s.close()
+    send_closes()
+
+
+def send_closes() -> None:
+    """Send the closes that finalizers of streams dropped unread have queued; returns once they are done,
+    those another thread is sending included."""
+    with _sending:
+        while _pending:
+            router, sid = _pending.popleft()
+            try:
+                ray.get(router.close_stream.remote(sid))
+            except Exception:
+                pass  # the service (or Ray) is gone, and the stream with it
+
+
+# Filled by finalizers, which may run in any thread at any allocation: deque.append takes no lock.
+_pending: deque[tuple[Any, str]] = deque()
+_sending = threading.Lock()
+
+
+class _Keeper:
+    """One daemon thread per process, running while streams are open or closes are queued."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._open: weakref.WeakSet[ResultStream] = weakref.WeakSet()
+        self._thread: threading.Thread | None = None
+
+    def add(self, stream: ResultStream) -> None:
+        with self._lock:
+            self._open.add(stream)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="rollout-stream-leases", daemon=True)
+                self._thread.start()
+
+    def streams(self) -> list[ResultStream]:
+        with self._lock:
+            return [s for s in self._open if s.open]
+
+    def _run(self) -> None:
+        renewed = 0.0
+        while True:
+            send_closes()
+            with self._lock:  # (strong references to streams only for as long as the lock is held)
+                leases = [(s.router, s.sid, s.lease_s) for s in self._open if s.open]
+                if not _pending and not leases:
+                    self._thread = None
+                    return
+            # each lease is renewed 4 times per its length: a late renewal or two costs nothing
+            if leases and time.monotonic() - renewed >= min(lease for _, _, lease in leases) / 4:
+                renewed = time.monotonic()
+                self._renew(leases)
+            del leases
+            time.sleep(_TICK_S)
+
+    @staticmethod
+    def _renew(leases: list[tuple[Any, str, float]]) -> None:
+        by_router: dict[Any, list[str]] = {}
+        for router, sid, _ in leases:
+            by_router.setdefault(router, []).append(sid)
+        for router, sids in by_router.items():
+            try:
+                ray.get(router.renew_streams.remote(sids), timeout=10)
+            except Exception:
+                pass  # a dead or busy router (or Ray shut down): the next round tries again
+
+
+_keeper = _Keeper()
