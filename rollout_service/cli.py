@@ -1,13 +1,16 @@
 """`rollout-service` console script.
 
     rollout-service run --config cluster_configs/local-cpu.yaml   # local Ray, roll out prompts, summary
+    rollout-service serve --config cluster_configs/local-cpu.yaml # a named service that outlives the command
     rollout-service stats [--name rollout_service]                # per-worker stats of a running service
+    rollout-service stop [--name rollout_service]                 # shut a running service down
     rollout-service bench [...]                                   # the benchmark harness
     rollout-service build-kernels                                 # compile the CUDA kernels ahead of time
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from rich.console import Console
@@ -16,24 +19,28 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from rollout_service import launch
+from rollout_service.config import ServiceConfig
 
 console = Console()
 
 
 def cmd_run(args: argparse.Namespace) -> int:
     config = launch.config_from_args(args)
+    # transient, and none off a terminal: a start-up failure prints one error line, no bar or blank line above it
     with Progress(TextColumn("[bold]rollout"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  TextColumn("{task.fields[tokens]} tokens"), console=console, transient=False) as bar:
+                  TextColumn("{task.fields[tokens]} tokens"), console=console, transient=True,
+                  disable=not console.is_terminal) as bar:
         task = bar.add_task("rollout", total=None, tokens=0)
 
         def on_result(r) -> None:
             bar.update(task, advance=1, tokens=bar.tasks[task].fields["tokens"] + len(r.token_ids))
 
-        console.print(f"starting {config.num_workers} worker(s) of {config.engine.model!s} ...")
+        console.print(f"starting {config.num_workers} worker(s) of {config.engine.model!s} ...", soft_wrap=True)
         summary = launch.run(config, on_result=on_result, on_start=lambda n: bar.update(task, total=n))
     console.print(summary_table(summary))
     if summary.get("example"):
         console.print(f"first result: {summary['example']!r}")
+    console.print(f"results: {summary['output']}", soft_wrap=True)
     return 0
 
 
@@ -42,13 +49,40 @@ def summary_table(s: dict) -> Table:
     t.add_column("metric")
     t.add_column("value", justify="right")
     for k in ("prompts", "samples", "prompt_tokens", "output_tokens", "startup_s", "rollout_s", "tokens_per_s",
-              "workers", "policy_version", "resubmitted", "output"):
+              "workers", "policy_version", "resubmitted"):
         t.add_row(k, str(s[k]))
     t.add_row("finish_reasons", ", ".join(f"{k}={v}" for k, v in sorted(s["finish_reasons"].items())))
     for w in s.get("per_worker", []):
         tps = w.get("tokens_per_s")
         t.add_row(f"worker {w['worker']} tokens/s", "dead" if tps is None else f"{tps:.1f}")
     return t
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Launch a detached service on a Ray cluster that outlives this command, print how to use it, exit."""
+    import ray
+
+    from rollout_service.service import RayBackend
+
+    overrides = {k: v for k, v in (("name", args.name), ("num_workers", args.num_workers),
+                                   ("address", args.address)) if v is not None}
+    config = ServiceConfig.load(args.config, detached=True, **overrides)
+    # the cluster started by hand on this machine (`ray start --head`) unless one is named
+    address = config.address or os.environ.get("RAY_ADDRESS") or "auto"
+    console.print(f"starting {config.num_workers} worker(s) of {config.engine.model!s} ...", soft_wrap=True)
+    RayBackend.launch(config, address=address)
+    gcs = ray.get_runtime_context().gcs_address
+    flags, kwargs = f" --name {config.name}", ""
+    if config.namespace != "rollout_service":
+        flags, kwargs = f"{flags} --namespace {config.namespace}", f"{kwargs}, namespace={config.namespace!r}"
+    if address != "auto":
+        flags, kwargs = f"{flags} --address {gcs}", f"{kwargs}, address={gcs!r}"
+    console.print(f"rollout service {config.name!r} is serving on the Ray cluster at {gcs}; it keeps running "
+                  f"after this command.\n"
+                  f"  stats:    rollout-service stats{flags}\n"
+                  f"  connect:  RolloutClient.connect({config.name!r}{kwargs})   # from a learner\n"
+                  f"  stop:     rollout-service stop{flags}", soft_wrap=True, highlight=False)
+    return 0
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
@@ -69,9 +103,16 @@ def cmd_stats(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_stop(args: argparse.Namespace) -> int:
+    from rollout_service.service import RayBackend
+    RayBackend.connect(args.name, namespace=args.namespace, address=args.address).shutdown()
+    console.print(f"stopped rollout service {args.name!r}")
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
     from rollout_service.bench import main as bench_main
-    return int(bench_main(rest) or 0)
+    return int(bench_main(rest, prog="rollout-service bench") or 0)
 
 
 def cmd_build_kernels(args: argparse.Namespace) -> int:
@@ -80,17 +121,34 @@ def cmd_build_kernels(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_service_args(p: argparse.ArgumentParser) -> None:
+    """Which running service: its name and namespace, on which Ray cluster."""
+    p.add_argument("--name", default="rollout_service")
+    p.add_argument("--namespace", default="rollout_service")
+    p.add_argument("--address", default=None,
+                   help="Ray cluster (default: $RAY_ADDRESS, else the one `ray start --head` runs on this machine)")
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rollout-service", description="distributed rollout service for RL")
     sub = p.add_subparsers(dest="command", required=True)
     launch.add_run_args(sub.add_parser("run", help="start a local service, roll out prompts, print a summary"))
-    st = sub.add_parser("stats", help="per-worker stats of a running service")
-    st.add_argument("--name", default="rollout_service")
-    st.add_argument("--namespace", default="rollout_service")
-    st.add_argument("--address", default=None, help="Ray address (default: $RAY_ADDRESS or the local cluster)")
+    sv = sub.add_parser("serve", help="start a named service on a running Ray cluster (`ray start --head`); "
+                                      "it outlives this command")
+    sv.add_argument("--config", required=True, help="service YAML (see cluster_configs/)")
+    sv.add_argument("--name", help="override the config's service name")
+    sv.add_argument("--num-workers", type=int, help="override num_workers")
+    sv.add_argument("--address", help="Ray cluster (default: the config's, else $RAY_ADDRESS, else the one "
+                                      "`ray start --head` runs on this machine)")
+    add_service_args(sub.add_parser("stats", help="per-worker stats of a running service"))
+    add_service_args(sub.add_parser("stop", help="shut a running service down"))
     sub.add_parser("bench", help="benchmark harness (arguments are passed through)", add_help=False)
     sub.add_parser("build-kernels", help="compile the CUDA kernels into the cache")
     return p
+
+
+COMMANDS = {"run": cmd_run, "serve": cmd_serve, "stats": cmd_stats, "stop": cmd_stop,
+            "build-kernels": cmd_build_kernels}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,16 +157,12 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_bench(argparse.Namespace(), argv[1:])
     args = parser().parse_args(argv)
     try:
-        if args.command == "run":
-            return cmd_run(args)
-        if args.command == "stats":
-            return cmd_stats(args)
-        return cmd_build_kernels(args)
-    except ValueError as e:
+        return COMMANDS[args.command](args)
+    except (ValueError, ConnectionError) as e:
         # soft_wrap: a path in the message must stay copyable, not be broken at the terminal width;
         # escape: brackets in the message (shapes, lists) are text, not rich markup
         console.print(f"[red]error:[/red] {escape(str(e))}", soft_wrap=True)
-        return 2
+        return 2 if isinstance(e, ValueError) else 1
 
 
 if __name__ == "__main__":

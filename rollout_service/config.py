@@ -155,12 +155,16 @@ class ServiceConfig:
         repeated). With k = 0 every delivered result was generated entirely by the latest policy.
     max_restarts: how often Ray restarts a crashed worker; its unfinished requests go to live workers
         meanwhile, and a restarted worker is given the latest weights before it serves again.
-    detached: keep the service alive after the launching process exits (connect to it by `name`).
+    detached: keep the service alive after the launching process exits (connect to it by `name`, stop it
+        with `rollout-service stop`). It needs a Ray cluster that outlives the process too, started with
+        `ray start --head`: `rollout-service serve` sets both.
     address: Ray cluster to join when this process is not connected yet: None = $RAY_ADDRESS (set
         inside `ray job submit`), else a new local Ray instance; "auto" = the cluster started with
         `ray start` on this machine; or "HOST:PORT".
-    prompts / output / apply_chat_template: the launch job's input (JSONL; None = built-in sample set)
-        and msgpack results file.
+    prompts / apply_chat_template: the launch job's input (JSONL; None = built-in sample set).
+    output: the launch job's msgpack results file, anywhere: relative paths are taken from the current
+        directory (inside `ray job submit`, Ray's temporary copy of --working-dir, so give an absolute one
+        there) and a missing folder is made; None = rollout_results.msgpack.
     """
 
     name: str = "rollout_service"

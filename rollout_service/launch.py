@@ -1,14 +1,17 @@
 """Rollout-only job: start the service described by a config, roll out its prompts, write the results
-as msgpack and print a summary. The `ray job submit` entrypoint:
+as msgpack and print a summary. The `ray job submit` entrypoint (README: "Ray job submission"):
 
-    RAY_AUTH_MODE=token ray job submit --working-dir . -- \
-        python -m rollout_service.launch --config cluster_configs/local-cpu.yaml
+    RAY_AUTH_MODE=token ray job submit --working-dir . -- python -m rollout_service.launch \
+        --config cluster_configs/local-cpu.yaml --output "$PWD/rollout_results.msgpack"
+
+A job runs in Ray's temporary copy of --working-dir, so a relative --output lands there: pass an absolute one.
 """
 from __future__ import annotations
 
 import argparse
 import collections
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -16,6 +19,8 @@ from typing import Callable
 
 from rollout_service.config import ServiceConfig
 from rollout_service.types import RolloutRequest, RolloutResult, save_results
+
+DEFAULT_OUTPUT = "rollout_results.msgpack"
 
 
 def load_prompts(path: str | None, limit: int | None = None) -> list[dict]:
@@ -67,6 +72,7 @@ def run(config: ServiceConfig, on_result: Callable[[RolloutResult], None] | None
     from rollout_service.service import RayBackend
 
     reqs = build_requests(config, load_prompts(config.prompts, config.num_prompts))
+    output = output_path(config)
     started_ray = not ray.is_initialized()
     t0 = time.perf_counter()
     backend = RayBackend.launch(config)
@@ -87,13 +93,27 @@ def run(config: ServiceConfig, on_result: Callable[[RolloutResult], None] | None
             ray.shutdown()
     order = {r.request_id: i for i, r in enumerate(reqs)}
     results.sort(key=lambda r: (order[r.request_id], r.sample_index))
-    output = config.output or "rollout_results.msgpack"
     save_results(output, results)
     return summarize(results, workers, info, startup_s=t_ready - t0, rollout_s=t_done - t_ready, output=output)
 
 
+def output_path(config: ServiceConfig) -> Path:
+    """The results file, absolute (a relative one is taken from the current directory), its folder made now:
+    a path that cannot be written fails before the rollout, not after it."""
+    path = Path(os.path.abspath(Path(config.output or DEFAULT_OUTPUT).expanduser()))
+    if path.is_dir():
+        raise ValueError(f"output {str(path)!r} is a folder: give a file name")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"output {str(path)!r}: cannot make its folder ({e.strerror})") from None
+    if not os.access(path.parent, os.W_OK):
+        raise ValueError(f"output {str(path)!r}: its folder is not writable")
+    return path
+
+
 def summarize(results: list[RolloutResult], workers: list[dict], info: dict, startup_s: float,
-              rollout_s: float, output: str) -> dict:
+              rollout_s: float, output: Path) -> dict:
     out_tokens = sum(len(r.token_ids) for r in results)
     return {
         "prompts": len({r.request_id for r in results}), "samples": len(results), "output_tokens": out_tokens,
@@ -132,7 +152,8 @@ def parser() -> argparse.ArgumentParser:
 def add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", required=True, help="service YAML (see cluster_configs/)")
     p.add_argument("--prompts", help="JSONL prompts file (default: the config's, else the built-in sample set)")
-    p.add_argument("--output", help="msgpack results file (default: the config's, else rollout_results.msgpack)")
+    p.add_argument("--output", help=f"msgpack results file, relative to the current directory (default: the "
+                                    f"config's, else {DEFAULT_OUTPUT}); its folder is made if missing")
     p.add_argument("--num-prompts", type=int, help="roll out only the first N prompts")
     p.add_argument("--num-workers", type=int, help="override num_workers")
     p.add_argument("--max-tokens", type=int, help="override sampling.max_tokens")
@@ -154,6 +175,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except ConnectionError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     print(format_summary(summary), flush=True)
     print("SUMMARY_JSON " + json.dumps({k: v for k, v in summary.items() if k != "per_worker"}), flush=True)
     return 0

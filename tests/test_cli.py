@@ -1,9 +1,14 @@
-"""`rollout-service` CLI and `python -m rollout_service.launch`: run, stats, bench delegation, errors."""
+"""`rollout-service` CLI and `python -m rollout_service.launch`: run, stats, bench delegation, errors.
+(serve / stats / stop across processes on a cluster started with `ray start --head`: tests/test_ray_job.py)"""
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -14,6 +19,30 @@ from rollout_service.types import load_results
 
 pytest_plugins = ["ray_fixtures"]
 REPO = Path(__file__).resolve().parents[1]
+CLI = [sys.executable, "-m", "rollout_service.cli"]
+
+
+@pytest.fixture
+def ray_tmp():
+    """A RAY_TMPDIR of our own, so a Ray instance a CLI process starts leaves its session there (a short
+    path: Ray's socket paths must fit in 107 bytes)."""
+    path = Path(tempfile.mkdtemp(prefix="rt-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _cli(args: list[str], cwd: Path, ray_tmp: Path, timeout: float = 120) -> subprocess.CompletedProcess:
+    """The CLI of this checkout in a fresh process, in `cwd`, with its Ray temporary files under `ray_tmp`."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(RAY_TMPDIR=str(ray_tmp), PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]))
+    return subprocess.run(CLI + args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _no_port() -> str:
+    """HOST:PORT where nothing listens."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
 
 
 @pytest.fixture
@@ -21,19 +50,20 @@ def tiny_yaml(tmp_path, service_config):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("\n".join([json.dumps([7, 8, 9]), json.dumps({"prompt": [1, 2], "metadata": "m1"}),
                                   json.dumps({"prompt": [3, 4, 5], "sampling": {"max_tokens": 2}})]) + "\n")
-    cfg = service_config(name="svc-cli", prompts=str(prompts), output=str(tmp_path / "out.msgpack"),
-                         sampling={"n": 2, "max_tokens": 5, "ignore_eos": True})
+    cfg = service_config(name="svc-cli", prompts=str(prompts), sampling={"n": 2, "max_tokens": 5, "ignore_eos": True})
     path = tmp_path / "svc.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
 
 
 @pytest.mark.ray
-def test_run_rolls_out_writes_msgpack_and_prints_metrics(ray_cluster, tiny_yaml, tmp_path, capsys):
-    assert cli.main(["run", "--config", str(tiny_yaml)]) == 0
+def test_run_rolls_out_writes_msgpack_and_prints_metrics(ray_cluster, tiny_yaml, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # a relative --output is taken from here; its missing folders are made
+    assert cli.main(["run", "--config", str(tiny_yaml), "--output", "runs/one/out.msgpack"]) == 0
     out = capsys.readouterr().out
     assert "rollout metrics" in out and "output_tokens" in out and "tokens_per_s" in out
-    results = load_results(tmp_path / "out.msgpack")
+    assert f"results: {tmp_path / 'runs' / 'one' / 'out.msgpack'}" in out  # the absolute path, not the relative one
+    results = load_results(tmp_path / "runs" / "one" / "out.msgpack")
     assert [(r.request_id, r.sample_index) for r in results] == [(f"prompt-{i}", j) for i in range(3) for j in (0, 1)]
     assert [len(r.token_ids) for r in results] == [5, 5, 5, 5, 2, 2]  # per-prompt sampling overrides apply
     assert results[2].metadata == "m1"
@@ -58,6 +88,39 @@ def test_stats_of_a_running_service(ray_cluster, service_config, capsys):
     assert "no rollout service named 'svc-stats'" in capsys.readouterr().out
 
 
+def test_stats_without_a_ray_cluster_is_one_line(tmp_path, ray_tmp):
+    proc = _cli(["stats", "--address", _no_port()], tmp_path, ray_tmp, timeout=60)
+    out = (proc.stdout + proc.stderr).strip()
+    assert proc.returncode == 1 and len(out.splitlines()) == 1, out[-3000:]
+    assert out.startswith("error: no Ray cluster at 127.0.0.1:") and "ray start --head" in out
+
+
+def test_a_bad_model_is_refused_before_ray_starts(tmp_path, ray_tmp, service_config):
+    """The driver judges the model source first, where it can: every worker would run on this machine (a
+    new local Ray instance), or the source is a bare name. A path on a cluster is left to its workers."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(service_config(name="svc-bad", engine={"model": str(tmp_path / "no-such-model")})))
+    proc = _cli(["run", "--config", str(bad)], tmp_path, ray_tmp)
+    out = (proc.stdout + proc.stderr).strip().splitlines()
+    assert proc.returncode == 2 and out[-1].startswith("error: unknown model source"), out[-20:]
+    assert str(tmp_path / "no-such-model") in out[-1] and len(out) == 2  # "starting ..." and the error
+    assert not list(ray_tmp.iterdir())  # no Ray instance was started
+    typo = tmp_path / "typo.yaml"
+    typo.write_text(yaml.safe_dump(service_config(name="svc-typo", engine={"model": "smollm2-135"})))
+    proc = _cli(["serve", "--config", str(typo), "--address", _no_port()], tmp_path, ray_tmp)
+    assert proc.returncode == 2 and "unknown model source 'smollm2-135'" in proc.stdout, proc.stdout + proc.stderr
+    proc = _cli(["serve", "--config", str(bad), "--address", _no_port()], tmp_path, ray_tmp, timeout=60)
+    assert proc.returncode == 1 and "no Ray cluster at" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_detached_needs_a_cluster_that_outlives_the_process(tmp_path, ray_tmp, service_config):
+    cfg = tmp_path / "detached.yaml"
+    cfg.write_text(yaml.safe_dump(service_config(name="svc-detached", detached=True)))
+    proc = _cli(["run", "--config", str(cfg)], tmp_path, ray_tmp)
+    assert proc.returncode == 2 and "detached: true needs a Ray cluster that outlives this process" in proc.stdout
+    assert not list(ray_tmp.iterdir())
+
+
 def test_bad_inputs_exit_2_with_the_reason(tmp_path, capsys):
     assert cli.main(["run", "--config", str(tmp_path / "nope.yaml")]) == 2
     assert "cannot read" in capsys.readouterr().out
@@ -71,6 +134,10 @@ def test_bad_inputs_exit_2_with_the_reason(tmp_path, capsys):
         launch.load_prompts(str(prompts))
     with pytest.raises(SystemExit):
         cli.main(["frobnicate"])
+    ok = tmp_path / "ok.yaml"
+    ok.write_text("num_workers: 1\n")
+    assert cli.main(["run", "--config", str(ok), "--output", str(tmp_path)]) == 2  # before any Ray starts
+    assert f"output {str(tmp_path)!r} is a folder" in capsys.readouterr().out
 
 
 def test_builtin_prompts_and_bench_delegation(capsys):
@@ -82,16 +149,24 @@ def test_builtin_prompts_and_bench_delegation(capsys):
     assert cli.parser().parse_args(["build-kernels"]).command == "build-kernels"
 
 
+def test_bench_help_answers_before_torch_is_imported():
+    code = ("import sys\nfrom rollout_service import cli\ntry:\n    cli.main(['bench', '--help'])\n"
+            "except SystemExit as e:\n    print('exit', e.code, 'torch' in sys.modules)\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.stdout.startswith("usage: rollout-service bench"), proc.stdout[:500] + proc.stderr[-2000:]
+    assert proc.stdout.rstrip().endswith("exit 0 False")
+
+
 @pytest.mark.ray
 @pytest.mark.slow
-def test_local_cpu_yaml_with_the_embedded_model(tmp_path):
+def test_local_cpu_yaml_with_the_embedded_model(tmp_path, ray_tmp):
     """The README command: a fresh process starts its own local Ray with 2 workers of SmolLM2-135M."""
-    out = tmp_path / "res.msgpack"
-    proc = subprocess.run([sys.executable, "-m", "rollout_service.cli", "run", "--config",
-                           "cluster_configs/local-cpu.yaml", "--num-prompts", "2", "--max-tokens", "8",
-                           "--output", str(out)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = _cli(["run", "--config", str(REPO / "cluster_configs" / "local-cpu.yaml"), "--num-prompts", "2",
+                 "--max-tokens", "8"], tmp_path, ray_tmp, timeout=300)
+    out = tmp_path / "rollout_results.msgpack"  # the default: in the current directory, printed absolute
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
-    assert "rollout metrics" in proc.stdout
+    assert "rollout metrics" in proc.stdout and f"results: {out}" in proc.stdout
+    assert "Token authentication" not in proc.stdout + proc.stderr  # Ray's warning on every start
     results = load_results(out)
     assert len(results) == 4 and all(r.text and len(r.token_ids) <= 8 for r in results)
     assert results[0].metadata == {"answer": "Paris"}

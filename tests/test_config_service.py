@@ -29,7 +29,15 @@ def test_shipped_configs_say_what_the_issue_asks():
     assert multi.placement.strategy == "STRICT_SPREAD" and multi.resources.custom
     launcher = yaml.safe_load((CONFIGS / "ray-cluster.yaml").read_text())
     assert {"cluster_name", "provider", "available_node_types", "head_node_type"} <= set(launcher)
-    assert any("RAY_AUTH_MODE=token" in c for c in launcher["head_start_ray_commands"])
+
+
+def test_the_cluster_file_listens_on_loopback_and_authenticates_everywhere():
+    launcher = yaml.safe_load((CONFIGS / "ray-cluster.yaml").read_text())
+    starts = launcher["head_start_ray_commands"] + launcher["worker_start_ray_commands"]
+    # the dashboard and its Jobs API (arbitrary code execution) on the head's loopback, Ray's default
+    assert not any("--dashboard-host" in c or "0.0.0.0" in c for c in starts)
+    assert all("RAY_AUTH_MODE=token" in c for c in starts if "ray start" in c)
+    assert launcher["file_mounts"].get("~/.ray/auth_token") == "~/.ray/auth_token"  # one token on every node
 
 
 @pytest.mark.parametrize("bad, message", [

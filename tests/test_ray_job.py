@@ -1,10 +1,14 @@
-"""`ray start --head` on loopback + `ray job submit` of the launch entrypoint, as a cluster user runs it.
+"""A Ray cluster started by hand (`ray start --head`, on loopback) that outlives the commands, as the README
+runs it: `ray job submit` of the launch entrypoint, and `rollout-service serve` / `stats` / a learner's
+`RolloutClient.connect` / `stop`, each in its own process.
 
-Ray 2.60 uses token authentication: RAY_AUTH_MODE=token is set for both the head and the submit."""
+The head uses token authentication (RAY_AUTH_MODE=token) with its own token file; the CLI processes are not
+told the mode, only where the token is (as ~/.ray/auth_token tells them on a user's machine)."""
 from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -18,10 +22,11 @@ import yaml
 from rollout_service.types import load_results
 
 pytest_plugins = ["ray_fixtures"]
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[1]
 RAY = str(Path(sys.executable).with_name("ray"))
+CLI = [sys.executable, "-m", "rollout_service.cli"]
 
 
 def _free_port() -> int:
@@ -42,44 +47,96 @@ def _wait_for_dashboard(port: int, head: subprocess.Popen, timeout: float = 90) 
     raise TimeoutError("the Ray dashboard (job server) did not come up")
 
 
-@pytest.fixture
-def ray_head(tmp_path):
-    """A Ray head on 127.0.0.1 in the foreground (--block), so stopping it stops only its processes."""
+@pytest.fixture(scope="module")
+def ray_head(tmp_path_factory):
+    """A Ray head on 127.0.0.1 in the foreground (--block), so stopping it stops only its processes.
+    Yields (GCS address, dashboard URL, env of a process on this machine: the token's path, no auth mode)."""
+    tmp = tmp_path_factory.mktemp("ray_head")
+    token = tmp / "auth_token"
+    token.write_text(secrets.token_hex(32))
     gcs, dash = _free_port(), _free_port()
     # every port explicit: the session's test cluster already holds Ray's default ones on this machine
     extra = [f"--{flag}={_free_port()}" for flag in ("dashboard-agent-listen-port", "dashboard-agent-grpc-port",
                                                     "runtime-env-agent-port", "metrics-export-port",
                                                     "ray-client-server-port")]
-    env = {**os.environ, "RAY_AUTH_MODE": "token"}
-    log = open(tmp_path / "head.log", "w")
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE")}
+    env["RAY_AUTH_TOKEN_PATH"] = str(token)
+    log = open(tmp / "head.log", "w")
     head = subprocess.Popen([RAY, "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={gcs}",
                              "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", "--include-dashboard=true",
-                             "--num-cpus=3", "--disable-usage-stats", *extra], env=env, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+                             "--num-cpus=3", "--disable-usage-stats", *extra], env={**env, "RAY_AUTH_MODE": "token"},
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         _wait_for_dashboard(dash, head)
-        yield f"http://127.0.0.1:{dash}", env
+        yield f"127.0.0.1:{gcs}", f"http://127.0.0.1:{dash}", env
     finally:
         head.send_signal(signal.SIGTERM)
         try:
-            head.wait(timeout=30)
+            head.wait(timeout=60)
         except subprocess.TimeoutExpired:
             os.killpg(head.pid, signal.SIGKILL)
         log.close()
 
 
-def test_job_submit_of_the_launch_entrypoint_runs_and_prints_its_summary(ray_head, tmp_path, tiny_model_dir,
-                                                                          service_config):
-    address, env = ray_head
+def _run(cmd: list[str], env: dict, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_serve_outlives_the_command_and_other_processes_use_it(ray_head, tmp_path, service_config):
+    address, _, env = ray_head
+    cfg = tmp_path / "svc.yaml"
+    cfg.write_text(yaml.safe_dump(service_config(name="svc-serve")))
+    served = _run(CLI + ["serve", "--config", str(cfg), "--address", address], env)
+    out = served.stdout + served.stderr
+    assert served.returncode == 0 and "rollout service 'svc-serve' is serving" in out, out[-3000:]
+    assert "rollout-service stop --name svc-serve --address" in out and "Token authentication" not in out
+    try:
+        stats = _run(CLI + ["stats", "--name", "svc-serve", "--address", address], env)
+        assert stats.returncode == 0 and "policy version 0" in stats.stdout, (stats.stdout + stats.stderr)[-3000:]
+        assert stats.stdout.count("True") == 2  # both workers alive after the serving command exited
+        learner = ("import json\nfrom rollout_service import RolloutClient, SamplingParams\n"
+                   f"c = RolloutClient.connect('svc-serve', address={address!r})\n"
+                   "rs = c.generate([[1, 2, 3], [4, 5]], SamplingParams(n=2, max_tokens=4, ignore_eos=True, seed=0))\n"
+                   "print(json.dumps([[r.request_id, len(r.token_ids), r.token_versions] for r in rs]))\n"
+                   "c.close()\n")
+        gen = _run([sys.executable, "-c", learner], env)
+        assert gen.returncode == 0, (gen.stdout + gen.stderr)[-3000:]
+        rows = json.loads(gen.stdout.strip().splitlines()[-1])
+        assert len(rows) == 4 and all(n == 4 and v == [0] * 4 for _, n, v in rows)
+    finally:
+        stopped = _run(CLI + ["stop", "--name", "svc-serve", "--address", address], env)
+    assert stopped.returncode == 0 and "stopped rollout service 'svc-serve'" in stopped.stdout, stopped.stdout
+    gone = _run(CLI + ["stats", "--name", "svc-serve", "--address", address], env)
+    lines = (gone.stdout + gone.stderr).strip().splitlines()
+    assert gone.returncode == 2 and len(lines) == 1 and "no rollout service named 'svc-serve'" in lines[0], lines
+
+
+def test_a_worker_that_cannot_start_is_one_line(ray_head, tmp_path, service_config):
+    """A model path on a cluster is the workers' to judge (it may exist only on their nodes): their start-up
+    failure comes back as one line, the service is cleaned up, and the command exits non-zero."""
+    address, _, env = ray_head
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text(yaml.safe_dump(service_config(name="svc-bad-path", engine={"model": str(tmp_path / "missing")})))
+    proc = _run(CLI + ["serve", "--config", str(cfg), "--address", address], env)
+    lines = (proc.stdout + proc.stderr).strip().splitlines()
+    assert proc.returncode == 2 and lines[-1].startswith("error: rollout service 'svc-bad-path' failed to start"), lines
+    assert str(tmp_path / "missing") in lines[-1] and len(lines) == 2, lines  # "starting ..." and the error
+    gone = _run(CLI + ["stats", "--name", "svc-bad-path", "--address", address], env)
+    assert gone.returncode == 2 and "no rollout service named" in gone.stdout
+
+
+def test_job_submit_of_the_launch_entrypoint_runs_and_prints_its_summary(ray_head, tmp_path, service_config):
+    _, dashboard, env = ray_head
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": [1 + i, 2, 3], "metadata": {"i": i}}) + "\n" for i in range(6)))
-    cfg = service_config(name="svc-job", prompts=str(prompts), output=str(tmp_path / "out.msgpack"),
-                         sampling={"n": 2, "max_tokens": 6, "seed": 1})
+    cfg = service_config(name="svc-job", prompts=str(prompts), sampling={"n": 2, "max_tokens": 6, "seed": 1})
     (tmp_path / "svc.yaml").write_text(yaml.safe_dump(cfg))
-    cmd = [RAY, "job", "submit", "--address", address, "--working-dir", str(REPO), "--",
-           sys.executable, "-m", "rollout_service.launch", "--config", str(tmp_path / "svc.yaml")]
+    # a relative --output lands in the job's copy of --working-dir: the summary must say where, in full
+    cmd = [RAY, "job", "submit", "--address", dashboard, "--working-dir", str(REPO), "--",
+           sys.executable, "-m", "rollout_service.launch", "--config", str(tmp_path / "svc.yaml"),
+           "--output", "out/results.msgpack"]
     for _ in range(15):  # the dashboard port opens before its job agent is ready to take a job
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+        proc = _run(cmd, {**env, "RAY_AUTH_MODE": "token"})
         out = proc.stdout + proc.stderr
         if "No available agent to submit job" not in out:
             break
@@ -88,6 +145,8 @@ def test_job_submit_of_the_launch_entrypoint_runs_and_prints_its_summary(ray_hea
     assert "succeeded" in out and "rollout summary" in out
     summary = json.loads(next(ln for ln in out.splitlines() if ln.startswith("SUMMARY_JSON "))[len("SUMMARY_JSON "):])
     assert summary["prompts"] == 6 and summary["samples"] == 12 and summary["output_tokens"] == 72
-    results = load_results(tmp_path / "out.msgpack")
+    output = Path(summary["output"])
+    assert output.is_absolute() and output.parts[-2:] == ("out", "results.msgpack") and output.parent.parent != REPO
+    results = load_results(output)
     assert [(r.request_id, r.sample_index) for r in results] == [(f"prompt-{i}", j) for i in range(6) for j in range(2)]
     assert all(r.metadata == {"i": int(r.request_id.split("-")[1])} for r in results)
