@@ -4,8 +4,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-BACKENDS = ("auto", "torch", "cuda")
-DTYPES = (None, "float32", "bfloat16", "float16")
+# The one table of ops backends and dtype names (torch-free, so a command line can read it at once).
+OPS_BACKENDS = ("torch", "cuda")
+BACKENDS = ("auto", *OPS_BACKENDS)
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
+DTYPES = (None, *DTYPE_NAMES)
 ON_REFRESH = ("continue", "abort")
 
 

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import argparse
 
+from rollout_service.config import DTYPE_NAMES
+
 # Run order = priority when a time budget runs out: the headline rollout and latency figures, then the
 # cheap ones, W2n (the longest) last. Workloads after W3 run on the refreshed weights, which the engine
 # and the peers then share just the same.
 WORKLOADS = ("W2", "W1", "W5", "W3", "W4", "W2n")
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = DTYPE_NAMES
 
 
 def parse_args(argv: list[str] | None, prog: str | None = None) -> argparse.Namespace:

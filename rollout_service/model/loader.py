@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from rollout_service.config import DTYPE_ALIASES, DTYPE_NAMES
 from rollout_service.model.decoder import DecoderLM
 from rollout_service.model.gguf_cache import converted_folder, read_gguf
 from rollout_service.model.registry import arch_flags
@@ -26,8 +27,8 @@ from rollout_service.ops.backend import resolve_backend, select_ops
 
 EMBEDDED_MODELS = ("smollm2-135m",)
 LOAD_FORMATS = ("auto", "dummy")
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+_DTYPES = {**{name: getattr(torch, name) for name in DTYPE_NAMES},
+           **{alias: getattr(torch, name) for alias, name in DTYPE_ALIASES.items()}}
 
 
 @dataclass

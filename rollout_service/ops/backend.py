@@ -5,6 +5,7 @@ import logging
 
 import torch
 
+from rollout_service.config import OPS_BACKENDS
 from rollout_service.ops.torch_ops import TorchOps
 
 logger = logging.getLogger(__name__)
@@ -12,7 +13,7 @@ logger = logging.getLogger(__name__)
 # The interface every backend provides; the CUDA backend subclasses it.
 Ops = TorchOps
 
-BACKENDS = ("torch", "cuda")
+BACKENDS = OPS_BACKENDS
 
 
 def select_ops(backend: str) -> Ops:
