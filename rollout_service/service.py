@@ -15,6 +15,7 @@ from typing import Any, Iterator
 import ray
 
 from rollout_service.config import ServiceConfig
+from rollout_service.result_stream import ResultStream, close_streams, send_closes
 from rollout_service.types import RolloutResult
 from rollout_service.weights.push import WeightPusher
 
@@ -169,7 +170,6 @@ class RayBackend:
         request dicts or msgpack-encoded requests. The stream (rollout_service/result_stream.py) ends in
         the router however its consumer goes: read to the end, `close()`d, dropped unread, the client
         closed, or this process gone."""
-        from rollout_service.result_stream import ResultStream, send_closes
         send_closes()
         reply = ray.get(self.router.submit.remote(list(requests)))
         if "errors" in reply:
@@ -216,7 +216,6 @@ class RayBackend:
 
     def info(self) -> dict:
         """The router's counters; the closes of streams dropped unread are sent first, so they count."""
-        from rollout_service.result_stream import send_closes
         send_closes()
         return ray.get(self.router.info.remote())
 
@@ -229,7 +228,6 @@ class RayBackend:
     def close(self) -> None:
         """End this client's streams (a service this client merely connected to keeps running), then shut
         down a service this client launched."""
-        from rollout_service.result_stream import close_streams
         if self.router is None:
             return
         close_streams(self)
