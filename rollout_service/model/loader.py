@@ -126,19 +126,12 @@ def _read_source(source: Any) -> tuple[Any, dict[str, torch.Tensor], Any | None]
             raise ValueError(f"a live model source must be a transformers PreTrainedModel, got {type(source).__name__}")
         arch_flags(source.config)
         return source.config, source.state_dict(), None
-    if not isinstance(source, (str, os.PathLike)):
-        raise ValueError(f"unsupported model source of type {type(source).__name__}")
+    check_source(source)  # a GGUF file (the embedded model's or a path) or a HF folder
     gguf = gguf_file(source)
-    if gguf is not None:
-        folder = converted_folder(gguf)
-        return _read_hf_folder(folder) if folder is not None else read_gguf(gguf)
-    name = os.fspath(source)
-    path = Path(name).expanduser()
-    if path.is_dir():
-        return _read_hf_folder(path)
-    raise ValueError(
-        f"unknown model source {name!r}: not one of {EMBEDDED_MODELS}, a HF folder or a .gguf file"
-    )
+    if gguf is None:
+        return _read_hf_folder(Path(os.fspath(source)).expanduser())
+    folder = converted_folder(gguf)
+    return _read_hf_folder(folder) if folder is not None else read_gguf(gguf)
 
 
 def _read_config_only(source: Any) -> tuple[Any, None, Any | None]:
