@@ -22,6 +22,7 @@ from typing import Any
 
 import ray
 
+from actors.remote_errors import error_text
 from rollout_service.types import RolloutRequest, RolloutResult
 from rollout_service.weights.group import GroupSpec
 from rollout_service.weights.receiver import WeightReceiver
@@ -41,7 +42,7 @@ class RolloutWorker:
             from rollout_service.engine.engine import Engine
             self.engine = Engine(EngineConfig.from_dict(dict(engine_config)), model_source=model_source)
         except Exception as e:
-            self.startup_error = " ".join(error_message(e).split())
+            self.startup_error = " ".join(error_text(e).split())
             return
         self.receiver = WeightReceiver(self.engine.device)
         self.last_refresh: dict[str, float] = {}  # seconds of each phase of the last refresh, for stats()
@@ -107,7 +108,7 @@ class RolloutWorker:
                 try:
                     seqs[i] = self.engine.prepare(req)
                 except Exception as e:
-                    errors[i] = error_message(e)
+                    errors[i] = error_text(e)
             if atomic and any(errors):
                 return errors
             for i, (req, seq) in enumerate(zip(requests, seqs)):
@@ -115,7 +116,7 @@ class RolloutWorker:
                     try:
                         self.engine.add_request(req, seq)
                     except Exception as e:
-                        errors[i] = error_message(e)
+                        errors[i] = error_text(e)
         self._wake()
         return errors
 
@@ -237,11 +238,6 @@ class RolloutWorker:
         self._wake()
         self._thread.join(timeout=10)
         self.receiver.leave()
-
-
-def error_message(e: BaseException) -> str:
-    """A ValueError's own message (it names what is wrong); anything else with its type."""
-    return str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
 
 
 RolloutWorkerActor = ray.remote(RolloutWorker)
