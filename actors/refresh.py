@@ -94,7 +94,7 @@ class RefreshCoordinator:
         outcomes = await self._each(targets, "weights_apply", payload, version, partial)
         failed = [(i, out) for i, out in outcomes if isinstance(out, BaseException) and not is_down(out)]
         errors = [f"worker {i} failed to apply the refresh: {error_text(out)}" for i, out in failed]
-        if failed and len(failed) == len(outcomes):  # nobody swapped (a check only the values can fail): nothing changes
+        if failed and len(failed) == len(outcomes):  # nobody swapped (a check of the values): nothing changed
             return "; ".join(errors)
         self.version = version
         self._record(payload, version, partial)
