@@ -5,6 +5,13 @@ One step: G samples per prompt (behaviour log-probs included) -> rewards -> grou
 every rollout worker as policy version `step`. Works over any RolloutClient (in-process or Ray);
 `GRPOActor` is the same class as a Ray actor that attaches to a named service.
 
+Colocated with the rollout workers on one GPU (a service started with `colocate: true`, the learner placed
+with `client.colocated_options(i)`), a step puts the workers to sleep before the learner's forward/backward
+and wakes them after the refresh: rollout -> reward -> sleep -> learner -> refresh -> wake. Each step's row
+holds the seconds of every phase (rollout_training.StepClock), the learner's memory, and the fidelity of
+the step's rollouts (the learner's recompute of their log-probs), which is also reported to the service.
+On a GPU the learner trains in bf16 through fp32 master weights (rollout_service/training/precision.py).
+
 Loss per sampled token t of a sample with advantage A (ratio r = exp(learner - rollout log-prob)):
     surrogate = min(r * A, clip(r, 1 - eps, 1 + eps) * A)
     loss      = -surrogate * min(1, C / r)          (C = tis_cap; the factor is a constant, no grad)
@@ -24,7 +31,10 @@ import torch
 
 from actors.learner import group_advantages, load_policy
 from rollout_service import tasks
-from rollout_service.mismatch import logprob_mismatch, mismatch_report, token_logprobs
+from rollout_service.config import DTYPE_NAMES
+from rollout_service.mismatch import fp32_reference_report, logprob_mismatch, mismatch_report, token_logprobs
+from rollout_service.training import OPTIMIZERS, LearnerOutOfMemory, MasterWeights, StepClock, memory_figures
+from rollout_service.training.memory import describe, is_out_of_memory
 from rollout_service.types import RolloutRequest, RolloutResult, SamplingParams
 
 
@@ -41,6 +51,15 @@ class GRPOConfig:
     max_grad_norm: float = 1.0
     weight_decay: float = 0.0
     seed: int = 0
+    device: str = "cpu"                # "cuda", "cuda:1", "auto" (a GPU when there is one)
+    dtype: str = "float32"             # "bfloat16": bf16 forward/backward through fp32 master weights
+    optimizer: str = "adamw"           # or "adafactor" (memory-saving: no first moment, factored second)
+    gradient_checkpointing: bool = False
+    colocate: Any = "auto"             # sleep the workers around the learner phase; "auto": if the service is colocated
+    sleep_level: int = 1               # 1: the workers park their weights in host memory (they can serve the last
+                                       # version if the learner dies mid-step); 2: dropped, the refresh brings them
+    ignore_eos: bool = False           # fixed-length rollouts (benchmarks)
+    memory_limit_gb: float | None = None  # cap on the GPU memory the learner's allocator may take (from a shared GPU)
 
     def __post_init__(self) -> None:
         for name in ("group_size", "prompts_per_step", "max_tokens", "micro_batch"):
@@ -54,6 +73,29 @@ class GRPOConfig:
                 raise ValueError(f"GRPOConfig.{name}={getattr(self, name)!r}: must be > 0")
         if not self.tis_cap >= 1:
             raise ValueError(f"GRPOConfig.tis_cap={self.tis_cap!r}: must be >= 1")
+        if self.dtype not in DTYPE_NAMES:
+            raise ValueError(f"GRPOConfig.dtype={self.dtype!r}: must be one of {DTYPE_NAMES}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"GRPOConfig.optimizer={self.optimizer!r}: choose one of {OPTIMIZERS}")
+        if self.colocate not in (True, False, "auto"):
+            raise ValueError(f"GRPOConfig.colocate={self.colocate!r}: must be true, false or 'auto'")
+        if self.sleep_level not in (1, 2):
+            raise ValueError(f"GRPOConfig.sleep_level={self.sleep_level!r}: must be 1 or 2")
+        if self.memory_limit_gb is not None and not (isinstance(self.memory_limit_gb, (int, float))
+                                                     and self.memory_limit_gb > 0):
+            raise ValueError(f"GRPOConfig.memory_limit_gb={self.memory_limit_gb!r}: must be None or a number > 0")
+        try:
+            torch.device("cuda" if self.device == "auto" else self.device)
+        except RuntimeError:
+            raise ValueError(f"GRPOConfig.device={self.device!r}: not a torch device") from None
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = torch.device(self.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"GRPOConfig.device={self.device!r}: no CUDA device is visible to the learner")
+        return device
 
 
 def grpo_token_loss(new_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, advantage: float,
@@ -77,9 +119,12 @@ class GRPOLearner:
                  namespace: str = "rollout_service", num_threads: int | None = None):
         if num_threads:
             torch.set_num_threads(num_threads)
-        self.config = GRPOConfig(**config) if isinstance(config, dict) else (config or GRPOConfig())
-        torch.manual_seed(self.config.seed)
-        self.policy = load_policy(policy).train()
+        self.config = c = GRPOConfig(**config) if isinstance(config, dict) else (config or GRPOConfig())
+        torch.manual_seed(c.seed)
+        self.device = c.torch_device()
+        self.policy = load_policy(policy, getattr(torch, c.dtype), self.device, c.seed).train()
+        if c.gradient_checkpointing:
+            self.policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if isinstance(client, str):
             from rollout_service.client import RolloutClient
             client = RolloutClient.connect(client, namespace=namespace)
@@ -87,9 +132,14 @@ class GRPOLearner:
         self.reward_fn = reward_fn or (lambda r: tasks.reward(r.text, r.metadata["answer"]))
         self.prompt_fn = prompt_fn or (lambda p: p.messages())
         self.version = _service_version(client) if version is None else version
+        self.colocated = bool(client.info().get("colocate")) if c.colocate == "auto" else c.colocate
         self._pending: dict | None = None
-        self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=self.config.lr,
-                                           weight_decay=self.config.weight_decay)
+        self.precision = MasterWeights(self.policy, c.optimizer, c.lr, c.weight_decay)
+        self.optimizer = self.precision.optimizer
+        if c.memory_limit_gb and self.device.type == "cuda":
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+            torch.cuda.set_per_process_memory_fraction(min(1.0, c.memory_limit_gb * 2**30 / total), index)
 
     # -- rollouts --------------------------------------------------------------------------------
     def submit(self, problems: Sequence[Any]) -> dict:
@@ -100,7 +150,7 @@ class GRPOLearner:
         for i, p in enumerate(problems):
             seed = (c.seed * 1_000_003 + self.version * 10_007 + i * c.group_size) % 2**62
             sampling = SamplingParams(n=c.group_size, temperature=c.temperature, max_tokens=c.max_tokens,
-                                      logprobs_mode="scaled", seed=seed)
+                                      logprobs_mode="scaled", seed=seed, ignore_eos=c.ignore_eos)
             reqs.append(RolloutRequest(prompt=self.prompt_fn(p), sampling=sampling,
                                        metadata=getattr(p, "to_metadata", lambda: None)()))
         return {"problems": list(problems), "order": {r.request_id: i for i, r in enumerate(reqs)},
@@ -133,7 +183,7 @@ class GRPOLearner:
         # Zero-advantage samples (groups where every reward tied) add nothing to the gradient: skip them.
         live = [i for i, a in enumerate(adv) if a != 0.0 and len(results[i].token_ids)]
         n_tokens = max(1, sum(len(r.token_ids) for r in results))
-        self.optimizer.zero_grad(set_to_none=True)
+        self.precision.zero_grad()
         loss_total, learner_lp = 0.0, {}
         for j in range(0, len(live), c.micro_batch):
             chunk = live[j:j + c.micro_batch]
@@ -142,12 +192,10 @@ class GRPOLearner:
             loss = sum(grpo_token_loss(lp, o, float(adv[i]), c.clip_eps, c.tis_cap)
                        for i, lp, o in zip(chunk, lps, old)) / n_tokens
             loss.backward()
+            self.precision.accumulate()
             loss_total += loss.item()
-            learner_lp.update({i: lp.detach() for i, lp in zip(chunk, lps)})
-        grad_norm = 0.0
-        if live:
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.policy.parameters(), c.max_grad_norm))
-            self.optimizer.step()
+            learner_lp.update({i: lp.detach().float() for i, lp in zip(chunk, lps)})
+        grad_norm = self.precision.step(c.max_grad_norm) if live else 0.0
         measured = sorted(learner_lp)
         mismatch = logprob_mismatch([results[i] for i in measured], [learner_lp[i] for i in measured])
         return {"loss": loss_total, "grad_norm": grad_norm, "trained_samples": len(live),
@@ -160,41 +208,119 @@ class GRPOLearner:
         return self.version
 
     def step(self, problems: Sequence[Any], full_mismatch: bool = False,
-             prefetch: Sequence[Any] | None = None) -> dict:
-        """Rollout -> reward -> update -> push. Returns the step's figures (JSON-ready).
+             prefetch: Sequence[Any] | None = None, fp32_reference: int = 0) -> dict:
+        """Rollout -> reward -> [sleep] -> update -> push -> [wake]. Returns the step's figures (JSON-ready).
 
-        The step's mismatch covers the samples the learner trained on (it recomputes those anyway);
-        full_mismatch=True also recomputes every sample before the update (one extra no-grad pass).
+        The step's mismatch covers the samples the learner trained on (it recomputes those anyway, before
+        the update: the learner's view of the same weights); full_mismatch=True also recomputes every
+        sample before the update (one extra no-grad pass). fp32_reference=k compares the first k samples'
+        rollout and learner log-probs with an fp32 forward of the same weights (two more no-grad passes).
         prefetch: the next step's problems, submitted before this update (one-step off-policy: their
         early tokens come from this step's policy, so the next step sees staleness 1)."""
         pending = self._pending
         if pending is not None and pending["problems"] != list(problems):
             raise ValueError("step(problems) differs from the problems prefetched by the previous step")
+        clock = StepClock()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
         pending = pending or self.submit(problems)
-        results, rollout_s = self.collect(pending)
+        with clock.phase("rollout"):
+            results, _ = self.collect(pending)
         self._pending = self.submit(prefetch) if prefetch is not None else None
-        rewards = [float(self.reward_fn(r)) for r in results]
-        full = mismatch_report(self.policy, results, self.config.temperature, self.config.micro_batch) \
-            if full_mismatch else None
-        stats = self.train_on(results, rewards)
-        push_start = time.perf_counter()
-        self.push_weights()
+        with clock.phase("reward"):
+            rewards = [float(self.reward_fn(r)) for r in results]
+        if self.colocated:
+            with clock.phase("sleep"):
+                self.client.sleep(self.config.sleep_level)
+        engine_asleep = self._engine_memory() if self.colocated else None
+        stats, extra = self._learn(clock, results, rewards, full_mismatch, fp32_reference)
+        with clock.phase("refresh"):
+            self._report_fidelity(pending["version"], stats["mismatch"])
+            self.push_weights()
+        if self.colocated:
+            with clock.phase("wake"):
+                self.client.wake_up()
+        return self._row(pending, results, rewards, stats, clock, engine_asleep, extra)
+
+    def _learn(self, clock: StepClock, results, rewards, full_mismatch: bool, fp32_reference: int) -> tuple:
+        """The learner phase; an out-of-memory wakes the workers (they serve the last version) and is raised
+        as LearnerOutOfMemory with the memory figures."""
+        extra: dict = {}
+        failure = None
+        try:
+            with clock.phase("learner"):
+                if fp32_reference:
+                    extra["fidelity_vs_fp32"] = fp32_reference_report(
+                        self.policy, results[:fp32_reference], self.config.temperature, self.config.micro_batch)
+                if full_mismatch:
+                    extra["full"] = mismatch_report(self.policy, results, self.config.temperature,
+                                                    self.config.micro_batch)
+                stats = self.train_on(results, rewards)
+                extra["learner_memory"] = memory_figures(self.device)
+                self._release_cached_memory()  # the engine wakes into what the learner held as cache
+            return stats, extra
+        except BaseException as e:
+            failure = (e, memory_figures(self.device) if is_out_of_memory(e) else None)
+        # out of the except block: the traceback's frames (activations) are gone before memory is released
+        self.precision.zero_grad()
+        self._release_cached_memory()
+        if self.colocated:
+            self.client.wake_up()
+        e, figures = failure
+        if figures is None:
+            raise e
+        engine = self._engine_memory()
+        raise LearnerOutOfMemory(
+            f"GRPO step {self.version + 1}: the learner ran out of memory in its forward/backward "
+            f"({describe(figures)}; the rollout workers, asleep, held {engine['device_memory_bytes'] / 2**30:.2f} GiB). "
+            f"The workers were woken and serve policy version {self.version}. Lower micro_batch, set "
+            f"gradient_checkpointing, or use optimizer='adafactor'.", {**figures, "engine": engine}) from None
+
+    def _release_cached_memory(self) -> None:
+        if self.device.type == "cuda":
+            import gc
+            gc.collect()
+            torch.cuda.empty_cache()
+
+    def _engine_memory(self) -> dict:
+        stats = self.client.stats()
+        total = lambda key: sum(s.get(key) or 0 for s in stats)  # noqa: E731
+        return {"device_memory_bytes": total("device_memory_bytes"), "process_gpu_bytes": total("process_gpu_bytes")}
+
+    def _report_fidelity(self, version: int, mismatch: dict) -> None:
+        """The service keeps every refresh's fidelity: how the learner's recompute of the rollouts of policy
+        `version` compares with the log-probs the workers returned."""
+        report = {k: mismatch[k] for k in ("mean_abs", "max_abs", "kl", "ratio_mean", "ratio_max", "n_tokens",
+                                           "n_sequences")}
+        self.client.report_fidelity(version, {**report, "step": self.version + 1})
+
+    def _row(self, pending: dict, results, rewards, stats: dict, clock: StepClock, engine_asleep,
+             extra: dict) -> dict:
         oldest = min((min(r.token_versions) for r in results if r.token_versions), default=self.version - 1)
         gen_tokens = sum(len(r.token_ids) for r in results)
         span = max(r.timings.get("finished", 0) for r in results) - min(r.timings.get("queued", 0) for r in results)
+        phases = clock.row()
+        full = extra.get("full")
+        mm = stats["mismatch"]
         return {
             "step": self.version, "policy_version_submitted": pending["version"], "policy_version_oldest": oldest,
             "reward_mean": float(np.mean(rewards)),
             "correct_rate": float(np.mean([r >= 1.0 for r in rewards])),
             "format_rate": float(np.mean([r > 0 for r in rewards])),
             "loss": stats["loss"], "grad_norm": stats["grad_norm"], "trained_samples": stats["trained_samples"],
-            "mismatch_mean": stats["mismatch"]["mean_abs"], "mismatch_max": stats["mismatch"]["max_abs"],
-            "mismatch_tokens": stats["mismatch"]["n_tokens"], "kl_rollout_learner": stats["mismatch"]["kl"],
+            "mismatch_mean": mm["mean_abs"], "mismatch_max": mm["max_abs"], "mismatch_tokens": mm["n_tokens"],
+            "kl_rollout_learner": mm["kl"], "ratio_max": mm["ratio_max"],
             "staleness": (self.version - 1) - oldest,
-            "rollout_tokens": gen_tokens, "rollout_wait_s": rollout_s, "rollout_span_s": span,
+            "rollout_tokens": gen_tokens, "rollout_span_s": span,
             "rollout_tokens_per_s": gen_tokens / span if span > 0 else None,
-            "learner_s": stats["learner_s"], "push_s": time.perf_counter() - push_start,
+            "rollout_wait_tokens_per_s": gen_tokens / phases["rollout_s"] if phases["rollout_s"] > 0 else None,
+            "learner_s": stats["learner_s"], "push_s": phases["refresh_s"],
             "mean_completion_tokens": gen_tokens / max(1, len(results)),
+            **phases, "colocated": self.colocated,
+            "learner_device": str(self.device), "learner_dtype": self.config.dtype,
+            "optimizer": self.config.optimizer, "learner_memory": extra.get("learner_memory"),
+            "optimizer_state_bytes": self.precision.nbytes(), "engine_memory_asleep": engine_asleep,
+            **({"fidelity_vs_fp32": extra["fidelity_vs_fp32"]} if "fidelity_vs_fp32" in extra else {}),
             **({"mismatch_full_mean": full["mean_abs"], "mismatch_full_max": full["max_abs"],
                 "mismatch_full_tokens": full["n_tokens"]} if full else {}),
         }

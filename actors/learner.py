@@ -18,20 +18,28 @@ from rollout_service.mismatch import learner_logprobs, logprob_mismatch, token_l
 from rollout_service.types import RolloutResult, SamplingParams
 
 
-def load_policy(model: Any) -> torch.nn.Module:
-    """A trainable fp32 transformers model from a HF folder, "smollm2-135m" or a .gguf file (through the
-    same cached HF folder the rollout workers load), or a live module; local files only."""
-    from transformers import AutoModelForCausalLM
+def load_policy(model: Any, dtype: torch.dtype | None = None, device: str | torch.device | None = None,
+                seed: int = 0) -> torch.nn.Module:
+    """A trainable transformers model on `device` in `dtype`, from a HF folder, "smollm2-135m" or a .gguf file
+    (through the same cached HF folder the rollout workers load), a transformers config (random weights,
+    seeded: a learner whose first refresh brings the workers its weights), or a live module; local files
+    only. dtype/device: None keeps a live module's own and loads others in fp32 on the CPU."""
+    from transformers import AutoModelForCausalLM, PretrainedConfig
 
     from rollout_service.model.gguf_cache import pretrained_location
     from rollout_service.model.loader import check_source, gguf_file
 
     if isinstance(model, torch.nn.Module):
-        return model
+        return model.to(device=device, dtype=dtype) if dtype or device else model
+    dtype, device = dtype or torch.float32, device or "cpu"
+    if isinstance(model, PretrainedConfig):
+        torch.manual_seed(seed)
+        with torch.device(device):  # built in place: an 8B model initialised on the CPU takes minutes
+            return AutoModelForCausalLM.from_config(model, dtype=dtype)
     check_source(model)  # a hub id is a ValueError here, never a download
     gguf = gguf_file(model)
     path, extra = (model, {}) if gguf is None else pretrained_location(gguf)
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True, **extra)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True, **extra).to(device)
 
 
 def group_advantages(rewards: Sequence[float], group_size: int, eps: float = 1e-6) -> np.ndarray:

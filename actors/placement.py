@@ -1,4 +1,8 @@
-"""Where the workers run: one placement group with one resource bundle per worker."""
+"""Where the workers run: one placement group with one resource bundle per worker.
+
+With `colocate: true` a bundle is shared by a worker and one learner: each takes half of its CPUs and GPUs
+(custom resources and memory stay with the worker), so the two land on the same node and the same GPU.
+"""
 from __future__ import annotations
 
 import asyncio
@@ -21,6 +25,18 @@ def worker_bundle(config: ServiceConfig) -> dict:
     return bundle
 
 
+def colocated_share(config: ServiceConfig) -> dict:
+    """The CPUs and GPUs that one party (the worker, or its learner) of a colocated bundle takes: half."""
+    bundle = worker_bundle(config)
+    return {"num_cpus": bundle.get("CPU", 0) / 2, "num_gpus": bundle.get("GPU", 0) / 2}
+
+
+def learner_options(config: ServiceConfig, pg: object, i: int) -> dict:
+    """`SomeActor.options(**kw)` that put an actor in worker i's bundle, on the half the worker leaves."""
+    return {**colocated_share(config),
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)}
+
+
 async def create_workers(config: ServiceConfig) -> tuple[list, object]:
     """Reserve the bundles (or fail with what the cluster lacks), then start one worker per bundle."""
     from actors.rollout_worker import RolloutWorkerActor
@@ -35,9 +51,12 @@ async def create_workers(config: ServiceConfig) -> tuple[list, object]:
         raise ValueError(
             f"cannot place {n} rollout worker(s) of {bundle} with strategy {config.placement.strategy} "
             f"within {config.placement.timeout_s}s; cluster resources: {ray.cluster_resources()}")
+    # (Ray restarts an actor with the options it was created with: a restarted worker keeps its share)
+    share = colocated_share(config) if config.colocate else {"num_cpus": bundle.get("CPU", 0),
+                                                             "num_gpus": bundle.get("GPU", 0)}
     workers = []
     for i in range(n):
-        opts = dict(num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0),
+        opts = dict(**share,
                     resources={k: v for k, v in bundle.items() if k not in ("CPU", "GPU", "memory")},
                     scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
                     max_restarts=config.max_restarts, max_task_retries=0,

@@ -16,24 +16,29 @@
   does ends the loop that collects a worker's results.
 - Refresh: actors/refresh.py (all workers or none). Results older than `max_staleness` versions are
   regenerated.
-- Sleep: every worker frees its device memory; requests wait (or are refused) until wake_up.
+- Sleep: every worker frees its device memory; requests wait (or are refused) until wake_up. A client's
+  sleep is leased like its streams: when the client process that asked for it stops renewing it, the
+  workers are woken (they serve the last weights).
+- Colocation (`colocate: true`): a learner may share each worker's bundle (`learner_options`) and reports
+  how closely the rollouts' log-probs match its own (`report_fidelity`; the last 256 are in info()).
 """
 from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 
 import ray
 from ray.exceptions import ActorDiedError, RayTaskError
 
 from actors.ledger import Ledger, Tracked, decode_request
-from actors.placement import create_workers
+from actors.placement import create_workers, learner_options
 from actors.refresh import RefreshCoordinator
 from actors.remote_errors import ACTOR_DOWN as _ACTOR_DOWN, error_text, is_down
+from rollout_service.client import FIDELITY_KEPT, check_fidelity, fidelity_line
 from rollout_service.config import ServiceConfig
 from rollout_service.types import RolloutRequest, RolloutResult
 
-STREAM_LEASE_S = 60.0      # a stream that its client has not renewed for this long is cancelled
 RESTART_TIMEOUT_S = 900.0  # a worker that Ray has not brought back by then is given up (a model load fits)
 STATS_TIMEOUT_S = 2.0      # a worker that does not answer stats() by then is reported without its counters
 
@@ -54,10 +59,16 @@ class Router:
         self._paused = False
         self._asleep = 0
         self._fail_if_asleep = False
+        self._sleep_holder: str | None = None  # the client whose live process keeps the service asleep
+        self._sleep_renewed = 0.0
+        self._wake_after_refresh = False       # its holder is gone and sleep(2) dropped the weights: wake with them
         self._closed = False
         self._tasks: list[asyncio.Task] = []
-        self.stream_lease_s = STREAM_LEASE_S
-        self.counters = {"resubmitted": 0, "stale_regenerated": 0, "worker_deaths": 0, "streams_expired": 0}
+        # seconds without a renewal after which a client's streams are cancelled and its sleep ends
+        self.stream_lease_s = self.sleep_lease_s = float(config.client_lease_s)
+        self.fidelity: deque[dict] = deque(maxlen=FIDELITY_KEPT)
+        self.counters = {"resubmitted": 0, "stale_regenerated": 0, "worker_deaths": 0, "streams_expired": 0,
+                         "sleep_expired": 0}
 
     # -- start-up ---------------------------------------------------------------------------------
     async def start(self) -> str | None:
@@ -235,9 +246,12 @@ class Router:
         self.ledger.renew(sids)
 
     async def _lease_loop(self) -> None:
-        """Cancel the streams whose lease ran out: their client process is gone."""
+        """Cancel the streams whose lease ran out, and end a sleep whose lease ran out: their client process
+        is gone."""
         while not self._closed:
-            await asyncio.sleep(min(self.stream_lease_s / 4, 5.0))
+            await asyncio.sleep(min(self.stream_lease_s / 4, self.sleep_lease_s / 4, 5.0))
+            if self._sleep_holder is not None and time.monotonic() - self._sleep_renewed > self.sleep_lease_s:
+                await self._end_orphaned_sleep()
             for sid in self.ledger.expired(self.stream_lease_s):
                 self.counters["streams_expired"] += 1
                 self._log(f"stream {sid} cancelled: its client has not renewed it for {self.stream_lease_s:g} s")
@@ -371,14 +385,20 @@ class Router:
     # -- weights (actors/refresh.py) ----------------------------------------------------------------
     async def update_weights(self, payload: dict, version: int, partial: bool = False) -> str | None:
         """Object store or CUDA IPC refresh; returns an error message or None."""
-        return await self.refresh.update(payload, version, partial)
+        err = await self.refresh.update(payload, version, partial)
+        if err is None:
+            await self._wake_if_orphaned()
+        return err
 
     async def broadcast_begin(self, payload: dict, version: int, partial: bool = False, resend: bool = False,
                               timeout_s: float = 300.0) -> str | None:
         return await self.refresh.broadcast_begin(payload, version, partial, resend, timeout_s)
 
     async def broadcast_finish(self) -> str | None:
-        return await self.refresh.broadcast_finish()
+        err = await self.refresh.broadcast_finish()
+        if err is None:
+            await self._wake_if_orphaned()
+        return err
 
     def weight_targets(self) -> list[dict]:
         """Workers a refresh goes to, with where they run (the learner picks the transport from this)."""
@@ -401,17 +421,73 @@ class Router:
         await self.refresh.release()
 
     # -- sleep ------------------------------------------------------------------------------------
-    async def sleep(self, level: int = 1, fail_if_asleep: bool = False) -> str | None:
+    async def sleep(self, level: int = 1, fail_if_asleep: bool = False, holder: str | None = None) -> str | None:
+        """Put every worker to sleep. `holder`: the client whose process keeps renewing this sleep
+        (renew_sleep); None: asleep until wake_up, whoever lives. A later sleep replaces the holder."""
         if level not in (1, 2):
             return f"sleep: level={level!r} must be 1 (weights kept in host memory) or 2 (dropped)"
         self._asleep, self._fail_if_asleep = max(self._asleep, level), bool(fail_if_asleep)
+        self._sleep_holder, self._sleep_renewed = holder, time.monotonic()
+        self._wake_after_refresh = False
         return await self._on_every_worker("sleep", level)
 
     async def wake_up(self) -> str | None:
         err = await self._on_every_worker("wake_up")
         if err is None:
             self._asleep, self._fail_if_asleep = 0, False
+            self._sleep_holder, self._wake_after_refresh = None, False
         return err
+
+    def renew_sleep(self, holder: str) -> None:
+        """The client process that put the service to sleep still lives (anyone else's renewal is ignored:
+        a renewal may also overtake the sleep call it belongs to)."""
+        if holder == self._sleep_holder:
+            self._sleep_renewed = time.monotonic()
+
+    async def _end_orphaned_sleep(self) -> None:
+        """Its holder stopped renewing the sleep: wake the workers, which serve the last weights. Nothing
+        here may end the lease loop."""
+        self._sleep_holder = None
+        self.counters["sleep_expired"] += 1
+        self._log(f"the client that put the service to sleep is gone (no renewal for {self.sleep_lease_s:g} s); "
+                  "waking the workers")
+        try:
+            err = await self.wake_up()
+        except Exception as e:
+            err = error_text(e)
+        if err is not None:  # sleep(2) dropped the weights: a full refresh must bring them first
+            self._wake_after_refresh = True
+            self._log(f"the workers stay asleep ({err}); they wake after the next full refresh")
+
+    async def _wake_if_orphaned(self) -> None:
+        if not self._wake_after_refresh:
+            return
+        err = await self.wake_up()
+        self._log("the refresh brought the weights back: the workers are awake" if err is None else
+                  f"the workers stay asleep after the refresh ({err}); they wake after the next full refresh")
+
+    # -- colocated learners -----------------------------------------------------------------------
+    def learner_options(self, i: int) -> tuple[dict | None, str | None]:
+        """(options, None): `Actor.options(**options)` that place an actor in worker i's bundle, on the half
+        of its CPUs and GPUs the worker leaves; or (None, why not)."""
+        if not self.config.colocate:
+            return None, (f"colocated_options: the service {self.config.name!r} was not started with "
+                          "colocate: true, so its workers leave no room for a learner in their bundles")
+        n = len(self.workers)
+        if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < n:
+            return None, f"colocated_options: worker={i!r} must be an int in [0, {n})"
+        return learner_options(self.config, self.placement_group, i), None
+
+    def report_fidelity(self, version: int, report: dict) -> str | None:
+        """A learner's measure of how its log-probs match the rollouts of policy `version`: kept (the last
+        256) and logged. Returns an error message or None."""
+        try:
+            entry = check_fidelity(version, report)
+        except ValueError as e:
+            return str(e)
+        self.fidelity.append(entry)
+        self._log(fidelity_line(entry))
+        return None
 
     async def _on_every_worker(self, method: str, *args) -> str | None:
         targets = self.refresh.targets()
@@ -458,7 +534,9 @@ class Router:
                 "alive": list(self._alive), "awaiting_weights": list(self._awaiting), "gone": list(self._gone),
                 "in_flight": len(self.ledger.tracked), "streams": len(self.ledger.streams), "paused": self._paused,
                 "asleep": self._asleep, "loads": self.ledger.loads(len(self.workers)),
-                "duplicates_dropped": self.ledger.duplicates_dropped, **self.counters}
+                "duplicates_dropped": self.ledger.duplicates_dropped, "colocate": self.config.colocate,
+                "client_lease_s": self.sleep_lease_s, "fidelity": [dict(e) for e in self.fidelity],
+                **self.counters}
 
     async def shutdown(self) -> None:
         self._closed = True

@@ -2,13 +2,15 @@
 
 Both modes share this class; only the backend differs. A backend has: submit(requests) -> iterator of
 RolloutResults as they finish, update_weights, init_weight_group, release_weight_buffers, sleep, wake_up,
-pause, resume, abort, stats, close.
+pause, resume, abort, stats, info, colocated_options, report_fidelity, close.
 """
 from __future__ import annotations
 
+import logging
+import numbers
 import threading
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Mapping
 from typing import Any, Iterable, Iterator, Sequence as Seq
 
@@ -16,6 +18,52 @@ from rollout_service.config import EngineConfig
 from rollout_service.types import Prompt, RolloutRequest, RolloutResult, SamplingParams, check_request_ids
 from rollout_service.weights.buckets import named_items
 from rollout_service.weights.sender import TRANSPORTS
+
+
+FIDELITY_KEPT = 256  # fidelity reports a service keeps (the newest)
+
+
+def _json_scalar(v: Any) -> Any:
+    """v as a plain JSON value (numpy scalars become Python numbers), or ValueError."""
+    if v is None or isinstance(v, str):
+        return v
+    if isinstance(v, numbers.Integral) and not isinstance(v, bool):
+        return int(v)
+    if isinstance(v, numbers.Real) and not isinstance(v, bool):
+        return float(v)
+    raise ValueError(type(v).__name__)
+
+
+def check_fidelity(version: Any, report: Any) -> dict:
+    """A fidelity report as the service keeps it: {"version": version, **report}, every value a plain JSON
+    number, string, None or list of those. ValueError naming what is wrong."""
+    if not isinstance(version, numbers.Integral) or isinstance(version, bool) or version < 0:
+        raise ValueError(f"report_fidelity: version={version!r} must be an int >= 0")
+    if not isinstance(report, Mapping):
+        raise ValueError(f"report_fidelity: report must be a dict, got {type(report).__name__}")
+    entry: dict = {"version": int(version)}
+    for k, v in report.items():
+        if not isinstance(k, str) or k == "version":
+            raise ValueError(f"report_fidelity: report key {k!r}: keys are strings other than 'version' "
+                             "(the version is its own argument)")
+        try:
+            entry[k] = [_json_scalar(x) for x in v] if isinstance(v, (list, tuple)) else _json_scalar(v)
+        except ValueError as e:
+            raise ValueError(f"report_fidelity: report[{k!r}] holds a {e}; values are numbers, strings, None "
+                             "or lists of those") from None
+    return entry
+
+
+def fidelity_line(entry: dict) -> str:
+    """One log line: "fidelity of version 3: mean |dlogp| 1.2e-04, max 3.1e-02, KL 2e-06, max ratio 1.03
+    over 4096 tokens" from the keys of rollout_service.mismatch.logprob_mismatch (a report with none of
+    them is written as key=value)."""
+    known = {"mean_abs": "mean |dlogp| {:.1e}", "max_abs": "max {:.1e}", "kl": "KL {:.0e}",
+             "ratio_max": "max ratio {:.3g}"}
+    parts = [fmt.format(entry[k]) for k, fmt in known.items() if isinstance(entry.get(k), (int, float))]
+    parts = parts or [f"{k}={v}" for k, v in entry.items() if k not in ("version", "n_tokens")]
+    tokens = f" over {entry['n_tokens']} tokens" if entry.get("n_tokens") is not None else ""
+    return f"fidelity of version {entry['version']}: {', '.join(parts) or 'no measurements'}{tokens}"
 
 
 class LocalBackend:
@@ -27,6 +75,7 @@ class LocalBackend:
         self._unpaused = threading.Event()
         self._unpaused.set()
         self._done: dict[str, list[RolloutResult]] = defaultdict(list)  # results of other callers' requests
+        self.fidelity: deque[dict] = deque(maxlen=FIDELITY_KEPT)
 
     def submit(self, requests: list[RolloutRequest]) -> Iterator[RolloutResult]:
         if not self._unpaused.is_set():
@@ -97,7 +146,17 @@ class LocalBackend:
         return [self.engine.stats()]
 
     def info(self) -> dict:
-        return {"policy_version": self.engine.policy_version, "num_workers": 1, "in_flight": len(self.engine._requests)}
+        return {"policy_version": self.engine.policy_version, "num_workers": 1, "in_flight": len(self.engine._requests),
+                "colocate": False, "fidelity": [dict(e) for e in self.fidelity]}
+
+    def colocated_options(self, worker: int) -> dict:
+        raise ValueError("colocated_options: an in-process engine shares the caller's process already; "
+                         "there is no worker bundle to place a learner in")
+
+    def report_fidelity(self, version: int, report: dict) -> None:
+        entry = check_fidelity(version, report)
+        self.fidelity.append(entry)
+        logging.getLogger(__name__).info(fidelity_line(entry))
 
     def close(self) -> None:
         self.engine = None
@@ -220,7 +279,12 @@ class RolloutClient:
         """Free the workers' device memory while a colocated learner trains. Level 1 keeps the weights in
         host memory; level 2 drops them (update_weights must come before wake_up). Sequences in flight are
         preempted and finish after wake; requests submitted meanwhile wait, or are refused with
-        `fail_if_asleep=True`."""
+        `fail_if_asleep=True`. Over Ray the service sleeps only while this client's process lives: if it
+        dies (or this client is closed) without wake_up(), the service wakes itself `client_lease_s` later."""
+        if level not in (1, 2) or isinstance(level, bool):
+            raise ValueError(f"sleep: level={level!r} must be 1 (weights kept in host memory) or 2 (dropped)")
+        if not isinstance(fail_if_asleep, bool):
+            raise ValueError(f"sleep: fail_if_asleep={fail_if_asleep!r} must be a bool")
         self._open.sleep(level, fail_if_asleep)
 
     def wake_up(self) -> None:
@@ -241,9 +305,27 @@ class RolloutClient:
         return self._open.stats()
 
     def info(self) -> dict:
-        """The service as a whole: policy_version, num_workers, in_flight requests (over Ray also: streams,
-        alive/awaiting/gone workers, resubmission counters)."""
+        """The service as a whole: policy_version, num_workers, in_flight requests, colocate, fidelity (the
+        last 256 reports, oldest first); over Ray also: streams, alive/awaiting/gone workers, resubmission
+        counters, client_lease_s, sleep_expired (sleeps ended because their client was gone)."""
         return self._open.info()
+
+    def colocated_options(self, worker: int = 0) -> dict:
+        """Keyword arguments for `SomeActor.options(**kw)` that place an actor (a learner) in rollout worker
+        `worker`'s placement-group bundle, on the half of its CPUs and GPUs that a service started with
+        `colocate: true` leaves: {"num_cpus", "num_gpus", "scheduling_strategy"}. The two then share a GPU,
+        taking turns with sleep() / wake_up()."""
+        if not isinstance(worker, int) or isinstance(worker, bool):
+            raise ValueError(f"colocated_options: worker={worker!r} must be an int")
+        return self._open.colocated_options(worker)
+
+    def report_fidelity(self, version: int, report: dict) -> None:
+        """Tell the service how closely the rollouts of policy `version` match the learner's log-probs (e.g.
+        rollout_service.mismatch.logprob_mismatch: mean_abs, max_abs, kl, ratio_max, n_tokens): logged in
+        one line and kept, the last 256, in info()["fidelity"]. `report`: str keys; numbers, strings, None
+        or lists of those."""
+        check_fidelity(version, report)
+        self._open.report_fidelity(version, report)
 
     def close(self) -> None:
         if self._backend is not None:

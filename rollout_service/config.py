@@ -169,6 +169,13 @@ class ServiceConfig:
     output: the launch job's msgpack results file, anywhere: relative paths are taken from the current
         directory (inside `ray job submit`, Ray's temporary copy of --working-dir, so give an absolute one
         there) and a missing folder is made; None = rollout_results.msgpack.
+    colocate: every worker's bundle (`resources`) is shared with one learner on the same devices: the
+        worker takes half of the bundle's CPUs and GPUs (a restarted worker too), and
+        `RolloutClient.colocated_options(i)` places a learner actor in worker i's bundle with the other
+        half. The pair takes turns on the GPU with sleep() / wake_up().
+    client_lease_s: how long a client process may go silent before the service stops holding what it
+        asked for: its open streams are cancelled, and a sleep() it asked for ends (the workers wake and
+        serve the last weights). A live client renews its leases from a background thread.
     """
 
     name: str = "rollout_service"
@@ -187,6 +194,8 @@ class ServiceConfig:
     num_prompts: int | None = None
     output: str | None = None
     apply_chat_template: bool = True
+    colocate: bool = False
+    client_lease_s: float = 60.0
 
     def __post_init__(self) -> None:
         c = "ServiceConfig"
@@ -209,9 +218,11 @@ class ServiceConfig:
                 _fail(c, name, getattr(self, name), f"must be an int >= {lo}")
         if self.num_prompts is not None and (not _is_count(self.num_prompts) or self.num_prompts < 1):
             _fail(c, "num_prompts", self.num_prompts, "must be None or an int >= 1")
-        for name in ("detached", "apply_chat_template"):
+        for name in ("detached", "apply_chat_template", "colocate"):
             if not isinstance(getattr(self, name), bool):
                 _fail(c, name, getattr(self, name), "must be true or false")
+        if not _number(self.client_lease_s) or not self.client_lease_s > 0:
+            _fail(c, "client_lease_s", self.client_lease_s, "must be a number > 0")
         for name in ("address", "prompts", "output"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
                 _fail(c, name, getattr(self, name), "must be a string or null")

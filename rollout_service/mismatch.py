@@ -12,6 +12,7 @@ different distributions and the report is meaningless.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 import numpy as np
@@ -20,12 +21,15 @@ import torch
 from rollout_service.types import RolloutResult
 
 
-def token_logprobs(model: torch.nn.Module, results: Sequence[RolloutResult], temperature: float = 1.0
-                   ) -> list[torch.Tensor]:
+def token_logprobs(model: torch.nn.Module, results: Sequence[RolloutResult], temperature: float = 1.0,
+                   weights: dict[str, torch.Tensor] | None = None) -> list[torch.Tensor]:
     """log p(token_ids[i] | prompt + earlier tokens) per result, in one right-padded forward.
 
     Gradients flow when grad mode is on (a learner's loss); right padding keeps every real token's
-    positions and causal context identical to an unpadded forward."""
+    positions and causal context identical to an unpadded forward. Only the positions from the shortest
+    prompt on get logits (`logits_to_keep`): the prompt's vocabulary-wide logits were most of the memory.
+    `weights`: parameters to run instead of the model's own (torch.func.functional_call), e.g. its weights
+    upcast to fp32, for an fp32 reference forward without a second model."""
     if temperature <= 0:
         raise ValueError(f"temperature={temperature}: logprobs are recomputed at a sampling temperature > 0")
     if not results:
@@ -38,11 +42,18 @@ def token_logprobs(model: torch.nn.Module, results: Sequence[RolloutResult], tem
     for i, s in enumerate(seqs):
         ids[i, :len(s)] = torch.tensor(s)
         mask[i, :len(s)] = 1
-    logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits
+    first = min(len(r.prompt_token_ids) for r in results) - 1  # the first position whose logits are used
+    kwargs = dict(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False,
+                  logits_to_keep=width - first)
+    if weights is None:
+        logits = model(**kwargs).logits
+    else:
+        logits = torch.func.functional_call(model, weights, args=(), kwargs=kwargs, strict=False)
+        logits = logits.logits
     out = []
     for i, r in enumerate(results):
-        start, n = len(r.prompt_token_ids), len(r.token_ids)
-        rows = logits[i, start - 1:start - 1 + n].float()
+        start, n = len(r.prompt_token_ids) - 1 - first, len(r.token_ids)
+        rows = logits[i, start:start + n].float()
         if temperature != 1.0:
             rows = rows / temperature
         target = torch.tensor(r.token_ids, dtype=torch.long, device=device)
@@ -106,3 +117,26 @@ def mismatch_report(model: torch.nn.Module, results: Sequence[RolloutResult], te
                     micro_batch: int = 16) -> dict:
     """Recompute with `model` and compare: the one call a learner makes on a batch of results."""
     return logprob_mismatch(results, learner_logprobs(model, results, temperature, micro_batch))
+
+
+def fp32_reference_report(model: torch.nn.Module, results: Sequence[RolloutResult], temperature: float = 1.0,
+                          micro_batch: int = 8) -> dict:
+    """How far the rollout's log-probs and the learner's own are from an fp32 forward of the same weights.
+
+    A bf16 engine cannot match a bf16 learner bitwise; what matters is that it is no further from the exact
+    values than the learner's own numerics are. The fp32 forward runs the model's weights upcast (a
+    transient fp32 copy of them) through the model itself (torch.func.functional_call). Returns
+    {"rollout_vs_fp32": report, "learner_vs_fp32": report, "ratio": the rollout's mean |error| over the
+    learner's}."""
+    weights = {n: p.detach().float() for n, p in model.named_parameters()}
+    fp32, mine = [], []
+    with torch.no_grad():
+        for i in range(0, len(results), micro_batch):
+            chunk = results[i:i + micro_batch]
+            fp32 += [t.float().cpu().numpy() for t in token_logprobs(model, chunk, temperature, weights)]
+            mine += [t.float().cpu().numpy() for t in token_logprobs(model, chunk, temperature)]
+    del weights
+    rollout = logprob_mismatch(results, fp32)
+    learner = logprob_mismatch([dataclasses.replace(r, logprobs=m) for r, m in zip(results, mine)], fp32)
+    ratio = rollout["mean_abs"] / learner["mean_abs"] if learner["mean_abs"] > 0 else None
+    return {"rollout_vs_fp32": rollout, "learner_vs_fp32": learner, "ratio": ratio}

@@ -6,6 +6,9 @@ unread (garbage-collected: a finalizer queues its close), or its process died (t
 stream whose lease is not renewed; a thread of this process renews the leases of every stream still
 referenced here, so a stream kept for later, e.g. rollouts submitted before a training step, lives on).
 The finalizer only queues the close: the thread sends it, or the next submit/info/close of this process.
+
+The same thread renews a client's sleep lease (`hold_sleep`): a service put to sleep by this process stays
+asleep while the process lives, until the client wakes it or is closed.
 """
 from __future__ import annotations
 
@@ -83,25 +86,48 @@ def send_closes() -> None:
                 pass  # the service (or Ray) is gone, and the stream with it
 
 
+def hold_sleep(router: Any, holder: str, lease_s: float) -> None:
+    """Renew client `holder`'s sleep lease with `router` from this process until release_sleep(holder)."""
+    _keeper.hold_sleep(router, holder, lease_s)
+
+
+def release_sleep(holder: str) -> None:
+    _keeper.release_sleep(holder)
+
+
 # Filled by finalizers, which may run in any thread at any allocation: deque.append takes no lock.
 _pending: deque[tuple[Any, str]] = deque()
 _sending = threading.Lock()
 
 
 class _Keeper:
-    """One daemon thread per process, running while streams are open or closes are queued."""
+    """One daemon thread per process, running while streams are open, sleep leases held or closes queued."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._open: weakref.WeakSet[ResultStream] = weakref.WeakSet()
+        self._sleeps: dict[str, tuple[Any, float]] = {}  # holder -> (router, lease_s)
         self._thread: threading.Thread | None = None
 
     def add(self, stream: ResultStream) -> None:
         with self._lock:
             self._open.add(stream)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="rollout-stream-leases", daemon=True)
-                self._thread.start()
+            self._start()
+
+    def hold_sleep(self, router: Any, holder: str, lease_s: float) -> None:
+        """Renew `holder`'s sleep lease with `router` until release_sleep(holder)."""
+        with self._lock:
+            self._sleeps[holder] = (router, float(lease_s))
+            self._start()
+
+    def release_sleep(self, holder: str) -> None:
+        with self._lock:
+            self._sleeps.pop(holder, None)
+
+    def _start(self) -> None:  # (with the lock held)
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="rollout-stream-leases", daemon=True)
+            self._thread.start()
 
     def streams(self) -> list[ResultStream]:
         with self._lock:
@@ -113,24 +139,27 @@ class _Keeper:
             send_closes()
             with self._lock:  # (strong references to streams only for as long as the lock is held)
                 leases = [(s.router, s.sid, s.lease_s) for s in self._open if s.open]
-                if not _pending and not leases:
+                sleeps = [(router, holder, lease_s) for holder, (router, lease_s) in self._sleeps.items()]
+                if not _pending and not leases and not sleeps:
                     self._thread = None
                     return
             # each lease is renewed 4 times per its length: a late renewal or two costs nothing
-            if leases and time.monotonic() - renewed >= min(lease for _, _, lease in leases) / 4:
+            if (leases or sleeps) and time.monotonic() - renewed >= min(x[2] for x in leases + sleeps) / 4:
                 renewed = time.monotonic()
-                self._renew(leases)
+                self._renew(leases, sleeps)
             del leases
             time.sleep(_TICK_S)
 
     @staticmethod
-    def _renew(leases: list[tuple[Any, str, float]]) -> None:
+    def _renew(leases: list[tuple[Any, str, float]], sleeps: list[tuple[Any, str, float]]) -> None:
         by_router: dict[Any, list[str]] = {}
         for router, sid, _ in leases:
             by_router.setdefault(router, []).append(sid)
-        for router, sids in by_router.items():
+        calls = [router.renew_streams.remote(sids) for router, sids in by_router.items()]
+        calls += [router.renew_sleep.remote(holder) for router, holder, _ in sleeps]
+        for call in calls:
             try:
-                ray.get(router.renew_streams.remote(sids), timeout=10)
+                ray.get(call, timeout=10)
             except Exception:
                 pass  # a dead or busy router (or Ray shut down): the next round tries again
 

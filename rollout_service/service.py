@@ -9,13 +9,14 @@ import logging
 import os
 import socket
 import time
+import uuid
 from pathlib import Path
 from typing import Any, Iterator
 
 import ray
 
 from rollout_service.config import ServiceConfig
-from rollout_service.result_stream import ResultStream, close_streams, send_closes
+from rollout_service.result_stream import ResultStream, close_streams, hold_sleep, release_sleep, send_closes
 from rollout_service.types import RolloutResult
 from rollout_service.weights.push import WeightPusher
 
@@ -111,7 +112,7 @@ def resolve_auto(config: ServiceConfig) -> ServiceConfig:
 
 class RayBackend:
     """The client backend interface: submit, update_weights, pause, resume, abort, stats, close (plus weight
-    groups and sleep/wake)."""
+    groups, sleep/wake, colocated learners and fidelity reports)."""
 
     def __init__(self, router: Any, name: str, owner: bool, namespace: str = "rollout_service"):
         self.router = router
@@ -119,6 +120,7 @@ class RayBackend:
         self.namespace = namespace
         self._owner = owner  # a launched service is shut down by close(); a connected one is left running
         self.weights = WeightPusher(router)  # this process is the learner side of every refresh
+        self._holder = uuid.uuid4().hex      # who this client is to a sleep lease
 
     @classmethod
     def launch(cls, config: str | dict | ServiceConfig | None = None, **overrides: Any) -> "RayBackend":
@@ -192,12 +194,32 @@ class RayBackend:
         return ray.get(self.router.weights_digests.remote())
 
     def sleep(self, level: int = 1, fail_if_asleep: bool = False) -> None:
-        err = ray.get(self.router.sleep.remote(level, fail_if_asleep))
-        if err is not None:
+        """The service sleeps while this process lives: a thread renews the lease (from before the call, so a
+        sleep that takes longer than the lease is not woken midway) until wake_up() or close()."""
+        lease_s = ray.get(self.router.info.remote())["client_lease_s"]
+        hold_sleep(self.router, self._holder, lease_s)
+        try:
+            err = ray.get(self.router.sleep.remote(level, fail_if_asleep, self._holder))
+        except BaseException:  # the service is gone (or the call was interrupted): nothing to hold
+            release_sleep(self._holder)
+            raise
+        if err is not None:  # some worker failed to sleep; the others sleep, leased as ever
             raise ValueError(err)
 
     def wake_up(self) -> None:
         err = ray.get(self.router.wake_up.remote())
+        if err is not None:
+            raise ValueError(err)
+        release_sleep(self._holder)
+
+    def colocated_options(self, worker: int) -> dict:
+        options, err = ray.get(self.router.learner_options.remote(worker))
+        if err is not None:
+            raise ValueError(err)
+        return options
+
+    def report_fidelity(self, version: int, report: dict) -> None:
+        err = ray.get(self.router.report_fidelity.remote(version, dict(report)))
         if err is not None:
             raise ValueError(err)
 
@@ -231,6 +253,7 @@ class RayBackend:
         if self.router is None:
             return
         close_streams(self)
+        release_sleep(self._holder)  # a sleep it asked for ends once the service sees no renewal
         self.weights.close()
         if self._owner:
             try:

@@ -8,7 +8,8 @@
 #   usage: scripts/gpu_check.sh
 #   env: PYTHON (default python3), OUT, GPU_CHECK_BUDGET_S (default 530),
 #        GPU_CHECK_MODELS (default qwen2.5-0.5b,llama3-8b), GPU_CHECK_ARGS (extra harness arguments),
-#        GPU_CHECK_RESULTS (default benchmarks/results), GPU_CHECK_TAG (suffix of the result files)
+#        GPU_CHECK_RESULTS (default benchmarks/results), GPU_CHECK_TAG (suffix of the result files),
+#        GPU_CHECK_BENCH (the benchmark steps, in order: default w6,w3,w4,main; the budget cuts the last ones)
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -25,7 +26,9 @@ START=$(date +%s)
 LOG=${OUT:-/tmp}/gpu_check.log
 mkdir -p "$RESULTS" "$(dirname "$LOG")"
 MARK=$(mktemp); touch "$MARK"
+BENCH_STEPS=${GPU_CHECK_BENCH:-w6,w3,w4,main}
 left() { echo $(( BUDGET - ($(date +%s) - START) )); }
+wanted() { [[ ",$BENCH_STEPS," == *",$1,"* ]]; }
 declare -A STATUS
 
 step() {  # step NAME LIMIT_S CMD...: run with a wall-clock limit, remember its exit status
@@ -45,13 +48,21 @@ else
 fi
 
 if [ -d tests/gpu ]; then
-  step gpu_tests 180 "$PY" -m pytest -q -rf tests/gpu  # no -x: one failure must not hide the rest
+  step gpu_tests 240 "$PY" -m pytest -q -rf tests/gpu  # no -x: one failure must not hide the rest
+fi
+
+# W6 (one colocated GRPO step per model: a Ray service with a learner actor on the same GPU) on its own, first:
+# it is the RL loop as users run it. Only the models' configs are loaded in this process.
+W6_S=$(( $(left) > 200 ? ($(left) > 420 ? 330 : $(left) - 60) : 0 ))
+if wanted w6 && [ "$W6_S" -gt 0 ]; then
+  step bench_w6 "$W6_S" "$PY" scripts/bench.py --model "$MODELS" --workloads W6 --budget-s $(( W6_S - 30 )) \
+    --out "$RESULTS" --tag "w6${TAG}"
 fi
 
 # W3 (weight refresh by every transport through a one-worker service, and the sleep/wake cycle) on its own:
 # it starts a local Ray instance, which the main run should not carry.
 W3_S=$(( $(left) > 300 ? 200 : 0 ))
-if [ "$W3_S" -gt 0 ]; then
+if wanted w3 && [ "$W3_S" -gt 0 ]; then
   step bench_w3 "$W3_S" "$PY" scripts/bench.py --model "$MODELS" --workloads W3 --budget-s $(( W3_S - 20 )) \
     --out "$RESULTS" --tag "w3${TAG}"
 fi
@@ -63,19 +74,21 @@ fi
 # of compile), W2n and the W1 generate_batch peer are skipped to fit, and W2n's generate_batch peer for
 # every model (it returns a fraction of the tokens asked for and took ~2 minutes).
 W4_S=$(( $(left) > 300 ? 130 : 0 ))
-if [ "$W4_S" -gt 0 ]; then
+if wanted w4 && [ "$W4_S" -gt 0 ]; then
   step bench_w4 "$W4_S" "$PY" scripts/bench.py --model qwen2.5-0.5b --workloads W4 --budget-s $(( W4_S - 20 )) \
     --out "$RESULTS" --tag "w4${TAG}"
 fi
 BENCH_S=$(( $(left) - 20 ))
-if [ "$BENCH_S" -gt 90 ]; then
+if ! wanted main; then
+  echo "== bench: not in GPU_CHECK_BENCH=$BENCH_STEPS" | tee -a "$LOG"
+elif [ "$BENCH_S" -gt 90 ]; then
   # shellcheck disable=SC2086  # GPU_CHECK_ARGS is meant to split into words
   step bench "$BENCH_S" "$PY" scripts/bench.py --model "$MODELS" \
     --workloads W1,W2,W5,W2n --budget-s $(( BENCH_S - 50 )) --out "$RESULTS" ${TAG:+--tag "${TAG#-}"} \
     --skip llama3-8b:hf_static --skip llama3-8b:W2n --skip W2n:hf_generate_batch \
     --skip llama3-8b:W1:hf_generate_batch ${GPU_CHECK_ARGS:-}
 else
-  echo "== bench: skipped, only $(left)s left" | tee -a "$LOG"; STATUS[bench]=skipped
+  echo "== bench: cut by the budget, only $(left)s left (choose steps with GPU_CHECK_BENCH)" | tee -a "$LOG"
 fi
 
 NEW=$(find "$RESULTS" -maxdepth 1 -type f -newer "$MARK" \( -name '*.json' -o -name '*.md' \))
@@ -87,5 +100,10 @@ echo "== summary after $(( $(date +%s) - START ))s:" | tee -a "$LOG"
 for k in "${!STATUS[@]}"; do echo "   $k: ${STATUS[$k]}"; done | tee -a "$LOG"
 echo "   results: ${NEW:-none}" | tee -a "$LOG"
 for f in $NEW; do case $f in *.md) cat "$f";; esac; done
-# green: the GPU tests (where the tree has them) and the benchmarks all passed
-[ "${STATUS[gpu_tests]:-0}" = 0 ] && [ "${STATUS[bench]:-1}" = 0 ] && [ "${STATUS[bench_w3]:-0}" = 0 ]
+# green: the GPU tests (where the tree has them) passed, every benchmark step that ran passed, and one did run
+green=$([ "${STATUS[gpu_tests]:-0}" = 0 ] && echo 1 || echo 0)
+ran=0
+for b in bench_w6 bench_w3 bench_w4 bench; do
+  case ${STATUS[$b]:-} in "") ;; 0) ran=1 ;; *) green=0 ;; esac
+done
+[ "$green" = 1 ] && [ "$ran" = 1 ]

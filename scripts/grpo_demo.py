@@ -1,12 +1,16 @@
 """GRPO through the Ray rollout service: a learner actor trains SmolLM2-135M-Instruct on arithmetic.
 
     python scripts/grpo_demo.py --config cluster_configs/grpo-local.yaml [--steps 12] [--out DIR]
+    python scripts/grpo_demo.py --config cluster_configs/grpo-colocated-gpu.yaml   # learner + worker on one GPU
 
 The service (router + rollout workers) comes from the YAML; the learner is a Ray actor (actors/grpo.py)
-that samples G completions per prompt, updates, and pushes each new policy version to the workers.
+that samples G completions per prompt, updates, and pushes each new policy version to the workers. With
+`colocate: true` the learner is placed in worker 0's bundle (its GPU) and the workers sleep while it trains.
 Per step it appends to DIR/steps.jsonl: mean reward, held-out greedy accuracy (every --eval-every
-steps), rollout/learner logprob mismatch, staleness, rollout tokens/s, learner time; at the end it draws
-DIR/grpo.png and writes DIR/run.json (command, wall time, load average, before/after accuracy).
+steps), the fidelity of the step's rollouts (rollout/learner log-prob mismatch, KL, max ratio), staleness,
+rollout tokens/s, the seconds of every phase (rollout, reward, learner, refresh, sleep, wake, idle) and the
+learner's memory; at the end it draws DIR/grpo.png and writes DIR/run.json (command, wall time, load
+average, before/after accuracy).
 """
 from __future__ import annotations
 
@@ -25,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rollout_service import tasks  # noqa: E402
 
-DEMO_KEYS = ("steps", "eval_every", "heldout_size", "learner_threads")
+DEMO_KEYS = ("steps", "eval_every", "heldout_size", "learner_threads", "policy")
 
 
 def load_config(path: str) -> tuple[dict, dict, dict]:
@@ -88,9 +92,12 @@ def main() -> None:
     sampler = tasks.ProblemSampler(train, seed=grpo_cfg.get("seed", 0))
     client = RolloutClient.launch(service_cfg)
     try:
-        learner = GRPOActor.options(num_cpus=0).remote(
-            "smollm2-135m", service_cfg["name"], grpo_cfg, namespace=service_cfg.get("namespace", "rollout_service"),
-            num_threads=demo.get("learner_threads", 2))
+        # colocated: the learner takes the other half of worker 0's bundle (its GPU); else it asks for nothing
+        placement = client.colocated_options(0) if service_cfg.get("colocate") else {"num_cpus": 0}
+        policy = demo.get("policy") or service_cfg.get("engine", {}).get("model", "smollm2-135m")
+        learner = GRPOActor.options(**placement).remote(
+            policy, service_cfg["name"], grpo_cfg, namespace=service_cfg.get("namespace", "rollout_service"),
+            num_threads=demo.get("learner_threads"))
         rows = run(learner, ray, sampler, heldout, steps, eval_every, grpo_cfg, out, args.overlap)
     finally:
         client.close()

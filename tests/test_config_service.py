@@ -59,6 +59,11 @@ def test_the_cluster_file_listens_on_loopback_and_authenticates_everywhere():
     ({"max_staleness": 0.5}, r"max_staleness=0.5"),
     ({"max_restarts": -2}, r"max_restarts=-2"),
     ({"detached": "yes"}, r"detached='yes'"),
+    ({"colocate": 1}, r"ServiceConfig.colocate=1: must be true or false"),
+    ({"client_lease_s": 0}, r"ServiceConfig.client_lease_s=0: must be a number > 0"),
+    ({"client_lease_s": -5.0}, r"client_lease_s=-5.0"),
+    ({"client_lease_s": "1m"}, r"client_lease_s='1m'"),
+    ({"client_lease_s": True}, r"client_lease_s=True"),
     ({"engine": {"page_size": 7}}, r"EngineConfig.page_size=7"),
     ({"name": ""}, r"ServiceConfig.name=''"),
     ({"engine": 3}, r"ServiceConfig.engine=3"),
@@ -94,3 +99,11 @@ def test_load_merges_overrides_key_by_key():
         ServiceConfig.load(42)
     with pytest.raises(ValueError, match="unknown key"):
         ServiceConfig.load(cfg, bogus=1)
+
+
+def test_colocate_and_the_client_lease_default_and_round_trip():
+    cfg = ServiceConfig()
+    assert cfg.colocate is False and cfg.client_lease_s == 60.0
+    cfg = ServiceConfig.load(None, colocate=True, client_lease_s=2.5)
+    assert cfg.colocate is True and cfg.client_lease_s == 2.5
+    assert ServiceConfig.from_dict(yaml.safe_load(yaml.safe_dump(cfg.to_dict()))) == cfg

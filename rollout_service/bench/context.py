@@ -37,6 +37,11 @@ class Shapes:
     w4_contexts: tuple = (1024, 4096)
     w4_prefill_seqs: int = 4
     w4_prefill_len: int = 4096
+    w6_prompts: int = 64
+    w6_n: int = 8
+    w6_prompt: int = 256
+    w6_new: int = 512
+    w6_steps: int = 2
 
     def replace(self, **kw) -> "Shapes":
         return dataclasses.replace(self, **kw)
@@ -44,11 +49,12 @@ class Shapes:
 
 QUICK = Shapes(w1_prompt=8, w1_new=8, w2_seqs=4, w2_prompt=8, w2_new=8, w2n_prompts=2, w2n_n=2,
                w2n_prompt=16, w2n_new=8, w3_check_new=4, w4_batches=(1, 4), w4_contexts=(64,),
-               w4_prefill_seqs=2, w4_prefill_len=64)
+               w4_prefill_seqs=2, w4_prefill_len=64, w6_prompts=2, w6_n=2, w6_prompt=8, w6_new=8)
 # Issue 2's CPU benchmark: 32 sequences, prompt 128, 64 new tokens.
 # W2n on the CPU: the same token count as W2 (4 prompts x 8 samples x 64 tokens), not 131k tokens.
+# W6 on the CPU: 8 prompts x n=4, prompt 64, 32 new tokens.
 CPU = Shapes(w2_seqs=32, w2_new=64, w2n_prompts=4, w2n_prompt=128, w2n_new=64, w4_batches=(1, 32),
-             w4_contexts=(1024,), w4_prefill_len=512)
+             w4_contexts=(1024,), w4_prefill_len=512, w6_prompts=8, w6_n=4, w6_prompt=64, w6_new=32)
 
 
 def parse_shape(spec: str) -> tuple[str, object]:

@@ -19,12 +19,14 @@ from .ceilings import measure_ceilings
 from .context import CPU, QUICK, BenchContext, Shapes, parse_shape
 from .models import MODEL_NAMES, load_bench_model
 from .refresh import w3_refresh
+from .rl_step import w6_rl_step
 from .report import Cell, Row, now_utc, write_report
 from .workloads import w1_latency, w2_rollout, w2n_samples, w5_graphs
 
 # the workloads' names and run order: rollout_service/bench/__init__.py
 RUNNERS = {"W2": w2_rollout, "W1": w1_latency, "W5": w5_graphs, "W3": w3_refresh, "W4": w4_kernels,
-           "W2n": w2n_samples}
+           "W2n": w2n_samples, "W6": w6_rl_step}
+CONFIG_ONLY = ("W6",)  # workloads that never touch this process's copy of the weights
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 
@@ -84,29 +86,38 @@ def pick_shapes(args, device: torch.device) -> Shapes:
 def run_model(name: str, args, device: torch.device, shapes: Shapes, ceil, rows: list[Row], meta: dict,
               save, bar, deadline: float) -> None:
     dtype = DTYPES[args.dtype] if args.dtype else None
-    bm = load_bench_model(name, device, dtype)
-    meta["models"][name] = {"weights": bm.weights, "dtype": str(bm.dtype).replace("torch.", ""),
-                            "params": sum(p.numel() for p in bm.hf_model.parameters())}
-    ctx = BenchContext(bm, ceil, shapes, args.backend, engine_opts(args.engine_opt), set(args.skip),
-                       deadline, args.static_peer, args.repeats,
-                       progress=lambda m: bar.set_postfix_str(m, refresh=True))
-    for wl in [w for w in WORKLOADS if w in args.workloads]:
-        if ctx.skipped(wl):
-            rows.append(Row(name, wl, "-", "-", True, engine=Cell.na("skipped by --skip")))
-        else:
-            try:
-                rows.extend(RUNNERS[wl](ctx))
-            except Exception as exc:  # noqa: BLE001 - set-up failure of one workload; keep the rest
-                ctx.errors.append(f"{name} {wl}: {type(exc).__name__}: {exc}")
-                rows.append(Row(name, wl, "-", "-", True, engine=Cell.na(f"error: {type(exc).__name__}: {exc}")))
-        meta["errors"] = meta.get("errors", []) + ctx.errors
-        ctx.errors = []
-        save()
-        bar.update(1)
-    del ctx, bm
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    todo = [w for w in WORKLOADS if w in args.workloads]
+    # config-only workloads first: the weights are loaded here only when another workload needs them
+    for weights, wls in ((False, [w for w in todo if w in CONFIG_ONLY]), (True, [w for w in todo if w not in CONFIG_ONLY])):
+        if not wls:
+            continue
+        bm = load_bench_model(name, device, dtype, weights=weights)
+        meta["models"][name] = {"weights": bm.weights, "dtype": str(bm.dtype).replace("torch.", ""),
+                                "params": bm.num_params()}
+        ctx = BenchContext(bm, ceil, shapes, args.backend, engine_opts(args.engine_opt), set(args.skip),
+                           deadline, args.static_peer, args.repeats,
+                           progress=lambda m: bar.set_postfix_str(m, refresh=True))
+        for wl in wls:
+            _run_workload(ctx, name, wl, rows, meta, save)
+            bar.update(1)
+        del ctx, bm
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def _run_workload(ctx: BenchContext, name: str, wl: str, rows: list[Row], meta: dict, save) -> None:
+    if ctx.skipped(wl):
+        rows.append(Row(name, wl, "-", "-", True, engine=Cell.na("skipped by --skip")))
+    else:
+        try:
+            rows.extend(RUNNERS[wl](ctx))
+        except Exception as exc:  # noqa: BLE001 - set-up failure of one workload; keep the rest
+            ctx.errors.append(f"{name} {wl}: {type(exc).__name__}: {exc}")
+            rows.append(Row(name, wl, "-", "-", True, engine=Cell.na(f"error: {type(exc).__name__}: {exc}")))
+    meta["errors"] = meta.get("errors", []) + ctx.errors
+    ctx.errors = []
+    save()
 
 
 def run(args, argv: list[str] | None) -> int:

@@ -40,7 +40,7 @@ MODEL_NAMES = (*_RANDOM_CONFIGS, EMBEDDED)
 @dataclass
 class BenchModel:
     name: str
-    hf_model: torch.nn.Module
+    hf_model: torch.nn.Module | None  # None: the config only (workloads that build the model elsewhere)
     config: PretrainedConfig
     device: torch.device
     dtype: torch.dtype
@@ -78,6 +78,12 @@ class BenchModel:
     def kv_bytes_per_token(self) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.elem_bytes
 
+    def num_params(self) -> int:
+        if self.hf_model is not None:
+            return sum(p.numel() for p in self.hf_model.parameters())
+        with torch.device("meta"):  # config only: count without allocating
+            return sum(p.numel() for p in AutoModelForCausalLM.from_config(self.config).parameters())
+
     def state_dict_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.hf_model.state_dict().values())
 
@@ -92,10 +98,14 @@ def default_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def load_bench_model(name: str, device: torch.device, dtype: torch.dtype | None = None,
-                     seed: int = 0) -> BenchModel:
+                     seed: int = 0, weights: bool = True) -> BenchModel:
+    """weights=False: the config alone (for a random model; the embedded one's config is read from its
+    converted folder)."""
     if name not in MODEL_NAMES:
         raise ValueError(f"unknown benchmark model {name!r}; choose one of {', '.join(MODEL_NAMES)}")
     dtype = dtype or default_dtype(name, device)
+    if not weights:
+        return BenchModel(name, None, _config(name), device, dtype, "none in this process (config only)")
     if name == EMBEDDED:
         gguf = gguf_file(EMBEDDED)
         path, extra = pretrained_location(gguf)  # the converted copy in the model cache, when there is one
@@ -112,6 +122,14 @@ def load_bench_model(name: str, device: torch.device, dtype: torch.dtype | None 
     model.eval()
     model.generation_config.pad_token_id = 0
     return BenchModel(name, model, config, device, dtype, weights)
+
+
+def _config(name: str) -> PretrainedConfig:
+    if name != EMBEDDED:
+        return _RANDOM_CONFIGS[name]()
+    from transformers import AutoConfig
+    path, extra = pretrained_location(gguf_file(EMBEDDED))
+    return AutoConfig.from_pretrained(path, local_files_only=True, **extra)
 
 
 def random_prompts(n: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
