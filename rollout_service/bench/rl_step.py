@@ -14,7 +14,6 @@ every sample is trained on.
 """
 from __future__ import annotations
 
-import math
 import tempfile
 import time
 
