@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from rollout_service.mismatch import fp32_reference_report, token_logprobs
-from rollout_service.training import MasterWeights, StepClock, memory_figures
+from rollout_service.training import LearnerOutOfMemory, MasterWeights, StepClock, memory_figures
 from rollout_service.training.memory import describe, is_out_of_memory
 from rollout_service.types import RolloutResult
 from tiny_models import tiny_hf_model
@@ -123,3 +123,6 @@ def test_memory_figures_and_out_of_memory_detection_on_the_cpu():
     assert is_out_of_memory(RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate "
                                          "memory: you tried to allocate 99999999999 bytes"))
     assert not is_out_of_memory(RuntimeError("shape mismatch"))
+    import pickle  # a learner actor's error crosses processes
+    err = pickle.loads(pickle.dumps(LearnerOutOfMemory("out of memory (learner allocated 1.00 GiB)", fig)))
+    assert isinstance(err, LearnerOutOfMemory) and "1.00 GiB" in str(err) and err.figures == fig

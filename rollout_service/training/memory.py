@@ -18,6 +18,9 @@ class LearnerOutOfMemory(RuntimeError):
         super().__init__(message)
         self.figures = figures
 
+    def __reduce__(self):  # raised inside a Ray actor: it must unpickle in the caller with its figures
+        return type(self), (str(self), self.figures)
+
 
 def is_out_of_memory(exc: BaseException) -> bool:
     if isinstance(exc, torch.OutOfMemoryError):
