@@ -7,6 +7,7 @@ import os
 import time
 
 import pytest
+import ray
 import torch
 
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
@@ -30,6 +31,35 @@ def _refresh_mid_generation(service, named_tensors, version: int, timeout: float
     service.pause()
     service.update_weights(named_tensors, version)
     service.resume()
+
+
+def wait_for(cond, what: str, timeout: float = 60.0) -> None:
+    deadline = time.time() + timeout
+    while not cond():
+        assert time.time() < deadline, f"gave up waiting for: {what}"
+        time.sleep(0.05)
+
+
+def workers(service) -> list:
+    """The worker actor handles of a service (a RolloutClient or a RayBackend)."""
+    router = getattr(service, "_backend", service).router
+    return ray.get(router.__ray_call__.remote(lambda router: router.workers))
+
+
+def kill_worker(service, i: int, noticed_timeout: float = 20.0) -> None:
+    """Kill worker i (Ray restarts it) and wait until the new one answers and the router noticed the death."""
+    w, deaths = workers(service)[i], service.info()["worker_deaths"]
+    old = ray.get(w.health.remote())["incarnation"]
+    ray.kill(w, no_restart=False)
+
+    def restarted() -> bool:
+        try:
+            return ray.get(w.health.remote(), timeout=5)["incarnation"] != old
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            return False
+    wait_for(restarted, f"Ray restarting worker {i}")
+    wait_for(lambda: service.info()["worker_deaths"] > deaths, f"the router noticing worker {i}'s death",
+             noticed_timeout)
 
 
 def tiny_llama(seed: int = 0):

@@ -11,6 +11,7 @@ import ray
 
 from actors.placement import colocated_share, worker_bundle
 from actors.router import RouterActor
+from ray_fixtures import kill_worker, wait_for, workers
 from rollout_service.client import RolloutClient, fidelity_line
 from rollout_service.config import ServiceConfig
 from rollout_service.service import RayBackend
@@ -57,10 +58,6 @@ def actors():
     return ray.remote(num_cpus=0)(Probe), ray.remote(num_cpus=0)(SleepyClient)
 
 
-def workers(svc: RolloutClient) -> list:
-    return ray.get(svc._backend.router.__ray_call__.remote(lambda router: router.workers))
-
-
 def where(actor) -> dict:
     """The placement group, node and resources of an actor, as it sees them."""
     def inside(_) -> dict:  # (a local function: Ray ships it by value)
@@ -71,30 +68,14 @@ def where(actor) -> dict:
     return ray.get(actor.__ray_call__.remote(inside))
 
 
-def wait_for(cond, what: str, timeout: float = 60.0) -> None:
-    deadline = time.time() + timeout
-    while not cond():
-        assert time.time() < deadline, f"gave up waiting for: {what}"
-        time.sleep(0.05)
-
-
 def sleep_levels(svc: RolloutClient) -> list:
     return [s.get("sleep_level") for s in svc.stats()]
 
 
 def kill(svc: RolloutClient, i: int) -> None:
     """Kill worker i (Ray restarts it) and wait until the router has it back in service."""
-    w, deaths = workers(svc)[i], svc.info()["worker_deaths"]
-    old = ray.get(w.health.remote())["incarnation"]
-    ray.kill(w, no_restart=False)
-
-    def restarted() -> bool:
-        try:
-            return ray.get(w.health.remote(), timeout=5)["incarnation"] != old
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-            return False
-    wait_for(restarted, f"Ray restarting worker {i}")
-    wait_for(lambda: svc.info()["worker_deaths"] > deaths and svc.info()["alive"][i], f"worker {i} back in service")
+    kill_worker(svc, i, noticed_timeout=60.0)
+    wait_for(lambda: svc.info()["alive"][i], f"worker {i} back in service")
 
 
 # -- placement -----------------------------------------------------------------------------------------

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import gc
 import json
-import time
 
 import pytest
 import ray
 
+from ray_fixtures import kill_worker, wait_for, workers
 from rollout_service.client import RolloutClient
 from rollout_service.service import RayBackend
 from rollout_service.types import RolloutRequest, SamplingParams
@@ -61,17 +61,6 @@ def reference(model_dir):
     c.close()
 
 
-def wait_for(cond, what: str, timeout: float = 60.0) -> None:
-    deadline = time.time() + timeout
-    while not cond():
-        assert time.time() < deadline, f"gave up waiting for: {what}"
-        time.sleep(0.05)
-
-
-def workers(backend: RayBackend) -> list:
-    return ray.get(backend.router.__ray_call__.remote(lambda router: router.workers))
-
-
 def idle(backend: RayBackend) -> bool:
     info = backend.info()
     busy = sum((s["queued"] or 0) + (s["running"] or 0) for s in backend.stats())
@@ -85,21 +74,6 @@ def long_requests(k: int, prefix: str, max_tokens: int = 400) -> list[RolloutReq
 
 def running(backend: RayBackend, k: int) -> bool:
     return sum(s["running"] or 0 for s in backend.stats()) >= k
-
-
-def kill(backend: RayBackend, i: int) -> None:
-    """Kill worker i (Ray restarts it) and wait until the router has noticed and the new one answers."""
-    w, deaths = workers(backend)[i], backend.info()["worker_deaths"]
-    old = ray.get(w.health.remote())["incarnation"]
-    ray.kill(w, no_restart=False)
-
-    def restarted() -> bool:
-        try:
-            return ray.get(w.health.remote(), timeout=5)["incarnation"] != old
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-            return False
-    wait_for(restarted, f"Ray restarting worker {i}")
-    wait_for(lambda: backend.info()["worker_deaths"] > deaths, f"the router noticing worker {i}'s death", 20)
 
 
 # -- stats -------------------------------------------------------------------------------------------
@@ -225,7 +199,7 @@ def test_requests_of_a_killed_worker_are_resubmitted_one_by_one(svc):
                                              SamplingParams(n=2, max_tokens=200, ignore_eos=True), request_id="big")])
         rest = backend.submit(long_requests(4, "rest", max_tokens=200))  # on both workers
         wait_for(lambda: running(backend, 8), "the requests running on both workers")
-        kill(backend, 0)
+        kill_worker(backend, 0)
         wait_for(lambda: backend.info()["in_flight"] == 0, "every request ending", 90)
     finally:
         ray.get(w1.__ray_call__.remote(lambda w: setattr(w.engine, "max_model_len", 512)))
@@ -259,13 +233,13 @@ def test_a_restarted_worker_serves_exactly_its_peers_weights_after_partial_refre
 
     for state, partial in pushes:
         want = push(state, partial)
-    kill(backend, 0)  # the new worker 0 replays the full refresh and both partial ones
+    kill_worker(backend, 0)  # the new worker 0 replays the full refresh and both partial ones
     wait_for(lambda: backend.info()["alive"] == [True, True], "worker 0 back in service")
     assert svc.weights_digests() == [want, want]
     assert [s["policy_version"] for s in svc.stats()] == [v, v]
 
     svc.release_weight_buffers()  # nothing left to replay: a restarted worker waits for a full refresh
-    kill(backend, 0)
+    kill_worker(backend, 0)
     wait_for(lambda: backend.info()["awaiting_weights"] == [True, False], "worker 0 waiting for weights")
     push({k: t for k, t in states[3].items() if "norm" in k}, True)
     info = backend.info()
@@ -281,7 +255,7 @@ def test_the_router_survives_a_result_it_cannot_handle_and_brings_a_killed_worke
     backend = svc._backend
     w1 = workers(backend)[1]  # (worker 0 has used up its restarts above)
     ray.get(w1.__ray_call__.remote(lambda w: w._deliver(["not a result"])))
-    kill(backend, 1)
+    kill_worker(backend, 1)
     wait_for(lambda: backend.info()["alive"] == [True, True], "worker 1 back in service")
     results = svc.generate([[i, 2, 3] for i in range(1, 9)], SamplingParams(max_tokens=4, ignore_eos=True))
     assert len(results) == 8 and all(len(r.token_ids) == 4 for r in results)
