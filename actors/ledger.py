@@ -11,6 +11,7 @@ extends the lease; a stream whose lease ran out has lost its client and is cance
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import time
 import uuid
@@ -45,8 +46,11 @@ class Stream:
 
 
 def cost_estimate(req: RolloutRequest) -> int:
-    """Outstanding-token cost of one sample: prompt tokens (estimated for text) + max_tokens."""
+    """Outstanding-token cost of one sample: prompt tokens (estimated for text) + max_tokens; an episode's
+    token limit."""
     p = req.prompt
+    if req.episode is not None:
+        return req.episode.max_total_tokens
     if isinstance(p, str):
         prompt = len(p) // 4 + 1
     elif p and isinstance(p[0], dict):
@@ -113,9 +117,7 @@ class Ledger:
         t.jobs.append(job_id)
         t.worker, t.fresh_as_of = worker, version
         self._job_owner[job_id] = t.request.request_id
-        r = t.request
-        return RolloutRequest(prompt=r.prompt, sampling=r.sampling, request_id=job_id, metadata=r.metadata,
-                              apply_chat_template=r.apply_chat_template)
+        return dataclasses.replace(t.request, request_id=job_id)
 
     def owner(self, job_id: str) -> Tracked | None:
         rid = self._job_owner.get(job_id)

@@ -18,7 +18,8 @@ import msgpack
 import numpy as np
 
 LOGPROBS_MODES = ("processed", "scaled", "raw")
-FINISH_REASONS = ("stop", "length", "abort")
+# "done" and "max_turns" end multi-turn episodes (the environment said done / the turn limit was reached)
+FINISH_REASONS = ("stop", "length", "abort", "done", "max_turns")
 WIRE_SCHEMA_VERSION = 1
 MAX_INT32 = 2**31 - 1  # token ids and policy versions travel as int32 (RolloutResult's wire format)
 
@@ -196,21 +197,64 @@ def _checked_messages(messages: list | tuple) -> list[ChatMessage]:
     return [dict(m) for m in messages]
 
 
-_REQUEST_KEYS = {"prompt", "sampling", "request_id", "metadata", "apply_chat_template"}
+_REQUEST_KEYS = {"prompt", "sampling", "request_id", "metadata", "apply_chat_template", "reward"}
+
+
+def check_reward_name(name: Any, what: str = "reward") -> str | None:
+    """None, or a reward function's importable name "package.module:function" (not imported here)."""
+    if name is None:
+        return None
+    if not isinstance(name, str) or name.count(":") != 1 or not all(name.split(":")):
+        raise ValueError(f"{what}={name!r}: must be an importable \"module:function\" name (or None)")
+    return name
+
+
+@dataclass
+class EpisodeParams:
+    """A multi-turn episode instead of a single completion (rollout_service/episodes.py): the prompt comes
+    from `environment.reset(metadata)`, and after every model turn `environment.step(text)` answers. Each of
+    the request's n samples runs on a copy of the environment. The episode ends when the environment says
+    done, after `max_turns` model turns, or when its tokens would pass `max_total_tokens`."""
+
+    environment: Any
+    max_turns: int = 4
+    max_total_tokens: int = 4096
+
+    def __post_init__(self) -> None:
+        env = self.environment
+        missing = [m for m in ("reset", "step") if not callable(getattr(env, m, None))]
+        if missing:
+            raise ValueError(f"EpisodeParams.environment: {type(env).__name__} has no {' or '.join(missing)}() "
+                             "method (an Environment needs reset(metadata) and step(assistant_text))")
+        for name in ("max_turns", "max_total_tokens"):
+            v = getattr(self, name)
+            if not _is_int(v) or not 1 <= v <= MAX_INT32:
+                raise ValueError(f"EpisodeParams.{name}={v!r}: must be an int in [1, 2**31)")
 
 
 @dataclass
 class RolloutRequest:
-    """One prompt to roll out `sampling.n` times. `metadata` comes back untouched on every result."""
+    """One prompt to roll out `sampling.n` times. `metadata` comes back untouched on every result.
 
-    prompt: Prompt
+    `reward`: a "module:function" name; the service calls it on each finished result (fn(result) -> float)
+    and fills `RolloutResult.reward`. `episode`: run a multi-turn episode (EpisodeParams); the prompt is
+    then taken from the environment and may be None. Episode requests travel pickled (Python API, Ray),
+    not as msgpack."""
+
+    prompt: Prompt | None
     sampling: SamplingParams = field(default_factory=SamplingParams)
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     metadata: Any = None
     apply_chat_template: bool = True
+    reward: str | None = None
+    episode: EpisodeParams | None = None
 
     def __post_init__(self) -> None:
-        self.prompt = _checked_prompt(self.prompt)
+        if self.episode is not None and not isinstance(self.episode, EpisodeParams):
+            raise ValueError(f"RolloutRequest.episode: must be an EpisodeParams, got {type(self.episode).__name__}")
+        if self.prompt is not None or self.episode is None:
+            self.prompt = _checked_prompt(self.prompt)
+        self.reward = check_reward_name(self.reward, "RolloutRequest.reward")
         if not isinstance(self.sampling, SamplingParams):
             raise ValueError(f"RolloutRequest.sampling: must be a SamplingParams, got {type(self.sampling).__name__}")
         if not isinstance(self.request_id, str) or not self.request_id:
@@ -227,8 +271,11 @@ class RolloutRequest:
         return replace(self, sampling=self.sampling.validated())
 
     def to_dict(self) -> dict:
+        if self.episode is not None:
+            raise ValueError(f"request {self.request_id!r}: an episode request (its environment is a Python "
+                             "object) travels pickled, not as a msgpack/dict record")
         return {"request_id": self.request_id, "prompt": self.prompt, "sampling": self.sampling.to_dict(),
-                "metadata": self.metadata, "apply_chat_template": self.apply_chat_template}
+                "metadata": self.metadata, "apply_chat_template": self.apply_chat_template, "reward": self.reward}
 
     @classmethod
     def from_dict(cls, d: Any) -> "RolloutRequest":
@@ -239,7 +286,7 @@ class RolloutRequest:
         return cls(prompt=d["prompt"],
                    sampling=SamplingParams() if sampling is None else SamplingParams.from_dict(sampling),
                    request_id=uuid.uuid4().hex if rid is None else rid, metadata=d.get("metadata"),
-                   apply_chat_template=d.get("apply_chat_template", True))
+                   apply_chat_template=d.get("apply_chat_template", True), reward=d.get("reward"))
 
     def to_msgpack(self) -> bytes:
         return msgpack.packb({"schema": WIRE_SCHEMA_VERSION, "kind": "request", **self.to_dict()})
@@ -254,7 +301,14 @@ class RolloutRequest:
 class RolloutResult:
     """One sample of one request. `logprobs[i]` is the behaviour policy's log-prob of `token_ids[i]`
     (mode per SamplingParams.logprobs_mode), produced by policy version `token_versions[i]`. `error`: why
-    the service gave up on the request (finish_reason "abort", the tokens so far); None otherwise."""
+    the service gave up on the request (finish_reason "abort", the tokens so far); None otherwise.
+    `reward`: the reward function's value (None if there is none or it raised: then `reward_error` says why).
+
+    An episode's result (RolloutRequest.episode) holds every token after the first prompt in `token_ids`:
+    the model's and the environment's, in order. `loss_mask[i]` is 1 where the model produced token i, 0
+    where the environment (or the chat template between turns) did; the logprobs of mask-0 tokens are 0.0
+    and their versions those of the turn before them. `turns`: one dict per model turn (its token span
+    [start, end) in token_ids, its policy version, the environment's reward for it)."""
 
     request_id: str
     sample_index: int
@@ -269,9 +323,14 @@ class RolloutResult:
     metadata: Any = None
     timings: dict[str, float] = field(default_factory=dict)
     error: str | None = None
+    reward_error: str | None = None
+    loss_mask: list[int] | None = None
+    turns: list[dict] | None = None
 
     def __post_init__(self) -> None:
         self.logprobs = np.asarray(self.logprobs, dtype=np.float32)
+        if self.loss_mask is not None and len(self.loss_mask) != len(self.token_ids):
+            raise ValueError("RolloutResult.loss_mask: must have one entry per token id")
         if self.finish_reason not in FINISH_REASONS:
             raise ValueError(f"RolloutResult.finish_reason={self.finish_reason!r}: must be one of {FINISH_REASONS}")
         if not (len(self.token_ids) == len(self.logprobs) == len(self.token_versions)):
@@ -289,6 +348,8 @@ class RolloutResult:
             "logprobs": self.logprobs.astype("<f4").tobytes(), "token_versions": _i32(self.token_versions),
             "finish_reason": self.finish_reason, "text": self.text, "top_logprobs": top, "reward": self.reward,
             "metadata": self.metadata, "timings": dict(self.timings), "error": self.error,
+            "reward_error": self.reward_error, "loss_mask": None if self.loss_mask is None else bytes(self.loss_mask),
+            "turns": self.turns,
         }
 
     @classmethod
@@ -302,7 +363,9 @@ class RolloutResult:
                 token_versions=_from_i32(d["token_versions"]), finish_reason=d["finish_reason"],
                 text=d["text"], top_logprobs=None if top is None else [dict(zip(k, v)) for k, v in top],
                 reward=d["reward"], metadata=d["metadata"], timings=dict(d["timings"]),
-                error=d.get("error"),  # absent from records written before it existed
+                # absent from records written before they existed
+                error=d.get("error"), reward_error=d.get("reward_error"),
+                loss_mask=None if d.get("loss_mask") is None else list(d["loss_mask"]), turns=d.get("turns"),
             )
         except (KeyError, TypeError) as e:
             raise ValueError(f"malformed result record ({type(e).__name__}: {e})") from None
