@@ -53,6 +53,12 @@ class EngineConfig:
     overlap_decode: bool = True
     seed: int = 0
     on_refresh: str = "continue"
+    # Reuse the KV of full pages across requests whose tokens match up to the page's end (shared system
+    # prompts, the n samples' prompt on recompute, an episode's history). Keys carry the policy version:
+    # after a refresh, KV of the old weights stops matching, unless prefix_cache_across_versions (off: the
+    # old KV would silently mix two policies in one sample's log-probs).
+    enable_prefix_cache: bool = True
+    prefix_cache_across_versions: bool = False
 
     def __post_init__(self) -> None:
         c = "EngineConfig"
@@ -76,8 +82,9 @@ class EngineConfig:
             _fail(c, "max_model_len", self.max_model_len, "must be None or an int >= 2")
         if not 0 < self.gpu_memory_utilization <= 0.98:
             _fail(c, "gpu_memory_utilization", self.gpu_memory_utilization, "must be in (0, 0.98]")
-        if not isinstance(self.overlap_decode, bool):
-            _fail(c, "overlap_decode", self.overlap_decode, "must be a bool")
+        for name in ("overlap_decode", "enable_prefix_cache", "prefix_cache_across_versions"):
+            if not isinstance(getattr(self, name), bool):
+                _fail(c, name, getattr(self, name), "must be a bool")
         if not self.kv_cache_memory_gb > 0:
             _fail(c, "kv_cache_memory_gb", self.kv_cache_memory_gb, "must be > 0")
         if self.on_refresh not in ON_REFRESH:

@@ -82,7 +82,7 @@ def test_prompt_sharing_prefills_once_and_matches_n1(llama):
             alone = c.generate([p], SamplingParams(n=1, temperature=1.0, max_tokens=10, seed=100 + k,
                                                    ignore_eos=True))[0]
             assert r.token_ids == alone.token_ids and r.sample_index == k
-    assert c.engine.kv.pool.num_used == 0  # every shared page returned
+    assert c.engine.kv.blocks.num_used == 0  # every shared page returned
 
 
 def test_seeded_request_independent_of_batch(llama):
@@ -110,7 +110,7 @@ def test_preemption_completes_everything_with_same_tokens(llama):
     assert [r.token_ids for r in tight] == [r.token_ids for r in big]
     greedy_tight = small.generate(ps, GREEDY)
     assert [r.token_ids for r in greedy_tight] == [hf_greedy(llama, p, GREEDY.max_tokens) for p in ps]
-    assert small.engine.kv.pool.num_used == 0
+    assert small.engine.kv.blocks.num_used == 0
 
 
 def test_weight_update_changes_outputs_and_versions(llama):
@@ -267,7 +267,7 @@ def _mates_unharmed(llama, eng: Engine, got: dict[str, list]) -> None:
         assert all(r.error is None for r in got[rid])
         assert [r.logprobs.tolist() for r in got[rid]] == \
             [pytest.approx(r.logprobs.tolist(), abs=1e-4) for r in clean[rid]]  # recomputed: last bits may move
-    assert eng.kv.pool.num_used == 0 and not eng.has_unfinished()
+    assert eng.kv.blocks.num_used == 0 and not eng.has_unfinished()
     eng.add_request(RolloutRequest([4, 5, 6, 7], SamplingParams(temperature=0, max_tokens=5), request_id="next"))
     assert len(eng.run_until_done()[0].token_ids) == 5  # the engine still serves
 

@@ -70,7 +70,7 @@ def test_overlap_matches_one_step_at_a_time(llama):
     assert eng_on.stats()["overlapped_steps"] == eng_on.counters.overlapped_steps
     # overlap never computes fewer rows; what it wastes is at most one step per finished sequence
     assert eng_on.counters.generated_tokens == eng_off.counters.generated_tokens
-    assert eng_on.kv.pool.num_used == 0 and eng_off.kv.pool.num_used == 0
+    assert eng_on.kv.blocks.num_used == 0 and eng_off.kv.blocks.num_used == 0
 
 
 def test_overlap_with_preemption_gives_the_same_tokens(llama):
@@ -81,7 +81,7 @@ def test_overlap_with_preemption_gives_the_same_tokens(llama):
     assert eng_off.scheduler.num_preemptions > 0, "the pool was meant to be too small"
     assert eng_on.scheduler.num_preemptions > 0
     assert [r.token_ids for r in on] == [r.token_ids for r in off]
-    assert eng_on.kv.pool.num_used == 0
+    assert eng_on.kv.blocks.num_used == 0
 
 
 def test_overlap_across_abort_and_refresh(llama):

@@ -52,7 +52,7 @@ def test_sleep_mid_generation_frees_memory_and_loses_nothing(llama, level):
     freed = seen["awake"] - seen["asleep"]["device_memory_bytes"]
     assert freed == (kv + weights if level == 2 else kv)
     assert seen["asleep"]["sleep_level"] == level and eng.stats()["sleep_level"] == 0
-    assert eng.stats()["recomputes"] > 0 and eng.kv.pool.num_used == 0
+    assert eng.stats()["recomputes"] > 0 and eng.kv.blocks.num_used == 0
     assert [g for g in got if g[0] != "late"] == want  # seeded: the same tokens after the recompute
     assert len([g for g in got if g[0] == "late"]) == 2
 

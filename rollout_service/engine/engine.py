@@ -70,6 +70,7 @@ class EngineCounters:
     prompt_prefills: int = 0      # prompts prefilled for the first time (once per request, whatever n)
     recomputes: int = 0           # prefills redone after preemption
     overlapped_steps: int = 0     # decode steps launched before the previous step's tokens were read
+    prefilled_tokens: int = 0     # tokens run through prefill (a prefix-cache hit is not)
     generated_tokens: int = 0
     recent: deque = field(default_factory=lambda: deque(maxlen=64))  # (time, tokens) for tokens/s
 
@@ -90,7 +91,7 @@ class Engine:
         self.prompts = PromptProcessor(self.tokenizer, self.hf_config.vocab_size)
         self.eos_ids = self.prompts.eos_ids(self.hf_config)
         self.kv = self._make_kv_cache()
-        self.scheduler = Scheduler(self.kv.pool, config.page_size, config.max_num_seqs,
+        self.scheduler = Scheduler(self.kv.blocks, config.page_size, config.max_num_seqs,
                                    config.max_num_batched_tokens)
         # Graphs fix every buffer at its largest shape; only the CUDA kernels read the pages through CSR
         # indices whose cost follows the real lengths (the torch reference gathers whole padded tables).
@@ -123,7 +124,8 @@ class Engine:
             wanted = self.config.max_num_seqs * pages_for(self.max_model_len, ps) + 1
             num_pages = max(2, min(int(budget // page_bytes), wanted))
         log.info("KV cache: %d pages of %d tokens (%.2f GiB)", num_pages, ps, num_pages * page_bytes / 2**30)
-        return KVCache(num_layers, num_kv_heads, head_dim, ps, num_pages, dtype, self.device)
+        return KVCache(num_layers, num_kv_heads, head_dim, ps, num_pages, dtype, self.device,
+                       self.config.enable_prefix_cache, self.config.prefix_cache_across_versions)
 
     # ---- requests -----------------------------------------------------------------------------------
     def prepare(self, req: RolloutRequest) -> Sequence:
@@ -149,9 +151,9 @@ class Engine:
             raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len} "
                              "(room for at least one new token is needed)")
         longest = min(len(ids) + req.sampling.max_tokens, self.max_model_len)
-        if pages_for(longest, self.config.page_size) > self.kv.pool.num_usable:
+        if pages_for(longest, self.config.page_size) > self.kv.blocks.num_usable:
             raise ValueError(f"request needs up to {longest} tokens of KV but the whole cache holds "
-                             f"{self.kv.pool.num_usable * self.config.page_size}")
+                             f"{self.kv.blocks.num_usable * self.config.page_size}")
         seed = req.sampling.seed if req.sampling.seed is not None else self._seed_rng.getrandbits(63)
         return Sequence(req.request_id, ids, req.sampling, seed, num_samples=req.sampling.n)
 
@@ -337,6 +339,7 @@ class Engine:
     def _after_prefill(self, batch: Batch, logits: torch.Tensor | None) -> None:
         self.counters.prefill_steps += 1
         to_sample, rows, row = [], [], 0
+        self.counters.prefilled_tokens += sum(batch.chunk_lens)
         for i, seq in enumerate(batch.seqs):
             seq.num_computed += batch.chunk_lens[i]
             if not batch.completes[i]:
@@ -357,18 +360,12 @@ class Engine:
         self._append(to_sample, self.sampler(logits, to_sample), self.policy_version)
 
     def _fork(self, seq: Sequence) -> list[Sequence]:
-        """Give the n - 1 sibling samples the prompt's pages: full pages shared, the partial one copied."""
+        """The n - 1 sibling samples of a prefilled prompt, sharing its pages (kv_cache.BlockManager.fork)."""
         n, seq.num_samples = seq.num_samples, 1
-        pool, partial = self.kv.pool, seq.num_tokens % self.config.page_size != 0
-        shared = seq.pages[:-1] if partial else seq.pages
         children = []
         for k in range(1, n):
             child = seq.fork(seq.sample_index + k)
-            pool.share(shared)
-            child.pages = list(shared)
-            if partial:
-                child.pages += pool.allocate(1)
-                self.kv.copy_page(seq.pages[-1], child.pages[-1])
+            self.kv.blocks.fork(seq, child)
             children.append(child)
         self._requests[seq.request_id].seqs += children
         return children
@@ -462,6 +459,7 @@ class Engine:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # the sources may be reused once this returns
             self.policy_version = version
+            self.kv.blocks.set_version(version)
             if self.config.on_refresh == "abort":
                 self._outbox += self.abort(list(self._requests))
 
@@ -502,12 +500,19 @@ class Engine:
             self.sleeper.wake()
 
     # ---- introspection ------------------------------------------------------------------------------
+    def _prefix_cache_stats(self) -> dict:
+        b = self.kv.blocks
+        return {"enabled": b.enable_cache, "hit_rate": b.stats.hit_rate, "hit_tokens": b.stats.hit_tokens,
+                "queried_tokens": b.stats.queried_tokens, "cached_pages": b.num_cached,
+                "evictions": b.stats.evictions, "across_versions": b.across_versions}
+
     def stats(self) -> dict:
         c, recent = self.counters, list(self.counters.recent)
         span = recent[-1][0] - recent[0][0] if len(recent) > 1 else 0.0
         return {
             "queued": len(self.scheduler.waiting), "running": len(self.scheduler.running),
-            "kv_pages_used": self.kv.pool.num_used, "kv_pages_total": self.kv.pool.num_usable,
+            "kv_pages_used": self.kv.blocks.num_used, "kv_pages_total": self.kv.blocks.num_usable,
+            "prefilled_tokens": c.prefilled_tokens, "prefix_cache": self._prefix_cache_stats(),
             "tokens_per_s": sum(n for _, n in recent[1:]) / span if span > 0 else 0.0,
             "policy_version": self.policy_version, "steps": c.steps, "prompt_prefills": c.prompt_prefills,
             "recomputes": c.recomputes, "preemptions": self.scheduler.num_preemptions,

@@ -2,16 +2,18 @@
 
 A step is either a prefill (every admissible waiting sequence, ragged, up to the token budget; a prompt
 longer than what is left of the budget is chunked) or a decode (one token for every running sequence).
-Prefill goes first so new work joins the batch as soon as there are pages for it. When decode runs out of
-pages the newest running sequence is preempted: its pages are freed and it is requeued at the front, to be
-recomputed later. Nothing is ever dropped.
+Prefill goes first so new work joins the batch as soon as there are pages for it; a new sequence whose
+prefix is in the prefix cache starts with those pages and prefills only the rest. When decode runs out of
+pages (cached pages nobody holds are evicted first, by the block manager) the newest running sequence is
+preempted: its pages are freed and it is requeued at the front, to be recomputed later. Nothing is ever
+dropped. Pages themselves are the block manager's (kv_cache.py): this file only decides what runs.
 """
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
 
-from rollout_service.engine.kv_cache import PagePool, pages_for
+from rollout_service.engine.kv_cache import BlockManager, pages_for
 from rollout_service.engine.sequence import Sequence, SeqStatus
 
 
@@ -31,8 +33,8 @@ class Batch:
 
 
 class Scheduler:
-    def __init__(self, pool: PagePool, page_size: int, max_num_seqs: int, max_num_batched_tokens: int):
-        self.pool = pool
+    def __init__(self, blocks: BlockManager, page_size: int, max_num_seqs: int, max_num_batched_tokens: int):
+        self.blocks = blocks
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -49,44 +51,45 @@ class Scheduler:
     def _schedule_prefill(self) -> Batch | None:
         budget = self.max_num_batched_tokens
         seqs, chunks = [], []
-        reserved = 0
+        reserved = 0  # pages the forks of this batch's finished prompts will take after the step
         num_seqs = len(self.running)
         for seq in self.waiting:
             num_seqs += seq.num_samples
             if budget == 0 or (num_seqs > self.max_num_seqs and (seqs or self.running)):
                 break
-            remaining = seq.num_tokens - seq.num_computed
+            cached = self.blocks.match_prefix(seq)
+            computed = seq.num_computed + len(cached) * self.page_size
+            remaining = seq.num_tokens - computed
             chunk = min(remaining, budget)
-            need = pages_for(seq.num_computed + chunk, self.page_size) - len(seq.pages)
+            need = pages_for(computed + chunk, self.page_size) - len(seq.pages) - len(cached)
             # the n - 1 forks of a finished prompt each copy its partial last page
             forks = seq.num_samples - 1 if chunk == remaining and seq.num_tokens % self.page_size else 0
-            if not self.pool.can_allocate(reserved + need + forks):
+            # claiming a cached page nobody holds takes it off the evictable list, like an allocation
+            if not self.blocks.can_allocate(reserved + need + forks + self.blocks.num_idle(cached)):
                 break
-            reserved += need + forks
+            if not seq.pages:
+                self.blocks.take_prefix(seq, cached)
+            self.blocks.grow(seq, computed + chunk)
+            reserved += forks
             seqs.append(seq)
             chunks.append(chunk)
             budget -= chunk
             if chunk < remaining:
                 break  # a chunked prompt is always the last of the batch
-        if not seqs:
-            return None
-        for seq, chunk in zip(seqs, chunks):
-            need = pages_for(seq.num_computed + chunk, self.page_size) - len(seq.pages)
-            seq.pages += self.pool.allocate(need)
-        return Batch(True, seqs, chunks)
+        return Batch(True, seqs, chunks) if seqs else None
 
     def _schedule_decode(self) -> Batch | None:
         scheduled, pending, ps = [], deque(self.running), self.page_size
         while pending:
             seq = pending.popleft()
             if seq.num_tokens > len(seq.pages) * ps:  # this step's token starts a new page
-                while not self.pool.can_allocate(1):
+                while not self.blocks.can_allocate(1):
                     self._preempt(pending.pop() if pending else seq)
                     if seq.status == SeqStatus.WAITING:
                         break
                 if seq.status == SeqStatus.WAITING:
                     break
-                seq.pages += self.pool.allocate(1)
+                self.blocks.grow(seq, seq.num_tokens)
             scheduled.append(seq)
         self.running = scheduled
         return Batch(False, list(scheduled)) if scheduled else None  # a copy: finishing edits running
@@ -98,10 +101,10 @@ class Scheduler:
         if self.waiting or not seqs:
             return None
         short = [s for s in seqs if s.num_tokens + 1 > len(s.pages) * self.page_size]
-        if not self.pool.can_allocate(len(short)):
+        if not self.blocks.can_allocate(len(short)):
             return None
         for seq in short:
-            seq.pages += self.pool.allocate(1)
+            self.blocks.grow(seq, seq.num_tokens + 1)
         return Batch(False, list(seqs))
 
     def preempt_all(self) -> None:
@@ -112,19 +115,19 @@ class Scheduler:
         self.running = []
         for seq in self.waiting:
             if seq.pages:  # a prompt part-way through a chunked prefill
-                self.pool.release(seq.pages)
-                seq.pages, seq.num_computed = [], 0
+                self.blocks.free(seq)
 
     def _preempt(self, seq: Sequence) -> None:
-        self.pool.release(seq.pages)
-        seq.pages = []
-        seq.num_computed = 0
+        self.blocks.free(seq)
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
     def after_prefill(self, batch: Batch, new_running: list[Sequence]) -> None:
-        """Move sequences whose prompt finished (plus their forks) from waiting to running."""
+        """Cache the prefilled pages; move sequences whose prompt finished (plus their forks) from waiting to
+        running."""
+        for seq in batch.seqs:
+            self.blocks.cache_full_pages(seq)
         done = {s.seq_id for s, c in zip(batch.seqs, batch.completes) if c}
         self.waiting = deque(s for s in self.waiting if s.seq_id not in done)
         for seq in new_running:
@@ -132,9 +135,8 @@ class Scheduler:
         self.running += new_running
 
     def finish(self, seq: Sequence) -> None:
-        """Release a finished or aborted sequence's pages and forget it."""
-        self.pool.release(seq.pages)
-        seq.pages = []
+        """Release a finished or aborted sequence's pages (cached for later prefixes) and forget it."""
+        self.blocks.free(seq)
         seq.status = SeqStatus.FINISHED
         if seq in self.running:
             self.running.remove(seq)

@@ -38,6 +38,8 @@ class Sequence:
         # samples still to fork from this sequence once its prompt is prefilled (n > 1 only)
         self.num_samples = num_samples
         self.pages: list[int] = []
+        self.page_keys: list[int] = []  # prefix-cache keys of the leading full pages (kv_cache.BlockManager)
+        self.kv_version = 0             # policy version its KV was first computed under
         self.num_computed = 0
         self.status = SeqStatus.WAITING
         self.finish_reason: str | None = None
