@@ -96,10 +96,11 @@ class Scheduler:
 
     def schedule_ahead(self, seqs: list[Sequence]) -> Batch | None:
         """A decode step for `seqs` one token ahead of what has been recorded (their last sampled token is
-        still on the device), or None: only when nothing waits for a prefill and the next pages can be had
-        without preempting anyone, so that it is the step `schedule` would pick once the tokens are in."""
-        if self.waiting or not seqs:
-            return None
+        still on the device), or None: only when no waiting prompt could be admitted and the next pages can
+        be had without preempting anyone, so that it is the step `schedule` would pick once the tokens are
+        in."""
+        if not seqs or (self.waiting and len(seqs) + self.waiting[0].num_samples <= self.max_num_seqs):
+            return None  # (a waiting prompt that has no room among max_num_seqs cannot be prefilled anyway)
         short = [s for s in seqs if s.num_tokens + 1 > len(s.pages) * self.page_size]
         if not self.blocks.can_allocate(len(short)):
             return None
