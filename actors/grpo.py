@@ -18,11 +18,16 @@ Loss per sampled token t of a sample with advantage A (ratio r = exp(learner - r
 The surrogate's gradient carries r as its importance weight; the truncation caps that weight at C
 (truncated importance sampling), so tokens the engine sampled where the learner's numerics or a stale
 policy disagree sharply cannot blow up the update. Tokens are averaged over the whole batch.
+
+Multi-turn episodes (rollout_service/episodes.py): give the learner `env_fn(problem) -> Environment` and each
+problem becomes a group of G episodes (GRPOConfig.max_turns, max_total_tokens, stop), rewarded by default with
+the environment's final reward. The loss, the token counts and the fidelity report then cover only the tokens
+the model sampled (loss_mask == 1), never the environment's or the chat template's.
 """
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -32,10 +37,11 @@ import torch
 from actors.learner import group_advantages, load_policy
 from rollout_service import tasks
 from rollout_service.config import DTYPE_NAMES
-from rollout_service.mismatch import fp32_reference_report, logprob_mismatch, mismatch_report, token_logprobs
+from rollout_service.mismatch import (fp32_reference_report, logprob_mismatch, mismatch_report, model_token_mask,
+                                     num_model_tokens, token_logprobs)
 from rollout_service.training import OPTIMIZERS, LearnerOutOfMemory, MasterWeights, StepClock, memory_figures
 from rollout_service.training.memory import describe, is_out_of_memory
-from rollout_service.types import RolloutRequest, RolloutResult, SamplingParams
+from rollout_service.types import EpisodeParams, RolloutRequest, RolloutResult, SamplingParams
 
 
 @dataclass
@@ -60,9 +66,12 @@ class GRPOConfig:
                                        # version if the learner dies mid-step); 2: dropped, the refresh brings them
     ignore_eos: bool = False           # fixed-length rollouts (benchmarks)
     memory_limit_gb: float | None = None  # cap on the GPU memory the learner's allocator may take (from a shared GPU)
+    stop: list[str] = field(default_factory=list)  # stop strings of every rollout (a tool call's end: "</calc>")
+    max_turns: int = 4                 # episodes (env_fn given): model turns per episode
+    max_total_tokens: int = 1024       # episodes: tokens per episode, first prompt included
 
     def __post_init__(self) -> None:
-        for name in ("group_size", "prompts_per_step", "max_tokens", "micro_batch"):
+        for name in ("group_size", "prompts_per_step", "max_tokens", "micro_batch", "max_turns", "max_total_tokens"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"GRPOConfig.{name}={v!r}: must be an int >= 1")
@@ -110,13 +119,15 @@ def grpo_token_loss(new_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, 
 class GRPOLearner:
     """policy: a transformers CausalLM or a source for `load_policy`; client: a RolloutClient, or the name
     of a running Ray service to attach to. reward_fn(result) -> float (default: the arithmetic task's
-    reward of result.text against result.metadata["answer"]); prompt_fn(problem) -> prompt (default:
-    problem.messages(), the chat prompt)."""
+    reward of result.text against result.metadata["answer"]; for episodes the environment's reward, 0 when
+    there is none); prompt_fn(problem) -> prompt (default: problem.messages(), the chat prompt).
+    env_fn(problem) -> Environment: roll out multi-turn episodes instead of single completions."""
 
     def __init__(self, policy: Any, client: Any, config: GRPOConfig | dict | None = None,
                  reward_fn: Callable[[RolloutResult], float] | None = None,
                  prompt_fn: Callable[[Any], Any] | None = None, version: int | None = None,
-                 namespace: str = "rollout_service", num_threads: int | None = None):
+                 namespace: str = "rollout_service", num_threads: int | None = None,
+                 env_fn: Callable[[Any], Any] | None = None):
         if num_threads:
             torch.set_num_threads(num_threads)
         self.config = c = GRPOConfig(**config) if isinstance(config, dict) else (config or GRPOConfig())
@@ -129,7 +140,9 @@ class GRPOLearner:
             from rollout_service.client import RolloutClient
             client = RolloutClient.connect(client, namespace=namespace)
         self.client = client
-        self.reward_fn = reward_fn or (lambda r: tasks.reward(r.text, r.metadata["answer"]))
+        self.env_fn = env_fn
+        default_reward = _episode_reward if env_fn else (lambda r: tasks.reward(r.text, r.metadata["answer"]))
+        self.reward_fn = reward_fn or default_reward
         self.prompt_fn = prompt_fn or (lambda p: p.messages())
         self.version = _service_version(client) if version is None else version
         self.colocated = bool(client.info().get("colocate")) if c.colocate == "auto" else c.colocate
@@ -150,9 +163,13 @@ class GRPOLearner:
         for i, p in enumerate(problems):
             seed = (c.seed * 1_000_003 + self.version * 10_007 + i * c.group_size) % 2**62
             sampling = SamplingParams(n=c.group_size, temperature=c.temperature, max_tokens=c.max_tokens,
-                                      logprobs_mode="scaled", seed=seed, ignore_eos=c.ignore_eos)
-            reqs.append(RolloutRequest(prompt=self.prompt_fn(p), sampling=sampling,
-                                       metadata=getattr(p, "to_metadata", lambda: None)()))
+                                      logprobs_mode="scaled", seed=seed, ignore_eos=c.ignore_eos, stop=c.stop)
+            metadata = getattr(p, "to_metadata", lambda: None)()
+            if self.env_fn is None:
+                reqs.append(RolloutRequest(prompt=self.prompt_fn(p), sampling=sampling, metadata=metadata))
+            else:
+                episode = EpisodeParams(self.env_fn(p), c.max_turns, c.max_total_tokens)
+                reqs.append(RolloutRequest(prompt=None, sampling=sampling, metadata=metadata, episode=episode))
         return {"problems": list(problems), "order": {r.request_id: i for i, r in enumerate(reqs)},
                 "stream": self.client.stream(reqs), "version": self.version}
 
@@ -176,21 +193,24 @@ class GRPOLearner:
 
     # -- learning --------------------------------------------------------------------------------
     def train_on(self, results: Sequence[RolloutResult], rewards: Sequence[float]) -> dict:
-        """One GRPO update on a prompt-major batch; returns loss, grad norm, mismatch report, counts."""
+        """One GRPO update on a prompt-major batch; returns loss, grad norm, mismatch report, counts. Only the
+        tokens the model sampled count (an episode's loss_mask == 1)."""
         c = self.config
         start = time.perf_counter()
         adv = group_advantages(rewards, c.group_size)
+        sampled = [model_token_mask(r) for r in results]
         # Zero-advantage samples (groups where every reward tied) add nothing to the gradient: skip them.
-        live = [i for i, a in enumerate(adv) if a != 0.0 and len(results[i].token_ids)]
-        n_tokens = max(1, sum(len(r.token_ids) for r in results))
+        live = [i for i, a in enumerate(adv) if a != 0.0 and sampled[i].any()]
+        n_tokens = max(1, sum(int(m.sum()) for m in sampled))
         self.precision.zero_grad()
         loss_total, learner_lp = 0.0, {}
         for j in range(0, len(live), c.micro_batch):
             chunk = live[j:j + c.micro_batch]
             lps = token_logprobs(self.policy, [results[i] for i in chunk], c.temperature)
             old = [torch.as_tensor(np.array(results[i].logprobs), device=lp.device) for i, lp in zip(chunk, lps)]
-            loss = sum(grpo_token_loss(lp, o, float(adv[i]), c.clip_eps, c.tis_cap)
-                       for i, lp, o in zip(chunk, lps, old)) / n_tokens
+            keep = [torch.as_tensor(sampled[i], device=lp.device) for i, lp in zip(chunk, lps)]
+            loss = sum(grpo_token_loss(lp[k], o[k], float(adv[i]), c.clip_eps, c.tis_cap)
+                       for i, lp, o, k in zip(chunk, lps, old, keep)) / n_tokens
             loss.backward()
             self.precision.accumulate()
             loss_total += loss.item()
@@ -297,7 +317,7 @@ class GRPOLearner:
     def _row(self, pending: dict, results, rewards, stats: dict, clock: StepClock, engine_asleep,
              extra: dict) -> dict:
         oldest = min((min(r.token_versions) for r in results if r.token_versions), default=self.version - 1)
-        gen_tokens = sum(len(r.token_ids) for r in results)
+        gen_tokens = num_model_tokens(results)
         span = max(r.timings.get("finished", 0) for r in results) - min(r.timings.get("queued", 0) for r in results)
         phases = clock.row()
         full = extra.get("full")
@@ -327,6 +347,11 @@ class GRPOLearner:
 
     def state(self) -> dict:
         return {"version": self.version, "config": asdict(self.config)}
+
+
+def _episode_reward(result: RolloutResult) -> float:
+    """An episode's reward: the environment's last one (0 for an episode that ended before any)."""
+    return 0.0 if result.reward is None else float(result.reward)
 
 
 def _service_version(client: Any) -> int:

@@ -37,8 +37,9 @@ def learner_options(config: ServiceConfig, pg: object, i: int) -> dict:
             "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)}
 
 
-async def create_workers(config: ServiceConfig) -> tuple[list, object]:
-    """Reserve the bundles (or fail with what the cluster lacks), then start one worker per bundle."""
+async def create_workers(config: ServiceConfig, reward_actors: list | None = None) -> tuple[list, object]:
+    """Reserve the bundles (or fail with what the cluster lacks), then start one worker per bundle. Each
+    worker gets the service's default reward and the reward actors (actors/reward_pool.py), if any."""
     from actors.rollout_worker import RolloutWorkerActor
 
     n, bundle = int(config.num_workers), worker_bundle(config)
@@ -67,5 +68,6 @@ async def create_workers(config: ServiceConfig) -> tuple[list, object]:
         if "memory" in bundle:
             opts["memory"] = bundle["memory"]
         engine = config.engine.to_dict() if isinstance(config.engine.model, str) else vars(config.engine)
-        workers.append(RolloutWorkerActor.options(**opts).remote(dict(engine), i))
+        workers.append(RolloutWorkerActor.options(**opts).remote(dict(engine), i, reward=config.reward,
+                                                                 reward_actors=list(reward_actors or [])))
     return workers, pg

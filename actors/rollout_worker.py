@@ -4,8 +4,10 @@ The actor is threaded (max_concurrency > 1): while the engine thread steps, othe
 abort, update_weights, pause, stats) are served. One lock guards the engine, so every engine call
 happens between two steps — that is the step boundary at which a weight refresh is applied.
 Finished results wait in an outbox that the router drains with `poll` (a long poll: it returns as soon
-as something finished, so results stream back as they finish). `stats` and `health` read without the
-lock, so they answer at once even in the middle of a long step.
+as something finished, so results stream back as they finish). A result whose request names a reward
+function (or the service's default one) gets its reward first, off the engine thread: in this process's
+reward threads, or in the service's reward actors (actors/reward_pool.py). `stats` and `health` read
+without the lock, so they answer at once even in the middle of a long step.
 
 An engine that fails to build does not fail the constructor: that would make Ray print the traceback and
 a crash dump of every attempt and restart the actor into the same failure. The actor stays up, does
@@ -23,13 +25,16 @@ from typing import Any
 import ray
 
 from actors.remote_errors import error_text
+from actors.reward_pool import RewardPool
+from rollout_service.rewards import RewardBook, RewardRunner
 from rollout_service.types import RolloutRequest, RolloutResult
 from rollout_service.weights.group import GroupSpec
 from rollout_service.weights.receiver import WeightReceiver
 
 
 class RolloutWorker:
-    def __init__(self, engine_config: dict, worker_index: int = 0, model_source: Any = None):
+    def __init__(self, engine_config: dict, worker_index: int = 0, model_source: Any = None,
+                 reward: str | None = None, reward_actors: list | None = None):
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()  # N workers' load bars would interleave in the driver's log
@@ -54,6 +59,11 @@ class RolloutWorker:
         self._steps = 0
         self._wakeups = 0
         self._error: str | None = None
+        self._reward_of = RewardBook(reward)  # the service's default reward applies where a request names none
+        if reward_actors:  # one batch of results per reward actor at a time
+            self._rewards = RewardRunner(self._deliver, RewardPool(reward_actors).start, len(reward_actors))
+        else:
+            self._rewards = RewardRunner(self._deliver)
         self._thread = threading.Thread(target=self._loop, name=f"engine-{worker_index}", daemon=True)
         self._thread.start()
 
@@ -79,7 +89,7 @@ class RolloutWorker:
                 self._error = f"{type(e).__name__}: {e}"
                 raise
             if finished:
-                self._deliver(finished)
+                self._finished(finished)
 
     def _wake(self) -> None:
         with self._cv:
@@ -89,6 +99,12 @@ class RolloutWorker:
     def _has_work(self) -> bool:
         with self._lock:
             return self.engine.has_unfinished()
+
+    def _finished(self, results: list[RolloutResult]) -> None:
+        """To the outbox, once their rewards are computed (off this thread)."""
+        done = self._rewards.finished(results, self._reward_of)
+        if done:
+            self._deliver(done)
 
     def _deliver(self, results: list[RolloutResult]) -> None:
         with self._cv:
@@ -104,8 +120,10 @@ class RolloutWorker:
         errors: list[str | None] = [None] * len(requests)
         with self._lock:
             seqs: list = [None] * len(requests)
+            names: list = [None] * len(requests)
             for i, req in enumerate(requests):
                 try:
+                    names[i] = self._reward_of.name_for(req)
                     seqs[i] = self.engine.prepare(req)
                 except Exception as e:
                     errors[i] = error_text(e)
@@ -115,6 +133,7 @@ class RolloutWorker:
                 if seq is not None:
                     try:
                         self.engine.add_request(req, seq)
+                        self._reward_of.add(req.request_id, names[i], seq.sampling.n)
                     except Exception as e:
                         errors[i] = error_text(e)
         self._wake()
@@ -138,11 +157,14 @@ class RolloutWorker:
         """Abort now; the partial results are returned here (not through poll)."""
         with self._lock:
             results = self.engine.abort(list(request_ids))
+        for r in results:
+            self._reward_of.take(r)  # (an aborted sample gets no reward; this counts it as out)
         ids = set(request_ids)
+        waiting = self._rewards.cancel(ids)  # finished, their reward not computed yet: marked as such
         with self._cv:  # results that finished just before the abort are not lost: return them too
             done = [r for r in self._outbox if r.request_id in ids]
             self._outbox = [r for r in self._outbox if r.request_id not in ids]
-        return done + list(results)
+        return done + waiting + list(results)
 
     # -- weights (the learner's side is RolloutClient.update_weights; the protocol is actors/refresh.py) --
     def weights_prepare(self, payload: dict, partial: bool = False) -> None:
@@ -218,7 +240,8 @@ class RolloutWorker:
         with self._cv:
             s.update(worker=self.worker_index, incarnation=self.incarnation, paused=self._paused,
                      last_refresh={k: round(v, 4) if isinstance(v, float) else v for k, v in self.last_refresh.items()},
-                     outbox=len(self._outbox), steps=self._steps, pid=os.getpid(),
+                     outbox=len(self._outbox), rewards_pending=self._rewards.pending, steps=self._steps,
+                     pid=os.getpid(),
                      node_id=ray.get_runtime_context().get_node_id())
         return s
 
@@ -237,6 +260,7 @@ class RolloutWorker:
             self._stop = True
         self._wake()
         self._thread.join(timeout=10)
+        self._rewards.close()
         self.receiver.leave()
 
 

@@ -35,6 +35,7 @@ from actors.ledger import Ledger, Tracked, decode_request
 from actors.placement import create_workers, learner_options
 from actors.refresh import RefreshCoordinator
 from actors.remote_errors import ACTOR_DOWN as _ACTOR_DOWN, error_text, is_down
+from actors.reward_pool import create_reward_actors, kill_reward_actors
 from rollout_service.client import FIDELITY_KEPT, check_fidelity, fidelity_line
 from rollout_service.config import ServiceConfig
 from rollout_service.types import RolloutRequest, RolloutResult
@@ -72,9 +73,11 @@ class Router:
 
     # -- start-up ---------------------------------------------------------------------------------
     async def start(self) -> str | None:
-        """Place the workers and wait until each has built its engine; returns an error message or None."""
+        """Place the workers (and the reward actors they share, if any) and wait until each has built its
+        engine; returns an error message or None."""
+        self.reward_actors = create_reward_actors(self.config)
         try:
-            self.workers, self.placement_group = await create_workers(self.config)
+            self.workers, self.placement_group = await create_workers(self.config, self.reward_actors)
         except ValueError as e:
             return str(e)
         healths = await asyncio.gather(*[w.health.remote() for w in self.workers], return_exceptions=True)
@@ -536,6 +539,7 @@ class Router:
                 "asleep": self._asleep, "loads": self.ledger.loads(len(self.workers)),
                 "duplicates_dropped": self.ledger.duplicates_dropped, "colocate": self.config.colocate,
                 "client_lease_s": self.sleep_lease_s, "fidelity": [dict(e) for e in self.fidelity],
+                "reward": self.config.reward, "reward_workers": self.config.reward_workers,
                 **self.counters}
 
     async def shutdown(self) -> None:
@@ -547,6 +551,7 @@ class Router:
                 ray.kill(w)
             except Exception:
                 pass
+        kill_reward_actors(getattr(self, "reward_actors", []))
         if self.placement_group is not None:
             ray.util.remove_placement_group(self.placement_group)
 

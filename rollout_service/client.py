@@ -10,14 +10,20 @@ import logging
 import numbers
 import threading
 import time
+import weakref
 from collections import defaultdict, deque
 from collections.abc import Mapping
-from typing import Any, Iterable, Iterator, Sequence as Seq
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence as Seq
 
 from rollout_service.config import EngineConfig
+from rollout_service.rewards import RewardBook, RewardRunner, resolve
 from rollout_service.types import Prompt, RolloutRequest, RolloutResult, SamplingParams, check_request_ids
 from rollout_service.weights.buckets import named_items
 from rollout_service.weights.sender import TRANSPORTS
+
+if TYPE_CHECKING:
+    from rollout_service.dynamic_sampling import GroupsResult
 
 
 FIDELITY_KEPT = 256  # fidelity reports a service keeps (the newest)
@@ -67,15 +73,27 @@ def fidelity_line(entry: dict) -> str:
 
 
 class LocalBackend:
-    """An in-process engine stepped by the calling thread. pause() from another thread holds stepping at
-    the next step boundary until resume(); a call made while paused fails instead of waiting forever."""
+    """An in-process engine stepped by the threads that read its streams (one at a time; the others pick
+    up what its steps finished for them). pause() from another thread holds stepping at the next step
+    boundary until resume(); a call made while paused fails instead of waiting forever. Rewards are
+    computed in this process's reward threads, off the stepping thread (rollout_service/rewards.py)."""
 
-    def __init__(self, engine: Any):
+    def __init__(self, engine: Any, reward: str | None = None):
         self.engine = engine
         self._unpaused = threading.Event()
         self._unpaused.set()
-        self._done: dict[str, list[RolloutResult]] = defaultdict(list)  # results of other callers' requests
+        self._stepping = threading.Lock()
+        self._cv = threading.Condition()  # guards _done and _open; notified when results are posted
+        self._done: dict[str, list[RolloutResult]] = defaultdict(list)  # results not yet read by their stream
+        self._open: dict[str, object] = {}  # request id -> the stream (a token) that reads its results
+        self._forgotten: deque[tuple[list[str], object]] = deque()  # streams gone (filled by finalizers)
+        self._reward_of = RewardBook(reward)
+        self._rewards = RewardRunner(self._post)
         self.fidelity: deque[dict] = deque(maxlen=FIDELITY_KEPT)
+
+    @property
+    def reward(self) -> str | None:
+        return self._reward_of.default
 
     def submit(self, requests: list[RolloutRequest]) -> Iterator[RolloutResult]:
         if not self._unpaused.is_set():
@@ -85,28 +103,63 @@ class LocalBackend:
         ids = [r.request_id for r in requests]
         if len(set(ids)) != len(ids):
             raise ValueError("duplicate request_id in one call")
+        names = [self._reward_of.name_for(r) for r in requests]
         seqs = [self.engine.prepare(r) for r in requests]  # every request validated before any is queued
-        for r, s in zip(requests, seqs):
+        token = object()
+        with self._cv:
+            self._open.update((rid, token) for rid in ids)
+        for r, s, name in zip(requests, seqs, names):
+            self._reward_of.add(r.request_id, name, s.sampling.n)  # before another thread can step it
             self.engine.add_request(r, s)
-        return self._drain(set(ids), sum(s.sampling.n for s in seqs))
+        stream = self._drain(set(ids), sum(s.sampling.n for s in seqs))
+        # a stream gone (read or dropped) stops collecting results (deque.append: finalizers may run anywhere)
+        weakref.finalize(stream, self._forgotten.append, (ids, token))
+        return stream
 
     def _drain(self, ids: set[str], remaining: int) -> Iterator[RolloutResult]:
         while remaining:
-            for rid in ids & self._done.keys():
-                for res in self._done.pop(rid):
-                    remaining -= 1
-                    yield res
-            if not remaining:
-                break
-            self._unpaused.wait()
-            while self.engine.is_sleeping:  # another thread put the engine to sleep: wait for wake_up
-                time.sleep(0.01)
-            for res in self.engine.step():
-                if res.request_id in ids:
-                    remaining -= 1
-                    yield res
-                else:
-                    self._done[res.request_id].append(res)
+            with self._cv:
+                got = [res for rid in ids & self._done.keys() for res in self._done.pop(rid)]
+            for res in got:
+                remaining -= 1
+                yield res
+            if remaining and not got:
+                self._advance(ids)
+
+    def _advance(self, ids: set[str]) -> None:
+        """Step the engine, or wait while another thread steps it (or while rewards are computed)."""
+        self._unpaused.wait()
+        while self.engine.is_sleeping:  # another thread put the engine to sleep: wait for wake_up
+            time.sleep(0.01)
+        if self._stepping.acquire(blocking=False):
+            try:
+                idle = not self.engine.has_unfinished()
+                if not idle:
+                    self._finished(self.engine.step())
+            finally:
+                self._stepping.release()
+            if not idle:
+                return
+        with self._cv:  # nothing to step, or another thread steps: wait for results
+            if not ids & self._done.keys():
+                self._cv.wait(0.01)
+
+    def _finished(self, results: list[RolloutResult]) -> None:
+        self._post(self._rewards.finished(results, self._reward_of))
+
+    def _post(self, results: list[RolloutResult]) -> None:
+        """Hand results to the streams that read them (results nobody reads any more are dropped)."""
+        with self._cv:
+            while self._forgotten:
+                ids, token = self._forgotten.popleft()
+                for rid in ids:
+                    if self._open.get(rid) is token:  # (not a later request that reuses the id)
+                        del self._open[rid]
+                        self._done.pop(rid, None)
+            for r in results:
+                if r.request_id in self._open:
+                    self._done[r.request_id].append(r)
+            self._cv.notify_all()
 
     def update_weights(self, named_tensors: Any, version: int, transport: str = "auto", partial: bool = False,
                        check_finite: bool = True) -> str:
@@ -140,14 +193,22 @@ class LocalBackend:
         self._unpaused.set()
 
     def abort(self, request_ids: list[str]) -> list[RolloutResult]:
-        return self.engine.abort(request_ids)
+        """As over Ray: the "abort" results (and those whose reward was still being computed) are returned
+        and also end the requests' streams."""
+        results = self.engine.abort(request_ids)
+        for r in results:
+            self._reward_of.take(r)  # (an aborted sample gets no reward; this counts it as out)
+        results += self._rewards.cancel(request_ids)
+        self._post(results)
+        return results
 
     def stats(self) -> list[dict]:
         return [self.engine.stats()]
 
     def info(self) -> dict:
         return {"policy_version": self.engine.policy_version, "num_workers": 1, "in_flight": len(self.engine._requests),
-                "colocate": False, "fidelity": [dict(e) for e in self.fidelity]}
+                "colocate": False, "fidelity": [dict(e) for e in self.fidelity], "reward": self.reward,
+                "reward_workers": 0}
 
     def colocated_options(self, worker: int) -> dict:
         raise ValueError("colocated_options: an in-process engine shares the caller's process already; "
@@ -159,6 +220,7 @@ class LocalBackend:
         logging.getLogger(__name__).info(fidelity_line(entry))
 
     def close(self) -> None:
+        self._rewards.close()
         self.engine = None
 
 
@@ -180,12 +242,15 @@ class RolloutClient:
 
     @classmethod
     def local(cls, model: Any = "smollm2-135m", backend: str = "auto", dtype: str | None = None,
-              tokenizer: Any = None, **engine_options: Any) -> "RolloutClient":
+              tokenizer: Any = None, reward: str | None = None, **engine_options: Any) -> "RolloutClient":
         """An in-process engine, no Ray. `model`: "smollm2-135m", a HF folder, a .gguf file or a live
-        transformers CausalLM (pass `tokenizer=` for text prompts)."""
+        transformers CausalLM (pass `tokenizer=` for text prompts). `reward`: the default reward function
+        ("module:function") for requests that name none, as ServiceConfig.reward."""
         from rollout_service.engine.engine import Engine
+        if reward is not None:
+            resolve(reward)
         config = EngineConfig(model=model, backend=backend, dtype=dtype, **engine_options)
-        return cls(LocalBackend(Engine(config, tokenizer=tokenizer)))
+        return cls(LocalBackend(Engine(config, tokenizer=tokenizer), reward=reward))
 
     @classmethod
     def launch(cls, config: Any, **overrides: Any) -> "RolloutClient":
@@ -207,8 +272,11 @@ class RolloutClient:
         return getattr(self._backend, "engine", None)
 
     def requests(self, prompts: Prompt | Seq[Prompt | RolloutRequest], sampling: SamplingParams | None = None,
-                 apply_chat_template: bool = True, metadata: Seq[Any] | None = None) -> list[RolloutRequest]:
-        """Normalise prompts (one or many; RolloutRequests, checked again, pass through) into RolloutRequests."""
+                 apply_chat_template: bool = True, metadata: Seq[Any] | None = None,
+                 reward: str | None = None) -> list[RolloutRequest]:
+        """Normalise prompts (one or many; RolloutRequests, checked again, pass through) into RolloutRequests.
+        `reward` ("module:function", imported here: ValueError if it cannot be) goes on every request built
+        here and on every RolloutRequest that names no reward of its own."""
         if isinstance(prompts, RolloutRequest) or _is_single_prompt(prompts):
             prompts = [prompts]
         if isinstance(prompts, (bytes, Mapping)) or not isinstance(prompts, Iterable):
@@ -223,20 +291,91 @@ class RolloutClient:
         if sampling is not None and not isinstance(sampling, SamplingParams):
             raise ValueError(f"sampling: expected a SamplingParams, got {type(sampling).__name__}")
         sampling = (sampling or SamplingParams()).validated()
-        return [p.validated() if isinstance(p, RolloutRequest) else
+        if reward is not None:
+            resolve(reward)
+        reqs = [p.validated() if isinstance(p, RolloutRequest) else
                 RolloutRequest(prompt=p, sampling=sampling, apply_chat_template=apply_chat_template,
-                               metadata=None if metadata is None else metadata[i])
+                               metadata=None if metadata is None else metadata[i], reward=reward)
                 for i, p in enumerate(prompts)]
+        for i, r in enumerate(reqs):
+            if r.reward is None and reward is not None:
+                reqs[i] = r = replace(r, reward=reward)
+            if r.reward is not None:
+                resolve(r.reward, f"request {r.request_id!r}: reward")  # (cached: once per name)
+        return reqs
 
     def stream(self, prompts: Any, sampling: SamplingParams | None = None, apply_chat_template: bool = True,
-               metadata: Seq[Any] | None = None) -> Iterator[RolloutResult]:
-        """Yield each sample's result as soon as it finishes."""
-        return self._open.submit(self.requests(prompts, sampling, apply_chat_template, metadata))
+               metadata: Seq[Any] | None = None, reward: str | None = None) -> Iterator[RolloutResult]:
+        """Yield each sample's result as soon as it finishes. `reward`: a reward function
+        ("module:function") the service runs on each finished result (RolloutResult.reward)."""
+        return self._open.submit(self.requests(prompts, sampling, apply_chat_template, metadata, reward))
 
     def generate(self, prompts: Any, sampling: SamplingParams | None = None, apply_chat_template: bool = True,
-                 metadata: Seq[Any] | None = None) -> list[RolloutResult]:
-        """All results, prompt-major: prompt 0's n samples, then prompt 1's, ..."""
-        reqs = self.requests(prompts, sampling, apply_chat_template, metadata)
+                 metadata: Seq[Any] | None = None, reward: str | None = None) -> list[RolloutResult]:
+        """All results, prompt-major: prompt 0's n samples, then prompt 1's, ... `reward`: as stream()."""
+        reqs = self.requests(prompts, sampling, apply_chat_template, metadata, reward)
+        order = {r.request_id: i for i, r in enumerate(reqs)}
+        results = list(self._open.submit(reqs))
+        return sorted(results, key=lambda r: (order[r.request_id], r.sample_index))
+
+    def generate_groups(self, prompts: Any, sampling: SamplingParams, keep: Any = "nonconstant", *,
+                        target_groups: int, max_oversample: float = 4.0, reward: str | None = None,
+                        apply_chat_template: bool = True, metadata: Any = None) -> "GroupsResult":
+        """Dynamic sampling (DAPO): roll out each prompt as a group of `sampling.n` (>= 2) samples and keep
+        the groups that pass `keep` ("nonconstant": rewards not all equal; or keep(group) -> bool) until
+        `target_groups` are kept, drawing prompts from `prompts` (a list or any iterator of prompts or
+        RolloutRequests; `metadata`: a list or iterator alongside) as needed, never more than
+        ceil(max_oversample * target_groups) groups. Groups still in flight then are aborted. Returns the
+        kept groups and counts (rollout_service/dynamic_sampling.py)."""
+        from rollout_service.dynamic_sampling import generate_groups
+        return generate_groups(self, prompts, sampling, keep, target_groups=target_groups,
+                               max_oversample=max_oversample, reward=reward,
+                               apply_chat_template=apply_chat_template, metadata=metadata)
+
+    def run_episodes(self, envs_or_factory: Any, sampling: SamplingParams | None = None, max_turns: int = 4,
+                     max_total_tokens: int = 4096, n: int | None = None, metadata: Seq[Any] | None = None,
+                     reward: str | None = None, apply_chat_template: bool = True) -> list[RolloutResult]:
+        """Multi-turn episodes (rollout_service/episodes.py), each run on one worker, which keeps its KV between
+        turns. `envs_or_factory`: a list of environments, or a factory f(i) -> Environment called for i in
+        range(n). `sampling` applies to every turn (max_tokens: one turn's answer) and runs sampling.n episodes
+        per environment, each on its own copy. An episode ends when its environment says done, after
+        `max_turns` model turns, or when its tokens (first prompt included) would pass `max_total_tokens`.
+        `metadata`: one per environment, passed to reset() and returned on its results; `reward`: a
+        "module:function" reward (RolloutRequest.reward). A seeded call gives environment i the seed
+        seed + i * sampling.n, as if its episodes were samples of one request: no two episodes share a noise
+        stream. Results are environment-major: environment 0's sampling.n episodes, then environment 1's, ..."""
+        import dataclasses
+
+        from rollout_service.episodes import Environment
+        from rollout_service.types import EpisodeParams
+
+        if isinstance(envs_or_factory, (list, tuple)) and envs_or_factory:
+            envs = list(envs_or_factory)
+            if n is not None and n != len(envs):
+                raise ValueError(f"run_episodes: n={n!r} but {len(envs)} environments were given")
+        elif callable(envs_or_factory) and not isinstance(envs_or_factory, Environment):
+            if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+                raise ValueError(f"run_episodes: n={n!r}: a factory needs the number of environments, an int >= 1")
+            envs = [envs_or_factory(i) for i in range(n)]
+        else:
+            raise ValueError(f"run_episodes: expected a non-empty list of environments or a factory f(i) -> "
+                             f"Environment, got {type(envs_or_factory).__name__}")
+        bad = next((i for i, e in enumerate(envs) if not isinstance(e, Environment)), None)
+        if bad is not None:
+            raise ValueError(f"run_episodes: environment {bad} is a {type(envs[bad]).__name__}, which lacks "
+                             "reset(metadata) or step(assistant_text)")
+        if metadata is not None and (not isinstance(metadata, (list, tuple)) or len(metadata) != len(envs)):
+            raise ValueError(f"metadata: expected a list with one entry per environment ({len(envs)})")
+        if sampling is not None and not isinstance(sampling, SamplingParams):
+            raise ValueError(f"sampling: expected a SamplingParams, got {type(sampling).__name__}")
+        sampling = (sampling or SamplingParams()).validated()
+        seed = sampling.seed
+        reqs = [RolloutRequest(None, dataclasses.replace(sampling, seed=None if seed is None else
+                                                         (seed + i * sampling.n) % 2**63), reward=reward,
+                               metadata=None if metadata is None else metadata[i],
+                               apply_chat_template=apply_chat_template,
+                               episode=EpisodeParams(env, max_turns, max_total_tokens))
+                for i, env in enumerate(envs)]
         order = {r.request_id: i for i, r in enumerate(reqs)}
         results = list(self._open.submit(reqs))
         return sorted(results, key=lambda r: (order[r.request_id], r.sample_index))

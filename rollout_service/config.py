@@ -183,6 +183,11 @@ class ServiceConfig:
     client_lease_s: how long a client process may go silent before the service stops holding what it
         asked for: its open streams are cancelled, and a sleep() it asked for ends (the workers wake and
         serve the last weights). A live client renews its leases from a background thread.
+    reward: the default reward function, an importable "package.module:function" (fn(result) -> float),
+        for requests that name none (RolloutRequest.reward); None: no reward. It is imported when the
+        config is loaded, so a name that cannot be imported fails at launch.
+    reward_workers: 0 = rewards are computed in each rollout worker's own threads; k > 0 = in k Ray reward
+        actors shared by the workers (for slow or CPU-heavy reward functions; they reserve no CPU).
     """
 
     name: str = "rollout_service"
@@ -203,6 +208,8 @@ class ServiceConfig:
     apply_chat_template: bool = True
     colocate: bool = False
     client_lease_s: float = 60.0
+    reward: str | None = None
+    reward_workers: int = 0
 
     def __post_init__(self) -> None:
         c = "ServiceConfig"
@@ -233,6 +240,11 @@ class ServiceConfig:
         for name in ("address", "prompts", "output"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
                 _fail(c, name, getattr(self, name), "must be a string or null")
+        if not _is_count(self.reward_workers) or self.reward_workers < 0:
+            _fail(c, "reward_workers", self.reward_workers, "must be an int >= 0")
+        if self.reward is not None:
+            from rollout_service.rewards import resolve
+            resolve(self.reward, f"{c}.reward")
         self.sampling_params()  # validates the defaults now, not at the first request
 
     def sampling_params(self, **overrides: Any):

@@ -9,6 +9,9 @@ learner side with a transformers CausalLM and reports the gap.
 Rollouts must be sampled with logprobs_mode "scaled" (or "processed" with no top-k/top-p/min-p and no
 penalties) and the learner must recompute at the same temperature, else the two sides measure
 different distributions and the report is meaningless.
+
+An episode's result (multi-turn, rollout_service/episodes.py) also holds the environment's tokens, which the
+model did not sample (loss_mask 0, log-prob 0.0): only its loss_mask == 1 tokens are compared and counted.
 """
 from __future__ import annotations
 
@@ -19,6 +22,18 @@ import numpy as np
 import torch
 
 from rollout_service.types import RolloutResult
+
+
+def model_token_mask(result: RolloutResult) -> np.ndarray:
+    """Which of `result.token_ids` the model sampled (bool per token): its loss_mask, or every token of a
+    result without one."""
+    if result.loss_mask is None:
+        return np.ones(len(result.token_ids), dtype=bool)
+    return np.asarray(result.loss_mask, dtype=bool).reshape(len(result.token_ids))
+
+
+def num_model_tokens(results: Sequence[RolloutResult]) -> int:
+    return int(sum(model_token_mask(r).sum() for r in results))
 
 
 def token_logprobs(model: torch.nn.Module, results: Sequence[RolloutResult], temperature: float = 1.0,
@@ -75,7 +90,8 @@ def learner_logprobs(model: torch.nn.Module, results: Sequence[RolloutResult], t
 
 
 def logprob_mismatch(results: Sequence[RolloutResult], learner: Sequence[np.ndarray | torch.Tensor]) -> dict:
-    """Compare rollout (behaviour) log-probs with a learner's, token by token.
+    """Compare rollout (behaviour) log-probs with a learner's, token by token (the model's tokens only:
+    model_token_mask).
 
     Returns mean_abs / max_abs |learner - rollout|, mean_signed (learner - rollout), n_tokens,
     n_sequences, kl (k3 estimate of KL(rollout || learner) on the sampled tokens, >= 0), the mean
@@ -88,9 +104,10 @@ def logprob_mismatch(results: Sequence[RolloutResult], learner: Sequence[np.ndar
         if lp.shape != (len(r.token_ids),):
             raise ValueError(f"result {i}: {lp.shape[0] if lp.ndim else 0} learner log-probs for "
                              f"{len(r.token_ids)} sampled tokens")
-        rollout.append(np.asarray(r.logprobs, dtype=np.float64))
-        mine.append(lp.astype(np.float64))
-        versions.update(r.token_versions)
+        sampled = model_token_mask(r)
+        rollout.append(np.asarray(r.logprobs, dtype=np.float64)[sampled])
+        mine.append(lp.astype(np.float64)[sampled])
+        versions.update(np.asarray(r.token_versions, dtype=np.int64)[sampled].tolist())
     b = np.concatenate(rollout) if rollout else np.zeros(0)
     a = np.concatenate(mine) if mine else np.zeros(0)
     if not np.all(np.isfinite(b)):

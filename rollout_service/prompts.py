@@ -1,9 +1,12 @@
-"""Prompt -> token ids (chat template via transformers) and token ids -> text."""
+"""Prompt -> token ids (chat template via transformers) and token ids -> text; the template's tokens between
+the turns of a multi-turn episode (`chat_delta`)."""
 from __future__ import annotations
 
 from typing import Any
 
 from rollout_service.types import Prompt
+
+_TURN = "\u2063assistant turn\u2063"  # stands for the model's text in chat_delta's renderings (found by rindex)
 
 
 class PromptProcessor:
@@ -33,6 +36,37 @@ class PromptProcessor:
         if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
             ids = ids["input_ids"]
         return list(ids)
+
+    def text_ids(self, text: str) -> list[int]:
+        """Raw text continuing a sequence: its tokens, with no BOS or template around them."""
+        if self.tokenizer is None:
+            raise ValueError("text needs a tokenizer to become tokens; this model has none (give token ids)")
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def chat_delta(self, messages: list[dict], closed_by: int | None = None) -> list[int]:
+        """The tokens that end an assistant turn and add `messages` plus the generation prompt, as the chat
+        template renders them after an assistant message. Taken as the difference of two renderings of a
+        fixed conversation (with and without the messages), so the model's own tokens are never rendered
+        again (re-tokenizing them could change them). `closed_by`: the EOS token the turn ended with, whose
+        text is then left out of the closing (it is already in the sequence); None for a turn that ended
+        otherwise (length, stop string), which the template's closing then ends."""
+        if not self.has_chat_template:
+            raise ValueError("chat messages need a tokenizer with a chat template; this one has none")
+        base = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _TURN}]
+        before = self._render(base, False)
+        after = self._render(base + list(messages), True)
+        if not after.startswith(before):
+            raise ValueError("the chat template renders an assistant turn differently once messages follow it: "
+                             "cannot add messages to an episode with this template")
+        closing = before[before.rindex(_TURN) + len(_TURN):]
+        if closed_by is not None:
+            eos = self.tokenizer.decode([closed_by], skip_special_tokens=False)
+            closing = closing.removeprefix(eos)
+        return self._check(self.text_ids(closing + after[len(before):]))
+
+    def _render(self, messages: list[dict], add_generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                  tokenize=False)
 
     def _check(self, ids: list[int]) -> list[int]:
         if not ids:

@@ -42,6 +42,15 @@ class Shapes:
     w6_prompt: int = 256
     w6_new: int = 512
     w6_steps: int = 2
+    w7_episodes: int = 64
+    w7_turns: int = 4
+    w7_prompt: int = 256
+    w7_obs: int = 256
+    w7_new: int = 128
+    ds_groups: int = 64   # WDS: groups to keep (dynamic sampling's target_groups)
+    ds_n: int = 8
+    ds_prompt: int = 256
+    ds_new: int = 256
 
     def replace(self, **kw) -> "Shapes":
         return dataclasses.replace(self, **kw)
@@ -49,12 +58,16 @@ class Shapes:
 
 QUICK = Shapes(w1_prompt=8, w1_new=8, w2_seqs=4, w2_prompt=8, w2_new=8, w2n_prompts=2, w2n_n=2,
                w2n_prompt=16, w2n_new=8, w3_check_new=4, w4_batches=(1, 4), w4_contexts=(64,),
-               w4_prefill_seqs=2, w4_prefill_len=64, w6_prompts=2, w6_n=2, w6_prompt=8, w6_new=8)
+               w4_prefill_seqs=2, w4_prefill_len=64, w6_prompts=2, w6_n=2, w6_prompt=8, w6_new=8,
+               w7_episodes=2, w7_turns=2, w7_prompt=8, w7_obs=8, w7_new=4, ds_groups=2, ds_n=2, ds_prompt=8,
+               ds_new=8)
 # Issue 2's CPU benchmark: 32 sequences, prompt 128, 64 new tokens.
 # W2n on the CPU: the same token count as W2 (4 prompts x 8 samples x 64 tokens), not 131k tokens.
-# W6 on the CPU: 8 prompts x n=4, prompt 64, 32 new tokens.
+# W6 on the CPU: 8 prompts x n=4, prompt 64, 32 new tokens. W7 on the CPU: 8 episodes x 4 turns, prompt and
+# observations 128, answers 32.
 CPU = Shapes(w2_seqs=32, w2_new=64, w2n_prompts=4, w2n_prompt=128, w2n_new=64, w4_batches=(1, 32),
-             w4_contexts=(1024,), w4_prefill_len=512, w6_prompts=8, w6_n=4, w6_prompt=64, w6_new=32)
+             w4_contexts=(1024,), w4_prefill_len=512, w6_prompts=8, w6_n=4, w6_prompt=64, w6_new=32,
+             w7_episodes=8, w7_prompt=128, w7_obs=128, w7_new=32, ds_groups=4, ds_n=4, ds_prompt=32, ds_new=16)
 
 
 def parse_shape(spec: str) -> tuple[str, object]:

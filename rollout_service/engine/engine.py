@@ -34,6 +34,7 @@ from rollout_service.engine.scheduler import Batch, Scheduler
 from rollout_service.engine.sequence import Sequence, SeqStatus
 from rollout_service.engine.sleep import Sleeper, process_gpu_bytes
 from rollout_service.engine.transfers import copy_to_host, to_device
+from rollout_service.episodes import EpisodeGroup, EpisodeRunner
 from rollout_service.model.loader import load_model
 from rollout_service.model.weight_update import apply_named_tensors, validate_manifest, validate_named_tensors
 from rollout_service.ops.backend import resolve_backend
@@ -103,6 +104,7 @@ class Engine:
         self.sleeper = Sleeper(self.model, self.kv, self.runner, self.scheduler, self.device)
         self.counters = EngineCounters()
         self._requests: dict[str, _Request] = {}
+        self.episodes = EpisodeRunner(self)  # multi-turn episode requests (rollout_service/episodes.py)
         self._outbox: list[RolloutResult] = []
         self._in_flight: _Launched | None = None
         self._seed_rng = random.Random(config.seed)
@@ -128,9 +130,10 @@ class Engine:
                        self.config.enable_prefix_cache, self.config.prefix_cache_across_versions)
 
     # ---- requests -----------------------------------------------------------------------------------
-    def prepare(self, req: RolloutRequest) -> Sequence:
+    def prepare(self, req: RolloutRequest) -> Sequence | EpisodeGroup:
         """Validate and tokenize a request without enqueuing it (ValueError naming the request on bad
-        input). The sequence holds a checked copy of the request's sampling params."""
+        input). The sequence holds a checked copy of the request's sampling params; an episode request
+        becomes an EpisodeGroup (its environment copied for each sample)."""
         if not isinstance(req, RolloutRequest):
             raise ValueError(f"expected a RolloutRequest, got {type(req).__name__}")
         try:
@@ -138,9 +141,12 @@ class Engine:
         except ValueError as e:
             raise ValueError(f"request {req.request_id!r}: {e}") from None
 
-    def _prepare(self, req: RolloutRequest) -> Sequence:
-        if req.request_id in self._requests:
+    def _prepare(self, req: RolloutRequest) -> Sequence | EpisodeGroup:
+        if req.request_id in self._requests or req.request_id in self.episodes:
             raise ValueError("this request_id is already in flight")
+        if req.episode is not None:
+            seed = req.sampling.seed if req.sampling.seed is not None else self._seed_rng.getrandbits(63)
+            return self.episodes.prepare(req, seed)
         try:
             ids = self.prompts.encode(req.prompt, req.apply_chat_template)
         except ValueError:
@@ -157,33 +163,38 @@ class Engine:
         seed = req.sampling.seed if req.sampling.seed is not None else self._seed_rng.getrandbits(63)
         return Sequence(req.request_id, ids, req.sampling, seed, num_samples=req.sampling.n)
 
-    def add_request(self, req: RolloutRequest, seq: Sequence | None = None) -> None:
+    def add_request(self, req: RolloutRequest, seq: Sequence | EpisodeGroup | None = None) -> None:
         """Queue a request; `seq`: what prepare(req) returned (prepared here when None)."""
         with self._lock:
             seq = self.prepare(req) if seq is None else seq
             if seq.request_id != req.request_id:
                 raise ValueError(f"add_request: the sequence was prepared for request {seq.request_id!r}, "
                                  f"not {req.request_id!r}")
-            if seq.request_id in self._requests:
+            if seq.request_id in self._requests or seq.request_id in self.episodes:
                 raise ValueError(f"request {seq.request_id!r}: this request_id is already in flight")
+            if isinstance(seq, EpisodeGroup):
+                self._outbox += self.episodes.start(seq)  # episodes whose environment failed at once
+                return
             self._requests[seq.request_id] = _Request(req.metadata, [seq], seq.sampling.n)
             self.scheduler.add(seq)
 
     def has_unfinished(self) -> bool:
-        return bool(self._requests or self._outbox)
+        return bool(self._requests or self._outbox or self.episodes.has_unfinished())
 
     def abort(self, request_ids: list[str]) -> list[RolloutResult]:
-        """Finish the given requests now (finish_reason "abort", tokens so far); unknown ids are ignored."""
+        """Finish the given requests now (finish_reason "abort", tokens so far); unknown ids are ignored. An
+        episode request's running turns are aborted, which ends its episodes."""
         request_ids = check_request_ids(request_ids)
         out: list[RolloutResult] = []
         with self._lock:
             self._flush()  # the tokens of the step in flight are the sequences' too
-            for rid in request_ids:
+            self._outbox = self.episodes.collect(self._outbox)  # turns that just finished move their episodes on
+            for rid in request_ids + self.episodes.turn_ids(request_ids):
                 state = self._requests.get(rid)
                 for seq in list(state.seqs) if state else []:
                     if not seq.is_finished:
                         out += self._finish(seq, "abort")
-        return out
+            return self.episodes.collect(out)
 
     # ---- one step -----------------------------------------------------------------------------------
     def step(self) -> list[RolloutResult]:
@@ -195,7 +206,7 @@ class Engine:
             except Exception as e:
                 self._isolate(e)
             out, self._outbox = self._outbox, []
-            return out
+            return self.episodes.collect(out)  # finished turns move their episodes on
 
     def _step(self) -> bool:
         """One step; what finishes goes to the outbox. False when there was nothing to run."""

@@ -1,0 +1,308 @@
+"""Dynamic sampling (DAPO): over-sample groups of n samples and keep those a filter passes, by default
+those whose rewards are not all equal (a constant group gives GRPO no advantage to learn from).
+
+Groups stream back as their n samples finish and are judged at once. Prompts are drawn from the source (a
+list or any iterator) only as they are needed, but enough groups are kept in flight that the engine stays
+busy: as many as are expected to give the groups still missing at the keep rate seen so far, with a
+margin; never more than ceil(max_oversample * target_groups) in all. Once enough are kept, the groups still
+in flight are aborted, and their tokens counted.
+
+Works over any RolloutClient (in-process or Ray) through its own stream() and abort(): every submission is
+one stream, read by a thread of its own into one queue.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import queue
+import threading
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sized
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from rollout_service.types import RolloutRequest, RolloutResult, SamplingParams
+
+Group = list[RolloutResult]
+
+MARGIN = 1.25          # groups kept in flight, over those expected to give the groups still missing
+DRAIN_TIMEOUT_S = 60.0  # after an abort, how long the aborted groups' streams may take to end
+
+
+def nonconstant(group: Group) -> bool:
+    """The group's rewards are not all equal."""
+    missing = [r for r in group if r.reward is None]
+    if missing:
+        raise ValueError(f"keep='nonconstant': request {missing[0].request_id!r} has results without a reward "
+                         "(name a reward function: generate_groups(..., reward=...) or the service's default)")
+    return len({r.reward for r in group}) > 1
+
+
+KEEP_FILTERS: dict[str, Callable[[Group], bool]] = {"nonconstant": nonconstant}
+
+
+@dataclass
+class GroupsResult:
+    """What generate_groups returns. `groups`: the kept groups in the order they were kept, each its n
+    results in sample_index order. Groups: submitted = kept + dropped (by the filter) + failed (a sample
+    aborted or failed, or a reward error) + aborted (in flight when enough were kept, or when the call
+    ended otherwise). Tokens: every result's (generated_tokens), and those of the dropped, failed and
+    aborted groups (an aborted group's tokens so far). `aborted_requests`: the requests of the aborted
+    groups, never judged (a learner may submit them again later). `complete`: target_groups were kept;
+    otherwise `reason` says why not."""
+
+    groups: list[Group] = field(default_factory=list)
+    target_groups: int = 0
+    submitted: int = 0
+    kept: int = 0
+    dropped: int = 0
+    failed: int = 0
+    aborted: int = 0
+    generated_tokens: int = 0
+    dropped_tokens: int = 0
+    failed_tokens: int = 0
+    aborted_tokens: int = 0
+    seconds: float = 0.0
+    complete: bool = False
+    reason: str | None = None
+    aborted_requests: list[RolloutRequest] = field(default_factory=list)
+
+
+def generate_groups(client: Any, prompts: Any, sampling: SamplingParams, keep: Any = "nonconstant", *,
+                    target_groups: int, max_oversample: float = 4.0, reward: str | None = None,
+                    apply_chat_template: bool = True, metadata: Any = None) -> GroupsResult:
+    """See RolloutClient.generate_groups. `prompts`: a list or an iterator of prompts or RolloutRequests
+    (a RolloutRequest keeps its own sampling, n >= 2 too, and its own reward if it names one); `metadata`:
+    None, or a list or iterator with one entry per prompt."""
+    keep_fn = _keep_filter(keep)
+    _check_counts(target_groups, max_oversample)
+    if not isinstance(sampling, SamplingParams):
+        raise ValueError(f"generate_groups: sampling must be a SamplingParams, got {type(sampling).__name__}")
+    _check_group_size(sampling.n, "sampling")
+    source = _source(prompts, metadata, target_groups)
+    default_reward = client.info().get("reward") if keep_fn is nonconstant else None
+
+    def build(items: list[tuple[Any, Any]]) -> list[RolloutRequest]:
+        reqs = client.requests([p for p, _ in items], sampling, apply_chat_template, [m for _, m in items], reward)
+        for r in reqs:
+            _check_group_size(r.sampling.n, f"request {r.request_id!r}: sampling")
+            if keep_fn is nonconstant and r.reward is None and default_reward is None:
+                raise ValueError("generate_groups: keep='nonconstant' compares rewards, and none would be "
+                                 "computed: pass reward='module:function' or start the service with a default "
+                                 "reward (ServiceConfig.reward / RolloutClient.local(reward=...))")
+        return reqs
+
+    budget = math.ceil(max_oversample * target_groups - 1e-9)  # (4.0 * 3 is 12, not 12.000000000000002)
+    return _Run(client, source, build, keep_fn, target_groups, budget).run()
+
+
+def _keep_filter(keep: Any) -> Callable[[Group], bool]:
+    if isinstance(keep, str) and keep in KEEP_FILTERS:
+        return KEEP_FILTERS[keep]
+    if callable(keep) and not isinstance(keep, str):
+        return keep
+    raise ValueError(f"generate_groups: keep={keep!r}: must be a callable keep(group) -> bool or one of "
+                     f"{sorted(KEEP_FILTERS)}")
+
+
+def _check_counts(target_groups: Any, max_oversample: Any) -> None:
+    if not isinstance(target_groups, int) or isinstance(target_groups, bool) or target_groups < 1:
+        raise ValueError(f"generate_groups: target_groups={target_groups!r} must be an int >= 1")
+    if (not isinstance(max_oversample, (int, float)) or isinstance(max_oversample, bool)
+            or not math.isfinite(max_oversample) or max_oversample < 1):
+        raise ValueError(f"generate_groups: max_oversample={max_oversample!r} must be a number >= 1 (groups "
+                         "submitted at most, per group wanted)")
+
+
+def _check_group_size(n: int, what: str) -> None:
+    if n < 2:
+        raise ValueError(f"generate_groups: {what}.n={n}: a group needs n >= 2 samples to compare")
+
+
+def _source(prompts: Any, metadata: Any, target_groups: int) -> Iterator[tuple[Any, Any]]:
+    """(prompt, metadata) pairs, drawn lazily. A sized source is checked against target_groups now."""
+    from rollout_service.client import _is_single_prompt
+
+    if isinstance(prompts, RolloutRequest) or _is_single_prompt(prompts):
+        prompts = [prompts]
+    if isinstance(prompts, (bytes, Mapping)) or not isinstance(prompts, Iterable):
+        raise ValueError(f"generate_groups: prompts must be a list or an iterator of prompts, got "
+                         f"{type(prompts).__name__}")
+    if isinstance(prompts, Sized) and len(prompts) < target_groups:
+        raise ValueError(f"generate_groups: target_groups={target_groups} but only {len(prompts)} prompts")
+    if metadata is None:
+        return ((p, None) for p in prompts)
+    if isinstance(metadata, (str, bytes, Mapping)) or not isinstance(metadata, Iterable):
+        raise ValueError(f"generate_groups: metadata must be None or a list or iterator with one entry per "
+                         f"prompt, got {type(metadata).__name__}")
+    if isinstance(prompts, Sized) and isinstance(metadata, Sized) and len(metadata) != len(prompts):
+        raise ValueError(f"generate_groups: metadata has {len(metadata)} entries for {len(prompts)} prompts")
+    return _paired(iter(prompts), iter(metadata))
+
+
+def _paired(prompts: Iterator, metadata: Iterator) -> Iterator[tuple[Any, Any]]:
+    missing = object()
+    for p in prompts:
+        m = next(metadata, missing)
+        if m is missing:
+            raise ValueError("generate_groups: metadata ran out before the prompts")
+        yield p, m
+
+
+@dataclass
+class _Group:
+    request: RolloutRequest
+    results: dict[int, RolloutResult] = field(default_factory=dict)
+
+    @property
+    def complete(self) -> bool:
+        return len(self.results) == self.request.sampling.n
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(r.token_ids) for r in self.results.values())
+
+    def ordered(self) -> Group:
+        return [self.results[i] for i in sorted(self.results)]
+
+
+@dataclass
+class _End:
+    """A stream ended (with the exception that ended it, if one did)."""
+
+    error: BaseException | None = None
+
+
+class _Run:
+    def __init__(self, client: Any, source: Iterator, build: Callable[[list], list[RolloutRequest]],
+                 keep: Callable[[Group], bool], target: int, budget: int):
+        self.client, self.source, self.build, self.keep = client, source, build, keep
+        self.target, self.budget = target, budget
+        self.out = GroupsResult(target_groups=target)
+        self.in_flight: dict[str, _Group] = {}
+        self.events: queue.Queue = queue.Queue()
+        self.streams = 0        # streams whose reading thread has not ended yet
+        self.exhausted = False  # the source has no more prompts
+
+    def run(self) -> GroupsResult:
+        t0 = time.perf_counter()
+        try:
+            while self.out.kept < self.target:
+                self._top_up()
+                if not self.in_flight:
+                    break
+                self._on_event(self.events.get())
+                # judge everything that has arrived before the next top-up: results come in bursts (a
+                # batch finishes together), and a keep rate from the first few groups of one is noise
+                while self.out.kept < self.target and not self.events.empty():
+                    self._on_event(self.events.get())
+        except BaseException:
+            self._stop(quiet=True)  # nothing of this call stays running
+            raise
+        self._stop()
+        out = self.out
+        out.seconds = time.perf_counter() - t0
+        out.complete = out.kept >= self.target
+        if not out.complete:
+            out.reason = (f"the prompts ran out after {out.submitted} groups" if self.exhausted else
+                          f"max_oversample allowed {self.budget} groups, all submitted")
+        return out
+
+    # -- submitting ---------------------------------------------------------------------------------
+    def _wanted(self) -> int:
+        """Groups to have in flight: those expected to give the ones still missing, at the keep rate so far
+        (Laplace's rule: one half before any group has finished), with a margin."""
+        out = self.out
+        missing = self.target - out.kept
+        rate = (out.kept + 1) / (out.kept + out.dropped + out.failed + 2)
+        return max(missing, math.ceil(missing / rate * MARGIN))
+
+    def _top_up(self) -> None:
+        wanted = self._wanted()
+        more = min(wanted - len(self.in_flight), self.budget - self.out.submitted)
+        if more <= 0 or self.exhausted:
+            return
+        # no dribbles of one group per submission while enough are in flight to finish
+        if more < max(1, wanted // 8) and len(self.in_flight) >= self.target - self.out.kept:
+            return
+        items = list(itertools.islice(self.source, more))
+        self.exhausted = len(items) < more
+        if not items:
+            return
+        reqs = self.build(items)
+        stream = self.client.stream(reqs)
+        self.in_flight.update((r.request_id, _Group(r)) for r in reqs)
+        self.out.submitted += len(reqs)
+        self.streams += 1
+        threading.Thread(target=self._read, args=(stream,), name="dynamic-sampling-stream", daemon=True).start()
+
+    def _read(self, stream: Iterator[RolloutResult]) -> None:
+        try:
+            for r in stream:
+                self.events.put(r)
+        except BaseException as e:
+            self.events.put(_End(e))
+        else:
+            self.events.put(_End())
+
+    # -- judging ------------------------------------------------------------------------------------
+    def _on_event(self, ev: RolloutResult | _End) -> None:
+        if isinstance(ev, _End):
+            self.streams -= 1
+            if ev.error is not None:
+                raise ev.error
+            return
+        g = self.in_flight.get(ev.request_id)
+        if g is None:
+            return
+        g.results[ev.sample_index] = ev
+        if g.complete:
+            del self.in_flight[ev.request_id]
+            self._judge(g)
+
+    def _judge(self, g: _Group) -> None:
+        out, group, tokens = self.out, g.ordered(), g.tokens
+        out.generated_tokens += tokens
+        if any(r.finish_reason == "abort" or r.error is not None or r.reward_error is not None for r in group):
+            out.failed += 1
+            out.failed_tokens += tokens
+        elif self.keep(group):
+            out.kept += 1
+            out.groups.append(group)
+        else:
+            out.dropped += 1
+            out.dropped_tokens += tokens
+
+    # -- stopping -----------------------------------------------------------------------------------
+    def _stop(self, quiet: bool = False) -> None:
+        """Abort the groups in flight, collect what they had generated, and wait for every stream to end.
+        `quiet`: another exception is on its way out; do not let one from here replace it."""
+        aborting, self.in_flight = self.in_flight, {}
+        try:
+            if aborting:
+                for r in self.client.abort(list(aborting)):
+                    if r.request_id in aborting:
+                        aborting[r.request_id].results.setdefault(r.sample_index, r)
+            self._drain(aborting)
+        except Exception:
+            if not quiet:
+                raise
+        for g in aborting.values():
+            self.out.aborted_requests.append(g.request)
+            self.out.aborted += 1
+            self.out.aborted_tokens += g.tokens
+            self.out.generated_tokens += g.tokens
+
+    def _drain(self, aborting: dict[str, _Group]) -> None:
+        """The streams deliver the aborted groups' results too (and those that finished before the abort):
+        read them until every stream has ended."""
+        deadline = time.monotonic() + DRAIN_TIMEOUT_S
+        while self.streams:
+            try:
+                ev = self.events.get(timeout=max(deadline - time.monotonic(), 0.001))
+            except queue.Empty:  # a stream that does not end: its thread reads on, unheeded
+                return
+            if isinstance(ev, _End):
+                self.streams -= 1
+            elif ev.request_id in aborting:
+                aborting[ev.request_id].results.setdefault(ev.sample_index, ev)

@@ -1,0 +1,164 @@
+"""Dynamic sampling (rollout_service/dynamic_sampling.py): client.generate_groups in-process and through
+Ray. The reward rollout_service.reward_examples:difficulty_reward makes "easy" and "hard" groups constant
+(always dropped by "nonconstant") and "medium" ones mixed (parity of the sampled tokens)."""
+from __future__ import annotations
+
+import pytest
+
+from rollout_service.client import RolloutClient
+from rollout_service.dynamic_sampling import GroupsResult
+from rollout_service.types import RolloutRequest, SamplingParams
+from tiny_models import tiny_hf_model
+
+pytest_plugins = ["ray_fixtures"]
+
+DIFFICULTY = "rollout_service.reward_examples:difficulty_reward"
+SP = SamplingParams(n=4, temperature=1.0, max_tokens=6, ignore_eos=True, seed=5)
+
+
+@pytest.fixture(scope="module")
+def local():
+    c = RolloutClient.local(tiny_hf_model(), backend="torch", dtype="float32", device="cpu", num_pages=512,
+                            enable_cuda_graphs=False)
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="module")
+def service(ray_cluster, service_config):
+    c = RolloutClient.launch(service_config(name="svc-dynamic-sampling", num_workers=1))
+    yield c
+    c.close()
+
+
+def _prompts(k: int) -> tuple[list[list[int]], list[dict]]:
+    kinds = ["easy", "medium", "hard", "medium"]
+    return [[1 + i, 2 + i % 7, 3] for i in range(k)], [{"difficulty": kinds[i % 4], "index": i} for i in range(k)]
+
+
+def _check_counts(res: GroupsResult, n: int) -> None:
+    assert res.submitted == res.kept + res.dropped + res.failed + res.aborted
+    assert res.kept == len(res.groups)
+    kept_tokens = sum(len(r.token_ids) for g in res.groups for r in g)
+    assert res.generated_tokens == kept_tokens + res.dropped_tokens + res.failed_tokens + res.aborted_tokens
+    for g in res.groups:
+        assert [r.sample_index for r in g] == list(range(n)) and len({r.request_id for r in g}) == 1
+    assert res.seconds > 0
+
+
+def _check_nonconstant(client) -> None:
+    prompts, meta = _prompts(40)
+    res = client.generate_groups(prompts, SP, target_groups=6, reward=DIFFICULTY, metadata=meta)
+    _check_counts(res, SP.n)
+    assert res.complete and res.reason is None and res.kept == 6 and res.failed == 0
+    assert res.submitted <= 24  # max_oversample 4.0
+    for g in res.groups:
+        assert len({r.reward for r in g}) > 1 and g[0].metadata["difficulty"] == "medium"
+    assert res.dropped >= 1 and res.dropped_tokens == res.dropped * SP.n * SP.max_tokens
+
+
+def _check_callable_filter_and_iterator(client) -> None:
+    prompts, meta = _prompts(40)
+    drawn = []
+
+    def source():
+        for p in prompts:
+            drawn.append(p)
+            yield p
+
+    res = client.generate_groups(source(), SP, keep=lambda g: g[0].metadata["index"] % 3 == 0, target_groups=3,
+                                 metadata=iter(meta), max_oversample=3.0)
+    _check_counts(res, SP.n)
+    assert res.complete and all(g[0].metadata["index"] % 3 == 0 for g in res.groups)
+    assert all(r.reward is None for g in res.groups for r in g)  # no reward named, none needed
+    assert len(drawn) == res.submitted <= 9  # prompts are drawn only as they are submitted
+
+
+def _check_abort_of_unneeded_groups(client) -> None:
+    """Two short groups are enough; the long ones in flight then are aborted, their tokens so far counted."""
+    short = SamplingParams(n=2, temperature=1.0, max_tokens=2, ignore_eos=True, seed=1)
+    long = SamplingParams(n=2, temperature=1.0, max_tokens=400, ignore_eos=True, seed=1)
+    reqs = [RolloutRequest([5, 6, 7 + i], short if i < 2 else long, metadata=i) for i in range(20)]
+    res = client.generate_groups(iter(reqs), short, keep=lambda g: True, target_groups=2)
+    _check_counts(res, 2)
+    assert res.complete and sorted(g[0].metadata for g in res.groups) == [0, 1]
+    assert res.aborted == res.submitted - 2 >= 1 and res.dropped == res.failed == 0
+    assert 0 < res.aborted_tokens < res.aborted * 2 * 400
+    assert client.info()["in_flight"] == 0
+
+
+def _check_failed_groups(client) -> None:
+    """A reward error in a group: the group is failed, not dropped; the call goes on."""
+    fail = "rollout_service.reward_examples:failing_reward"
+    meta = [{"fail": i % 2 == 0} for i in range(12)]
+    res = client.generate_groups([[9, i + 1] for i in range(12)], SP, keep=lambda g: True, target_groups=3,
+                                 reward=fail, metadata=meta)
+    _check_counts(res, SP.n)
+    assert res.kept == 3 and res.failed >= 1 and res.failed_tokens == res.failed * SP.n * SP.max_tokens
+    assert all(not g[0].metadata["fail"] for g in res.groups)
+
+
+def _check_incomplete(client) -> None:
+    never = lambda g: False  # noqa: E731
+    res = client.generate_groups([[1, i + 1] for i in range(20)], SP, keep=never, target_groups=3,
+                                 max_oversample=2)
+    assert not res.complete and res.submitted == 6 and res.dropped == 6 and "max_oversample" in res.reason
+    res = client.generate_groups(iter([[1, 2], [3, 4]]), SP, keep=never, target_groups=3)
+    assert not res.complete and res.submitted == 2 and "ran out" in res.reason
+
+
+def _check_bad_input(client, default_reward: bool) -> None:
+    prompts, meta = _prompts(8)
+    cases = [
+        (dict(keep="nonzero"), r"keep='nonzero': must be a callable keep\(group\) -> bool or one of \['nonconstant'\]"),
+        (dict(keep=3), "keep=3"),
+        (dict(sampling=SamplingParams(n=1)), r"sampling.n=1: a group needs n >= 2"),
+        (dict(target_groups=9), "target_groups=9 but only 8 prompts"),
+        (dict(target_groups=0), "target_groups=0 must be an int >= 1"),
+        (dict(max_oversample=0.5), "max_oversample=0.5 must be a number >= 1"),
+        (dict(reward="rollout_service.no_such_module:f"), "cannot import module"),
+        (dict(prompts=[RolloutRequest([1, 2], SamplingParams(n=1))] * 4, metadata=None), r"sampling.n=1"),
+        (dict(metadata=meta[:3]), "metadata has 3 entries for 8 prompts"),
+    ]
+    if not default_reward:
+        cases.append((dict(reward=None), "keep='nonconstant' compares rewards, and none would be computed"))
+    for kw, match in cases:
+        args = {**dict(prompts=prompts, sampling=SP, target_groups=2, reward=DIFFICULTY, metadata=meta), **kw}
+        with pytest.raises(ValueError, match=match):
+            client.generate_groups(args.pop("prompts"), args.pop("sampling"), **args)
+    assert client.info()["in_flight"] == 0  # nothing was left running
+
+
+CHECKS = [_check_nonconstant, _check_callable_filter_and_iterator, _check_abort_of_unneeded_groups,
+          _check_failed_groups, _check_incomplete]
+
+
+@pytest.mark.parametrize("check", CHECKS, ids=lambda f: f.__name__[len("_check_"):])
+def test_local(local, check):
+    check(local)
+
+
+def test_local_bad_input(local):
+    _check_bad_input(local, default_reward=False)
+
+
+def test_local_default_reward_is_enough_for_nonconstant():
+    c = RolloutClient.local(tiny_hf_model(), backend="torch", dtype="float32", device="cpu", num_pages=256,
+                            enable_cuda_graphs=False, reward=DIFFICULTY)
+    try:
+        prompts, meta = _prompts(16)
+        res = c.generate_groups(prompts, SP, target_groups=2, metadata=meta)
+        assert res.complete and all(len({r.reward for r in g}) > 1 for g in res.groups)
+    finally:
+        c.close()
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("check", CHECKS, ids=lambda f: f.__name__[len("_check_"):])
+def test_ray(service, check):
+    check(service)
+
+
+@pytest.mark.ray
+def test_ray_bad_input(service):
+    _check_bad_input(service, default_reward=False)
