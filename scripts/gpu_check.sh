@@ -9,7 +9,7 @@
 #   env: PYTHON (default python3), OUT, GPU_CHECK_BUDGET_S (default 530),
 #        GPU_CHECK_MODELS (default qwen2.5-0.5b,llama3-8b), GPU_CHECK_ARGS (extra harness arguments),
 #        GPU_CHECK_RESULTS (default benchmarks/results), GPU_CHECK_TAG (suffix of the result files),
-#        GPU_CHECK_BENCH (the benchmark steps, in order: default w6,w3,w4,main; the budget cuts the last ones)
+#        GPU_CHECK_BENCH (the benchmark steps, in order: default w7,w6,w3,w4,main; the budget cuts the last ones)
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -26,7 +26,7 @@ START=$(date +%s)
 LOG=${OUT:-/tmp}/gpu_check.log
 mkdir -p "$RESULTS" "$(dirname "$LOG")"
 MARK=$(mktemp); touch "$MARK"
-BENCH_STEPS=${GPU_CHECK_BENCH:-w6,w3,w4,main}
+BENCH_STEPS=${GPU_CHECK_BENCH:-w7,w6,w3,w4,main}
 left() { echo $(( BUDGET - ($(date +%s) - START) )); }
 wanted() { [[ ",$BENCH_STEPS," == *",$1,"* ]]; }
 declare -A STATUS
@@ -49,6 +49,14 @@ fi
 
 if [ -d tests/gpu ]; then
   step gpu_tests 240 "$PY" -m pytest -q -rf tests/gpu  # no -x: one failure must not hide the rest
+fi
+
+# W7 (multi-turn episodes, prefix cache on vs off, HF re-run per turn) and WDS (dynamic sampling's overhead) on
+# qwen2.5-0.5b: the RL-rollout features, in-process.
+W7_S=$(( $(left) > 240 ? 180 : 0 ))
+if wanted w7 && [ "$W7_S" -gt 0 ]; then
+  step bench_w7 "$W7_S" "$PY" scripts/bench.py --model qwen2.5-0.5b --workloads W7,WDS --budget-s $(( W7_S - 20 )) \
+    --out "$RESULTS" --tag "w7${TAG}"
 fi
 
 # W6 (one colocated GRPO step per model: a Ray service with a learner actor on the same GPU) on its own, first:
@@ -103,7 +111,7 @@ for f in $NEW; do case $f in *.md) cat "$f";; esac; done
 # green: the GPU tests (where the tree has them) passed, every benchmark step that ran passed, and one did run
 green=$([ "${STATUS[gpu_tests]:-0}" = 0 ] && echo 1 || echo 0)
 ran=0
-for b in bench_w6 bench_w3 bench_w4 bench; do
+for b in bench_w7 bench_w6 bench_w3 bench_w4 bench; do
   case ${STATUS[$b]:-} in "") ;; 0) ran=1 ;; *) green=0 ;; esac
 done
 [ "$green" = 1 ] && [ "$ran" = 1 ]

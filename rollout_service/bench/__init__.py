@@ -14,8 +14,9 @@ from rollout_service.config import DTYPE_NAMES
 # Run order = priority when a time budget runs out: the headline rollout and latency figures, then the
 # cheap ones, W2n (the longest) last. Workloads after W3 run on the refreshed weights, which the engine
 # and the peers then share just the same. W6 (an RL step in a Ray service) needs only the model's config,
-# so it runs before the model is loaded in this process.
-WORKLOADS = ("W6", "W2", "W1", "W5", "W3", "W4", "W2n")
+# so it runs before the model is loaded in this process. W7 (multi-turn episodes, prefix cache on vs off) and
+# WDS (dynamic sampling's overhead) are the RL-rollout features'.
+WORKLOADS = ("W6", "W2", "W1", "W5", "W3", "W4", "W2n", "W7", "WDS")
 DTYPES = DTYPE_NAMES
 
 
@@ -25,7 +26,7 @@ def parse_args(argv: list[str] | None, prog: str | None = None) -> argparse.Name
     p.add_argument("--model", default=None,
                    help="comma-separated names from rollout_service/bench/models.py (default: smollm2-135m on "
                         "CPU, qwen2.5-0.5b on GPU, tiny-llama with --quick)")
-    p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset of W1,W2,W2n,W3,W4,W5,W6")
+    p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset of " + ",".join(sorted(WORKLOADS)))
     p.add_argument("--out", default="benchmarks/results", help="folder for <date>-<hardware>.json and .md")
     p.add_argument("--tag", default="", help="suffix of the result file name")
     p.add_argument("--quick", action="store_true", help="tiny shapes: a smoke run of every code path")
