@@ -53,7 +53,7 @@ fi
 
 # W7 (multi-turn episodes, prefix cache on vs off, HF re-run per turn) and WDS (dynamic sampling's overhead) on
 # qwen2.5-0.5b: the RL-rollout features, in-process.
-W7_S=$(( $(left) > 240 ? 180 : 0 ))
+W7_S=$(( $(left) > 120 ? ($(left) > 210 ? 180 : $(left) - 30) : 0 ))
 if wanted w7 && [ "$W7_S" -gt 0 ]; then
   step bench_w7 "$W7_S" "$PY" scripts/bench.py --model qwen2.5-0.5b --workloads W7,WDS --budget-s $(( W7_S - 20 )) \
     --out "$RESULTS" --tag "w7${TAG}"
