@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence as Seq
 
 from rollout_service.config import EngineConfig
 from rollout_service.rewards import RewardBook, RewardRunner, resolve
-from rollout_service.types import Prompt, RolloutRequest, RolloutResult, SamplingParams, check_request_ids
+from rollout_service.types import (EpisodeParams, Prompt, RolloutRequest, RolloutResult, SamplingParams,
+                                   check_request_ids)
 from rollout_service.weights.buckets import named_items
 from rollout_service.weights.sender import TRANSPORTS
 
@@ -228,6 +229,17 @@ def _is_single_prompt(p: Any) -> bool:
     return isinstance(p, str) or (isinstance(p, list) and bool(p) and isinstance(p[0], (int, dict)))
 
 
+def prompt_items(prompts: Any, what: str = "prompts") -> Iterable:
+    """One prompt (or RolloutRequest) or many, as an iterable of them (not read yet: it may be an iterator);
+    ValueError naming `what` for anything else."""
+    if isinstance(prompts, RolloutRequest) or _is_single_prompt(prompts):
+        return [prompts]
+    if isinstance(prompts, (bytes, Mapping)) or not isinstance(prompts, Iterable):
+        raise ValueError(f"{what}: expected a prompt, a RolloutRequest or a list of them, got "
+                         f"{type(prompts).__name__}")
+    return prompts
+
+
 class RolloutClient:
     """Every argument is checked here, in the caller's process: bad input is a ValueError naming it."""
 
@@ -277,12 +289,7 @@ class RolloutClient:
         """Normalise prompts (one or many; RolloutRequests, checked again, pass through) into RolloutRequests.
         `reward` ("module:function", imported here: ValueError if it cannot be) goes on every request built
         here and on every RolloutRequest that names no reward of its own."""
-        if isinstance(prompts, RolloutRequest) or _is_single_prompt(prompts):
-            prompts = [prompts]
-        if isinstance(prompts, (bytes, Mapping)) or not isinstance(prompts, Iterable):
-            raise ValueError(f"prompts: expected a prompt, a RolloutRequest or a list of them, got "
-                             f"{type(prompts).__name__}")
-        prompts = list(prompts)
+        prompts = list(prompt_items(prompts))
         if not prompts:
             raise ValueError("prompts: the list is empty")
         if metadata is not None and (not isinstance(metadata, (list, tuple)) or len(metadata) != len(prompts)):
@@ -313,7 +320,10 @@ class RolloutClient:
     def generate(self, prompts: Any, sampling: SamplingParams | None = None, apply_chat_template: bool = True,
                  metadata: Seq[Any] | None = None, reward: str | None = None) -> list[RolloutResult]:
         """All results, prompt-major: prompt 0's n samples, then prompt 1's, ... `reward`: as stream()."""
-        reqs = self.requests(prompts, sampling, apply_chat_template, metadata, reward)
+        return self._in_order(self.requests(prompts, sampling, apply_chat_template, metadata, reward))
+
+    def _in_order(self, reqs: list[RolloutRequest]) -> list[RolloutResult]:
+        """Every result of `reqs`, request-major (in their order), each request's samples by index."""
         order = {r.request_id: i for i, r in enumerate(reqs)}
         results = list(self._open.submit(reqs))
         return sorted(results, key=lambda r: (order[r.request_id], r.sample_index))
@@ -344,10 +354,7 @@ class RolloutClient:
         "module:function" reward (RolloutRequest.reward). A seeded call gives environment i the seed
         seed + i * sampling.n, as if its episodes were samples of one request: no two episodes share a noise
         stream. Results are environment-major: environment 0's sampling.n episodes, then environment 1's, ..."""
-        import dataclasses
-
         from rollout_service.episodes import Environment
-        from rollout_service.types import EpisodeParams
 
         if isinstance(envs_or_factory, (list, tuple)) and envs_or_factory:
             envs = list(envs_or_factory)
@@ -370,15 +377,12 @@ class RolloutClient:
             raise ValueError(f"sampling: expected a SamplingParams, got {type(sampling).__name__}")
         sampling = (sampling or SamplingParams()).validated()
         seed = sampling.seed
-        reqs = [RolloutRequest(None, dataclasses.replace(sampling, seed=None if seed is None else
-                                                         (seed + i * sampling.n) % 2**63), reward=reward,
-                               metadata=None if metadata is None else metadata[i],
+        reqs = [RolloutRequest(None, replace(sampling, seed=None if seed is None else (seed + i * sampling.n) % 2**63),
+                               reward=reward, metadata=None if metadata is None else metadata[i],
                                apply_chat_template=apply_chat_template,
                                episode=EpisodeParams(env, max_turns, max_total_tokens))
                 for i, env in enumerate(envs)]
-        order = {r.request_id: i for i, r in enumerate(reqs)}
-        results = list(self._open.submit(reqs))
-        return sorted(results, key=lambda r: (order[r.request_id], r.sample_index))
+        return self._in_order(reqs)
 
     def update_weights(self, named_tensors: Any, version: int, transport: str = "auto", *, partial: bool = False,
                        check_finite: bool = True) -> str:

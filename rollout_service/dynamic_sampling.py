@@ -121,13 +121,9 @@ def _check_group_size(n: int, what: str) -> None:
 
 def _source(prompts: Any, metadata: Any, target_groups: int) -> Iterator[tuple[Any, Any]]:
     """(prompt, metadata) pairs, drawn lazily. A sized source is checked against target_groups now."""
-    from rollout_service.client import _is_single_prompt
+    from rollout_service.client import prompt_items
 
-    if isinstance(prompts, RolloutRequest) or _is_single_prompt(prompts):
-        prompts = [prompts]
-    if isinstance(prompts, (bytes, Mapping)) or not isinstance(prompts, Iterable):
-        raise ValueError(f"generate_groups: prompts must be a list or an iterator of prompts, got "
-                         f"{type(prompts).__name__}")
+    prompts = prompt_items(prompts, "generate_groups: prompts")
     if isinstance(prompts, Sized) and len(prompts) < target_groups:
         raise ValueError(f"generate_groups: target_groups={target_groups} but only {len(prompts)} prompts")
     if metadata is None:
