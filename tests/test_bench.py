@@ -10,6 +10,7 @@ import torch
 from rollout_service.bench import main
 from rollout_service.bench.ceilings import Ceilings, decode_step_floor
 from rollout_service.bench.context import parse_shape
+from rollout_service.bench.engine_side import kv_pages
 from rollout_service.bench.report import Cell, Row, render_markdown
 from rollout_service.bench.workloads import prefix_agreement
 
@@ -33,7 +34,7 @@ def quick_run(tmp_path_factory):
     torch.manual_seed(0)
     out = str(tmp_path_factory.mktemp("bench"))
     # The W3 rows through the service start a Ray instance: tests/test_ray_weights.py runs them.
-    rc = main(["--quick", "--model", "tiny-llama", "--workloads", "W1,W2,W2n,W3,W4,W5", "--out", out,
+    rc = main(["--quick", "--model", "tiny-llama", "--workloads", "W1,W2,W2n,W2p,W3,W4,W5", "--out", out,
                "--skip", "service"])
     assert rc == 0
     return _load(out)
@@ -51,7 +52,7 @@ def test_quick_report_names_hardware_and_versions(quick_run):
     assert not meta.get("errors"), meta.get("errors")
 
 
-@pytest.mark.parametrize("workload", ["W1", "W2", "W2n"])
+@pytest.mark.parametrize("workload", ["W1", "W2", "W2n", "W2p"])
 def test_quick_generation_rows_have_engine_peers_floor_and_ratios(quick_run, workload):
     _, doc, md = quick_run
     (row,) = [r for r in doc["rows"] if r["workload"] == workload]
@@ -63,6 +64,26 @@ def test_quick_generation_rows_have_engine_peers_floor_and_ratios(quick_run, wor
     line = next(ln for ln in md.splitlines() if ln.startswith(f"| tiny-llama | {workload} |"))
     r = row["ratios"]["engine/hf_generate"]
     assert (f"{r:.2f}x" if r >= 0.1 else f"{r:.2g}x") in line
+
+
+def test_quick_long_prompt_row_names_its_shape_and_fits_its_pool(quick_run):
+    _, doc, _ = quick_run
+    (row,) = [r for r in doc["rows"] if r["workload"] == "W2p"]
+    shapes = doc["meta"]["shapes"]
+    assert f"n={shapes['w2p_n']}" in row["metric"] and f"prompt {shapes['w2p_prompt']}" in row["metric"]
+    assert row["engine"]["value"] > 0 and row["details"]["hf_generate_s"] > 0
+    # The pool counts the shared prompt pages once per prompt (the quick prompt, 40 tokens, ends in a
+    # partial page each fork copies; 12 new tokens take every sample into a page of its own): it must still
+    # hold every sample without preempting one (an --engine-opt num_pages=20 run preempts).
+    assert row["details"]["engine_preemptions"] == 0
+
+
+def test_kv_pages_count_shared_prompt_pages_once():
+    # W2p's GPU shape: 32 prompts x n=16, prompt 1000 (62 full pages + a partial one), 64 new.
+    assert kv_pages(512, 1064, 16, n=16, prompt_len=1000) == 32 * 62 + 512 * (67 - 62) + 8
+    assert kv_pages(256, 384) == 256 * 24 + 8  # n=1: nothing shared
+    with pytest.raises(ValueError, match="n=3"):
+        kv_pages(8, 64, n=3)
 
 
 def test_quick_greedy_rows_check_tokens_against_hf(quick_run):

@@ -12,11 +12,12 @@ import argparse
 from rollout_service.config import DTYPE_NAMES
 
 # Run order = priority when a time budget runs out: the headline rollout and latency figures, then the
-# cheap ones, W2n (the longest) last. Workloads after W3 run on the refreshed weights, which the engine
-# and the peers then share just the same. W6 (an RL step in a Ray service) needs only the model's config,
-# so it runs before the model is loaded in this process. W7 (multi-turn episodes, prefix cache on vs off) and
-# WDS (dynamic sampling's overhead) are the RL-rollout features'.
-WORKLOADS = ("W6", "W2", "W1", "W5", "W3", "W4", "W2n", "W7", "WDS")
+# cheap ones, then the longest: W2n and W2p (its prefill-heavy twin, long prompts). Workloads after W3 run on
+# the refreshed weights, which the engine and the peers then share just the same. W6 (an RL step in a Ray
+# service) needs only the model's config, so it runs before the model is loaded in this process. W7
+# (multi-turn episodes, prefix cache on vs off) and WDS (dynamic sampling's overhead) are the RL-rollout
+# features'.
+WORKLOADS = ("W6", "W2", "W1", "W5", "W3", "W4", "W2n", "W2p", "W7", "WDS")
 DTYPES = DTYPE_NAMES
 
 
@@ -41,7 +42,7 @@ def parse_args(argv: list[str] | None, prog: str | None = None) -> argparse.Name
     p.add_argument("--static-peer", default="auto", choices=["auto", "on", "off"],
                    help="HF static cache + compile peer for W1 (auto: GPU only)")
     p.add_argument("--repeats", type=int, default=1,
-                   help="runs of each W1/W2/W2n measurement, best kept (for a shared machine)")
+                   help="runs of each W1/W2/W2n/W2p measurement, best kept (for a shared machine)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads for every contender (default: torch's own choice)")
     p.add_argument("--budget-s", type=float, default=None,

@@ -32,6 +32,10 @@ class Shapes:
     w2n_n: int = 8
     w2n_prompt: int = 512
     w2n_new: int = 512
+    w2p_prompts: int = 32
+    w2p_n: int = 16
+    w2p_prompt: int = 1000
+    w2p_new: int = 64
     w3_check_new: int = 16
     w4_batches: tuple = (1, 32, 128)
     w4_contexts: tuple = (1024, 4096)
@@ -57,15 +61,20 @@ class Shapes:
 
 
 QUICK = Shapes(w1_prompt=8, w1_new=8, w2_seqs=4, w2_prompt=8, w2_new=8, w2n_prompts=2, w2n_n=2,
-               w2n_prompt=16, w2n_new=8, w3_check_new=4, w4_batches=(1, 4), w4_contexts=(64,),
+               w2n_prompt=16, w2n_new=8, w2p_prompts=2, w2p_n=4, w2p_prompt=40, w2p_new=12, w3_check_new=4,
+               w4_batches=(1, 4), w4_contexts=(64,),
                w4_prefill_seqs=2, w4_prefill_len=64, w6_prompts=2, w6_n=2, w6_prompt=8, w6_new=8,
                w7_episodes=2, w7_turns=2, w7_prompt=8, w7_obs=8, w7_new=4, ds_groups=2, ds_n=2, ds_prompt=8,
                ds_new=8)
 # Issue 2's CPU benchmark: 32 sequences, prompt 128, 64 new tokens.
 # W2n on the CPU: the same token count as W2 (4 prompts x 8 samples x 64 tokens), not 131k tokens.
+# W2p on the CPU: 4 prompts x n=4, prompt 256, 32 new: HF generate prefills every sample's copy of the
+# prompt, 4k tokens (11 s on 2 cores with SmolLM2) where the GPU shape's 512k would take about half an hour;
+# prompt tokens still outnumber new ones 8 to 1 per sample, so the row stays prefill-heavy.
 # W6 on the CPU: 8 prompts x n=4, prompt 64, 32 new tokens. W7 on the CPU: 8 episodes x 4 turns, prompt and
 # observations 128, answers 32.
-CPU = Shapes(w2_seqs=32, w2_new=64, w2n_prompts=4, w2n_prompt=128, w2n_new=64, w4_batches=(1, 32),
+CPU = Shapes(w2_seqs=32, w2_new=64, w2n_prompts=4, w2n_prompt=128, w2n_new=64, w2p_prompts=4, w2p_n=4,
+             w2p_prompt=256, w2p_new=32, w4_batches=(1, 32),
              w4_contexts=(1024,), w4_prefill_len=512, w6_prompts=8, w6_n=4, w6_prompt=64, w6_new=32,
              w7_episodes=8, w7_prompt=128, w7_obs=128, w7_new=32, ds_groups=4, ds_n=4, ds_prompt=32, ds_new=16)
 

@@ -16,22 +16,38 @@ from .peers import PeerRun
 PAGE_SIZE = 16
 
 
-def engine_options(bm: BenchModel, num_seqs: int, max_len: int, extra: dict) -> dict:
-    """Size the KV pool for exactly this workload (every sequence at full length, plus headroom),
-    so the engine never holds memory the HF peers that run after it will need."""
-    pages = num_seqs * math.ceil(max_len / PAGE_SIZE) + 8
-    opts = dict(device=str(bm.device), num_pages=pages, max_num_seqs=max(num_seqs, 1),
-                max_model_len=max_len)
+def kv_pages(num_seqs: int, max_len: int, page_size: int = PAGE_SIZE, n: int = 1, prompt_len: int = 0) -> int:
+    """Pages for every sequence at full length, plus headroom. The n samples of a prompt share its full
+    prompt pages (the engine forks them; only the partial last page is copied), so those count once per
+    prompt: for 32 prompts x n=16 of 1000 + 64 tokens that is 4,552 pages, not 34,312."""
+    if n < 1 or num_seqs % n:
+        raise ValueError(f"kv_pages: n={n} must be >= 1 and divide num_seqs={num_seqs}")
+    if not 0 <= prompt_len <= max_len:
+        raise ValueError(f"kv_pages: prompt_len={prompt_len} must be in 0..max_len={max_len}")
+    shared = prompt_len // page_size if n > 1 else 0
+    return num_seqs // n * shared + num_seqs * (math.ceil(max_len / page_size) - shared) + 8
+
+
+def engine_options(bm: BenchModel, num_seqs: int, max_len: int, extra: dict, n: int = 1,
+                   prompt_len: int = 0) -> dict:
+    """Size the KV pool for exactly this workload (kv_pages), so the engine never holds memory the HF
+    peers that run after it will need. Decode graphs cover the whole batch: past the default 256 a step
+    would otherwise run eagerly (at or below 256 this is the engine's own choice, min(256, max_num_seqs))."""
+    page_size = extra.get("page_size", PAGE_SIZE)
+    opts = dict(device=str(bm.device), num_pages=kv_pages(num_seqs, max_len, page_size, n, prompt_len),
+                max_num_seqs=max(num_seqs, 1), max_model_len=max_len, cuda_graph_max_batch=max(num_seqs, 1))
     opts.update(extra)
     return opts
 
 
 @contextmanager
-def open_engine(bm: BenchModel, backend: str, num_seqs: int, max_len: int, extra: dict):
+def open_engine(bm: BenchModel, backend: str, num_seqs: int, max_len: int, extra: dict, n: int = 1,
+                prompt_len: int = 0):
+    """n, prompt_len: the samples per prompt and the prompt length, when prompts are shared (kv_pages)."""
     from rollout_service import RolloutClient  # imported late: the harness runs without an engine too
 
     client = RolloutClient.local(model=bm.hf_model, backend=backend, dtype=None,
-                                 **engine_options(bm, num_seqs, max_len, extra))
+                                 **engine_options(bm, num_seqs, max_len, extra, n, prompt_len))
     try:
         yield client
     finally:

@@ -23,11 +23,12 @@ from .multiturn import w7_multiturn
 from .refresh import w3_refresh
 from .rl_step import w6_rl_step
 from .report import Cell, Row, now_utc, write_report
-from .workloads import w1_latency, w2_rollout, w2n_samples, w5_graphs
+from .workloads import w1_latency, w2_rollout, w2n_samples, w2p_long_prompts, w5_graphs
 
 # the workloads' names and run order: rollout_service/bench/__init__.py
 RUNNERS = {"W2": w2_rollout, "W1": w1_latency, "W5": w5_graphs, "W3": w3_refresh, "W4": w4_kernels,
-           "W2n": w2n_samples, "W6": w6_rl_step, "W7": w7_multiturn, "WDS": wds_dynamic_sampling}
+           "W2n": w2n_samples, "W2p": w2p_long_prompts, "W6": w6_rl_step, "W7": w7_multiturn,
+           "WDS": wds_dynamic_sampling}
 CONFIG_ONLY = ("W6",)  # workloads that never touch this process's copy of the weights
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
