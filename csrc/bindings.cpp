@@ -329,12 +329,14 @@ at::Tensor decode_attention(at::Tensor q, at::Tensor kv_cache, at::Tensor kv_ind
 }
 
 at::Tensor prefill_attention(at::Tensor q, at::Tensor kv_cache, at::Tensor qo_indptr, at::Tensor kv_indptr,
-                             at::Tensor kv_indices, at::Tensor kv_last_page_len, int64_t max_q_len, double scale) {
+                             at::Tensor kv_indices, at::Tensor kv_last_page_len, int64_t max_q_len, double scale,
+                             bool exact_pv, int64_t impl) {
   rk::PrefillParams p;
   p.kv = paged_kv(q, kv_cache, kv_indptr, kv_indices, kv_last_page_len);
   check_index(qo_indptr, "qo_indptr", at::kInt, q);
   TORCH_CHECK_VALUE(qo_indptr.size(0) == kv_indptr.size(0), "qo_indptr and kv_indptr must both have B+1 entries");
   TORCH_CHECK_VALUE(max_q_len >= 0, "max_q_len must be >= 0");
+  TORCH_CHECK_VALUE(impl >= 0 && impl <= 2, "impl must be 0 (auto), 1 (mma.sync) or 2 (wgmma, no warp specialisation), got ", impl);
   const c10::cuda::CUDAGuard guard(q.device());
   p.dtype = half_dtype(q, "q");
   p.q = q.data_ptr();
@@ -346,6 +348,8 @@ at::Tensor prefill_attention(at::Tensor q, at::Tensor kv_cache, at::Tensor qo_in
   p.head_dim = static_cast<int>(q.size(2));
   p.max_q_len = static_cast<int>(max_q_len);
   p.scale = static_cast<float>(scale);
+  p.exact_pv = exact_pv;
+  p.impl = static_cast<rk::PrefillImpl>(impl);
   at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   p.out = out.data_ptr();
   check_launch(rk::prefill_attention(p, c10::cuda::getCurrentCUDAStream().stream()), "prefill_attention");
@@ -383,6 +387,37 @@ at::Tensor gumbel_argmax(at::Tensor x, at::Tensor keys) {
   return out;
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor> argmax_logsumexp(at::Tensor x) {
+  TORCH_CHECK_VALUE(x.is_cuda() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1,
+                    "x must be a float32 CUDA [batch, vocab] tensor with contiguous rows, got ", x.scalar_type(),
+                    " ", x.sizes(), " strides ", x.strides());
+  TORCH_CHECK_VALUE(x.size(1) > 0 && x.size(0) <= 65535, "x must have 0..65535 rows and a vocabulary, got ", x.sizes());
+  const c10::cuda::CUDAGuard guard(x.device());
+  rk::ArgmaxLogsumexpParams p;
+  p.x = x.data_ptr<float>();
+  p.row_stride = x.stride(0);
+  p.batch = x.size(0);
+  p.vocab = x.size(1);
+  at::Tensor tokens = at::empty({x.size(0)}, x.options().dtype(at::kLong));
+  at::Tensor values = at::empty({x.size(0)}, x.options());
+  at::Tensor lse = at::empty({x.size(0)}, x.options());
+  const int64_t chunks = rk::argmax_logsumexp_chunks(p.vocab);
+  at::Tensor chunk_value, chunk_index, chunk_sum;
+  if (chunks > 1) {
+    chunk_value = at::empty({x.size(0), chunks}, x.options());
+    chunk_index = at::empty({x.size(0), chunks}, tokens.options());
+    chunk_sum = at::empty({x.size(0), chunks}, x.options());
+    p.chunk_value = chunk_value.data_ptr<float>();
+    p.chunk_index = chunk_index.data_ptr<int64_t>();
+    p.chunk_sum = chunk_sum.data_ptr<float>();
+  }
+  p.tokens = tokens.data_ptr<int64_t>();
+  p.values = values.data_ptr<float>();
+  p.lse = lse.data_ptr<float>();
+  check_launch(rk::argmax_logsumexp(p, c10::cuda::getCurrentCUDAStream().stream()), "argmax_logsumexp");
+  return {tokens, values, lse};
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -398,5 +433,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "split-KV count the decode kernel would choose (-1: one warp per sequence and kv head)");
   m.def("decode_attention", &decode_attention, "paged decode attention (one query per sequence)");
   m.def("prefill_attention", &prefill_attention, "ragged paged causal prefill attention");
+  m.def("prefill_sm90_available", &rk::prefill_sm90_available, "whether this build has the Hopper (wgmma) prefill kernel");
   m.def("gumbel_argmax", &gumbel_argmax, "argmax of x + the counter-based Gumbel noise of keys (one sample per row)");
+  m.def("argmax_logsumexp", &argmax_logsumexp,
+        "(tokens, values, lse) of float32 rows: x.max(dim=1) and x.logsumexp(dim=1) in one pass");
 }

@@ -79,13 +79,13 @@ __device__ __forceinline__ void unpack2<__half>(uint32_t v, float& lo, float& hi
   hi = __high2float(h);
 }
 
-// Parts of the pair (a, b) into register `reg` of each part's A fragment.
-template <typename T>
-__device__ __forceinline__ void split_p(float a, float b, uint32_t (&frag)[PParts<T>::kNum][4], int reg) {
+// Parts of the pair (a, b) into register `reg` of each part's A fragment (kNum = 1: plain rounding to T).
+template <typename T, int kNum = PParts<T>::kNum>
+__device__ __forceinline__ void split_p(float a, float b, uint32_t (&frag)[kNum][4], int reg) {
 #pragma unroll
-  for (int i = 0; i < PParts<T>::kNum; ++i) {
+  for (int i = 0; i < kNum; ++i) {
     frag[i][reg] = pack2<T>(a, b);
-    if (i + 1 < PParts<T>::kNum) {
+    if (i + 1 < kNum) {
       float ra, rb;
       unpack2<T>(frag[i][reg], ra, rb);
       a -= ra;

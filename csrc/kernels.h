@@ -67,6 +67,9 @@ bool decode_warp_per_head(int batch, int num_kv_heads, int max_pages, int num_sm
 int decode_num_splits(int batch, int num_kv_heads, int max_pages, int num_sms);
 cudaError_t decode_attention(const DecodeParams& p, cudaStream_t stream);
 
+// Which prefill kernel: the best this GPU has (wgmma on Hopper, else mma.sync), or mma.sync forced.
+enum class PrefillImpl : int { kAuto = 0, kMmaSync = 1, kWgmmaSync = 2 /* wgmma without warp specialisation */ };
+
 struct PrefillParams {
   PagedKV kv;
   const void* q = nullptr;  // [T, Hq, D]
@@ -76,8 +79,15 @@ struct PrefillParams {
   int batch = 0, num_q_heads = 0, head_dim = 0, max_q_len = 0;
   float scale = 1.f;
   DType dtype = DType::kBFloat16;
+  // P·V with P kept to float32 precision (split_p: three bf16 / two fp16 parts, 2-3x the P·V work) instead
+  // of rounded once to the dtype as flash attention does.
+  bool exact_pv = false;
+  PrefillImpl impl = PrefillImpl::kAuto;
 };
 cudaError_t prefill_attention(const PrefillParams& p, cudaStream_t stream);
+// The Hopper (wgmma) kernel: whether this build has it (sm_90a), and its launcher.
+bool prefill_sm90_available();
+cudaError_t prefill_attention_sm90(const PrefillParams& p, cudaStream_t stream);
 
 // Linear layers of a batch-1 decode step: out[n] = x . weight[n] (+ bias[n]), float32 sums rounded once.
 // gated: weight is the fused [2N, k] gate_up projection and out[n] = silu(y[n]) * y[N + n], each step
@@ -114,5 +124,25 @@ struct GumbelArgmaxParams {
 };
 int gumbel_argmax_chunks(int64_t batch, int64_t vocab, int num_sms);
 cudaError_t gumbel_argmax(const GumbelArgmaxParams& p, cudaStream_t stream);
+
+// argmax and logsumexp of each row in one read: tokens[b] and values[b] are torch's x[b].max() (NaN the
+// largest, the first index on ties; values[b] = x[b, tokens[b]]), lse[b] is torch's x[b].logsumexp() (NaN
+// if the row has a NaN, else +inf if it has a +inf; -inf for an all -inf row). One CTA per chunk of a
+// constant number of tokens: with argmax_logsumexp_chunks(vocab) > 1, chunk_value / chunk_index / chunk_sum
+// [batch, chunks] hold each chunk's part for a second, combining launch. The chunks depend on the vocabulary
+// only, so a row's results are bitwise the same in any batch and at any row address.
+struct ArgmaxLogsumexpParams {
+  const float* x = nullptr;  // [batch, vocab], rows row_stride apart
+  int64_t row_stride = 0;
+  int64_t* tokens = nullptr;  // [batch]
+  float* values = nullptr;    // [batch]
+  float* lse = nullptr;       // [batch]
+  float* chunk_value = nullptr;
+  int64_t* chunk_index = nullptr;
+  float* chunk_sum = nullptr;
+  int64_t batch = 0, vocab = 0;  // batch <= 65535
+};
+int64_t argmax_logsumexp_chunks(int64_t vocab);
+cudaError_t argmax_logsumexp(const ArgmaxLogsumexpParams& p, cudaStream_t stream);
 
 }  // namespace rollout_kernels

@@ -3,7 +3,8 @@
 // CTA = (64-query tile, query head, sequence), 4 warps of 16 query rows each, FlashAttention-2 style:
 // Q fragments stay in registers, 64-token K/V tiles gathered from the pages are double-buffered in shared
 // memory with cp.async, S = QK^T and O += PV run on mma.sync (m16n8k16, float32 accumulate), softmax is
-// online in float32. Query i of a sequence with q_len queries and kv_len keys sits at position
+// online in float32 (P·V exact or flash-style: PrefillParams::exact_pv). On Hopper, prefill_attention_sm90.cu's
+// wgmma kernel runs instead unless PrefillImpl::kMmaSync is asked for. Query i of a sequence with q_len queries and kv_len keys sits at position
 // kv_len - q_len + i and sees keys 0..that position (causal over a cached prefix).
 #include <cfloat>
 
@@ -24,7 +25,7 @@ struct PrefillShape {
   static constexpr size_t kSmemBytes = size_t(2) * 2 * kTileElems * 2;  // 2 stages x (K, V)
 };
 
-template <typename T, int D>
+template <typename T, int D, int kParts>
 __global__ void __launch_bounds__(kThreads) prefill_kernel(const PrefillParams p) {
   using S = PrefillShape<D>;
   extern __shared__ __align__(16) unsigned char smem[];
@@ -147,12 +148,11 @@ __global__ void __launch_bounds__(kThreads) prefill_kernel(const PrefillParams p
       }
 #pragma unroll
       for (int kc = 0; kc < kTileKV / 16; ++kc) {
-        constexpr int kParts = PParts<T>::kNum;
         uint32_t pa[kParts][4];  // P's A fragment, as parts (split_p)
-        split_p<T>(s[2 * kc][0], s[2 * kc][1], pa, 0);
-        split_p<T>(s[2 * kc][2], s[2 * kc][3], pa, 1);
-        split_p<T>(s[2 * kc + 1][0], s[2 * kc + 1][1], pa, 2);
-        split_p<T>(s[2 * kc + 1][2], s[2 * kc + 1][3], pa, 3);
+        split_p<T, kParts>(s[2 * kc][0], s[2 * kc][1], pa, 0);
+        split_p<T, kParts>(s[2 * kc][2], s[2 * kc][3], pa, 1);
+        split_p<T, kParts>(s[2 * kc + 1][0], s[2 * kc + 1][1], pa, 2);
+        split_p<T, kParts>(s[2 * kc + 1][2], s[2 * kc + 1][3], pa, 3);
 #pragma unroll
         for (int dn = 0; dn < D / 16; ++dn) {
           uint32_t r[4];
@@ -187,10 +187,10 @@ __global__ void __launch_bounds__(kThreads) prefill_kernel(const PrefillParams p
   }
 }
 
-template <typename T, int D>
+template <typename T, int D, int kParts>
 cudaError_t launch_prefill(const PrefillParams& p, cudaStream_t stream) {
   using S = PrefillShape<D>;
-  auto kernel = prefill_kernel<T, D>;
+  auto kernel = prefill_kernel<T, D, kParts>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(S::kSmemBytes));
   if (err != cudaSuccess) return err;
   const dim3 grid((p.max_q_len + kTileQ - 1) / kTileQ, p.num_q_heads, p.batch);
@@ -204,10 +204,14 @@ cudaError_t prefill_attention(const PrefillParams& p, cudaStream_t stream) {
   const int Hk = p.kv.num_kv_heads;
   if (Hk <= 0 || p.num_q_heads % Hk != 0 || p.max_q_len < 0) return cudaErrorInvalidValue;
   if (p.batch == 0 || p.max_q_len == 0) return cudaSuccess;
+  if (p.head_dim != 128 && p.head_dim != 64) return cudaErrorInvalidValue;
+  // The wgmma kernel copies q rows in 16-byte pieces.
+  const bool q_vectors = reinterpret_cast<uintptr_t>(p.q) % 16 == 0 && p.q_stride_t % 8 == 0 && p.q_stride_h % 8 == 0;
+  if (p.impl != PrefillImpl::kMmaSync && q_vectors && prefill_sm90_available()) return prefill_attention_sm90(p, stream);
   return ROLLOUT_DISPATCH_HALF(p.dtype, T, [&] {
-    if (p.head_dim == 128) return launch_prefill<T, 128>(p, stream);
-    if (p.head_dim == 64) return launch_prefill<T, 64>(p, stream);
-    return cudaErrorInvalidValue;
+    constexpr int kExact = PParts<T>::kNum;
+    if (p.head_dim == 128) return p.exact_pv ? launch_prefill<T, 128, kExact>(p, stream) : launch_prefill<T, 128, 1>(p, stream);
+    return p.exact_pv ? launch_prefill<T, 64, kExact>(p, stream) : launch_prefill<T, 64, 1>(p, stream);
   });
 }
 

@@ -59,6 +59,10 @@ class EngineConfig:
     # old KV would silently mix two policies in one sample's log-probs).
     enable_prefix_cache: bool = True
     prefix_cache_across_versions: bool = False
+    # The CUDA prefill kernel's P·V: False rounds the softmax weights P to the model dtype once, as flash
+    # attention does (fast; log-prob fidelity measured at HF bf16's level, README); True keeps P to float32
+    # precision (P in 2-3 parts, ~2x the prefill attention time). Decode attention is exact either way.
+    exact_prefill_attention: bool = False
 
     def __post_init__(self) -> None:
         c = "EngineConfig"
@@ -82,7 +86,8 @@ class EngineConfig:
             _fail(c, "max_model_len", self.max_model_len, "must be None or an int >= 2")
         if not 0 < self.gpu_memory_utilization <= 0.98:
             _fail(c, "gpu_memory_utilization", self.gpu_memory_utilization, "must be in (0, 0.98]")
-        for name in ("overlap_decode", "enable_prefix_cache", "prefix_cache_across_versions"):
+        for name in ("overlap_decode", "enable_prefix_cache", "prefix_cache_across_versions",
+                     "exact_prefill_attention"):
             if not isinstance(getattr(self, name), bool):
                 _fail(c, name, getattr(self, name), "must be a bool")
         if not self.kv_cache_memory_gb > 0:

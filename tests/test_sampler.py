@@ -39,6 +39,20 @@ def test_greedy_picks_argmax_and_reports_raw_logprob():
     assert out.top_ids is None and out.top_logprobs is None
 
 
+def test_argmax_logsumexp_reference_special_values():
+    """The contract the CUDA kernel is tested against (tests/gpu): torch's max and logsumexp, NaN first."""
+    x = torch.randn(5, 50)
+    x[1, 7] = x[1, 9] = float("nan")
+    x[1, 2] = x[2, 3] = x[2, 40] = float("inf")
+    x[3] = float("-inf")
+    x[4] = 1.5
+    tokens, values, lse = TorchOps().argmax_logsumexp(x)
+    assert tokens.tolist() == [int(x[0].argmax()), 7, 3, 0, 0]
+    assert torch.equal(values[[0, 2, 3, 4]], x[[0, 2, 3, 4], tokens[[0, 2, 3, 4]]]) and bool(values[1].isnan())
+    assert lse[1].isnan() and lse[2].item() == float("inf") and lse[3].item() == float("-inf")
+    torch.testing.assert_close(lse[[0, 4]], torch.stack([x[0].exp().sum().log(), torch.tensor(1.5 + math.log(50))]))
+
+
 def reference_penalties(logits, prompt, output, rep, freq, pres):
     """Per-element reference, written independently of the vectorised code."""
     out = logits.clone()

@@ -178,7 +178,9 @@ def kernel_bench_rows(ctx: BenchContext) -> list[Row]:
                   other_peer=Cell(r["sdpa_tflops"], "torch SDPA, contiguous KV"),
                   floor=Cell(ctx.ceilings.matmul_flops / 1e12))
         row.hf_generate = row.hf_generate_batch = Cell.na("kernel micro-benchmark")
-        row.details["rel_err_vs_sdpa"] = float(f"{r['rel_err_vs_sdpa']:.2g}")
+        row.details.update(rel_err_vs_sdpa=float(f"{r['rel_err_vs_sdpa']:.2g}"), kernel=r["kernel"],
+                           vs_sdpa=round(r["tflops"] / r["sdpa_tflops"], 3),
+                           variants_tflops={k: round(v["tflops"], 1) for k, v in r["variants"].items()})
         rows.append(row)
     return rows
 

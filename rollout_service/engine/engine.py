@@ -86,7 +86,8 @@ class Engine:
         dtype = getattr(torch, config.dtype) if config.dtype else None
         source = model_source if model_source is not None else config.model
         loaded = load_model(source, dtype=dtype, device=self.device, backend=self.backend, tokenizer=tokenizer,
-                            load_format=config.load_format)
+                            load_format=config.load_format,
+                            exact_prefill_attention=config.exact_prefill_attention)
         self.model, self.hf_config, self.tokenizer = loaded.model, loaded.hf_config, loaded.tokenizer
         self.max_model_len = min(config.max_model_len or 1 << 30, self.hf_config.max_position_embeddings)
         self.prompts = PromptProcessor(self.tokenizer, self.hf_config.vocab_size)

@@ -93,7 +93,8 @@ def needs_history(sp: SamplingParams) -> bool:
 
 class Sampler:
     """Stateless: `Sampler()(logits, seqs)` samples one token per sequence (see the module docstring).
-    ops: the backend whose gumbel_argmax draws from the full vocabulary (the CUDA one fuses the noise)."""
+    ops: the backend whose gumbel_argmax draws from the full vocabulary (the CUDA one fuses the noise) and
+    whose argmax_logsumexp serves plain greedy batches (the CUDA one in one read of the logits)."""
 
     def __init__(self, ops: Ops | None = None) -> None:
         self.ops = ops if ops is not None else Ops()
@@ -110,9 +111,9 @@ class Sampler:
         if ahead and rp.penalised:
             raise ValueError("Sampler: penalties need every earlier token; a step ahead cannot apply them")
         if rp.plain_greedy:
-            # the common rollout-evaluation case in three launches: token, its logit, the normaliser
-            values, tokens = logits.max(dim=1)
-            return SamplerOutput(tokens, values - logits.logsumexp(dim=1))
+            # the common rollout-evaluation case: token, its logit and the normaliser (one pass on CUDA)
+            tokens, values, lse = self.ops.argmax_logsumexp(logits)
+            return SamplerOutput(tokens, values - lse)
         penalised = apply_penalties(logits, [s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs],
                                     rp.repetition, rp.frequency, rp.presence)
         tokens = torch.empty(batch, dtype=torch.int64, device=dev)

@@ -16,8 +16,10 @@ Ops = TorchOps
 BACKENDS = OPS_BACKENDS
 
 
-def select_ops(backend: str) -> Ops:
-    """The Ops object for a concrete backend name."""
+def select_ops(backend: str, exact_prefill_attention: bool = False) -> Ops:
+    """The Ops object for a concrete backend name. exact_prefill_attention: the CUDA prefill kernel keeps P
+    to float32 precision in P·V (slower) instead of rounding it to the model dtype as flash attention does;
+    the torch reference is exact either way."""
     if backend == "torch":
         return TorchOps()
     if backend == "cuda":
@@ -25,7 +27,7 @@ def select_ops(backend: str) -> Ops:
             from rollout_service.ops.cuda_ops import CudaOps
         except ImportError as exc:
             raise ValueError(f"backend 'cuda' is unavailable: cannot import rollout_service.ops.cuda_ops ({exc})") from exc
-        return CudaOps()
+        return CudaOps(exact_prefill_attention)
     raise ValueError(f"unknown ops backend {backend!r}; choose one of {BACKENDS} (or 'auto' via resolve_backend)")
 
 

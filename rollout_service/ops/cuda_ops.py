@@ -26,6 +26,7 @@ _HALF = (torch.bfloat16, torch.float16)
 PAGE_SIZE = 16
 HEAD_DIMS = (64, 128)
 MAX_DECODE_GROUP = 16
+PREFILL_IMPLS = {"auto": 0, "mma_sync": 1, "wgmma_sync": 2}  # csrc/kernels.h PrefillImpl
 
 
 def _aligned(t: torch.Tensor, elements: int = 8) -> bool:
@@ -44,10 +45,11 @@ def _heads_ok(t: torch.Tensor) -> bool:
 class CudaOps(Ops):
     name = "cuda"
 
-    def __init__(self) -> None:
+    def __init__(self, exact_prefill_attention: bool = False) -> None:
         if not torch.cuda.is_available():
             raise ValueError("backend 'cuda' needs a CUDA device and a CUDA build of torch")
         self.kernels = load_kernels()
+        self.exact_prefill_attention = exact_prefill_attention
         self._fallbacks: set[str] = set()
 
     def _fallback(self, op: str, why: str) -> None:
@@ -212,11 +214,22 @@ class CudaOps(Ops):
             self._fallback("attention", f"{q.dtype} q{tuple(q.shape)} kv{tuple(kv_layer.shape)}")
             return super().attention(q, kv_layer, meta, scale)
         if meta.is_prefill:
-            return self.kernels.prefill_attention(
-                q, kv_layer, meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len,
-                meta.max_q_len, scale,
-            )
+            return self.prefill_attention(q, kv_layer, meta, scale)
         return self.decode_attention(q, kv_layer, meta, scale)
+
+    def prefill_attention(
+        self, q: torch.Tensor, kv_layer: torch.Tensor, meta: attention_ref.AttentionMetadata, scale: float,
+        exact: bool | None = None, impl: str = "auto",
+    ) -> torch.Tensor:
+        """The prefill kernel. exact: P·V at float32 precision (None = this backend's setting); impl: "auto"
+        (wgmma on Hopper, else mma.sync) or "mma_sync" (the sm_80 kernel, to compare)."""
+        if impl not in PREFILL_IMPLS:
+            raise ValueError(f"impl must be one of {sorted(PREFILL_IMPLS)}, got {impl!r}")
+        exact = self.exact_prefill_attention if exact is None else exact
+        return self.kernels.prefill_attention(
+            q, kv_layer, meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len,
+            meta.max_q_len, scale, bool(exact), PREFILL_IMPLS[impl],
+        )
 
     def decode_attention(
         self, q: torch.Tensor, kv_layer: torch.Tensor, meta: attention_ref.AttentionMetadata, scale: float,
@@ -240,3 +253,11 @@ class CudaOps(Ops):
             self._fallback("gumbel_argmax", "needs float32 CUDA rows with a contiguous vocabulary and int64 keys")
             return super().gumbel_argmax(x, keys)
         return self.kernels.gumbel_argmax(x, keys)
+
+    def argmax_logsumexp(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        ok = (x.is_cuda and x.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1 and x.shape[1] > 0
+              and x.shape[0] <= 65535)
+        if not ok:
+            self._fallback("argmax_logsumexp", "needs float32 CUDA rows with a contiguous vocabulary")
+            return super().argmax_logsumexp(x)
+        return self.kernels.argmax_logsumexp(x)

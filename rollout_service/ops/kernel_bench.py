@@ -167,6 +167,10 @@ def bench_decode_attention(
     return rows
 
 
+# (impl, exact P·V) of every prefill kernel variant timed; ("auto", False) is what the engine runs by default
+PREFILL_VARIANTS = (("auto", False), ("auto", True), ("wgmma_sync", False), ("mma_sync", False), ("mma_sync", True))
+
+
 def bench_prefill_attention(
     seq_len: int = 4096,
     batch: int = 4,
@@ -176,7 +180,9 @@ def bench_prefill_attention(
     iters: int = 3,
     reps: int = 5,
 ) -> list[dict]:
-    """Causal prefill of `batch` prompts of seq_len in one launch: TFLOP/s of ours and of SDPA (contiguous)."""
+    """Causal prefill of `batch` prompts of seq_len in one launch: TFLOP/s of ours (the engine's default: this
+    GPU's best kernel, flash-style P·V) and of SDPA (contiguous), plus each other kernel variant (exact P·V,
+    the mma.sync kernel) under `variants`."""
     from rollout_service.ops.cuda_ops import CudaOps
 
     ops = CudaOps()
@@ -206,20 +212,25 @@ def bench_prefill_attention(
         scale = d**-0.5
         flops = 4 * batch * hq * d * seq_len * (seq_len + 1) / 2
 
-        def ours(_: int):
-            return ops.attention(q, cache, meta, scale)
-
         def sdpa(_: int):
             return F.scaled_dot_product_attention(qc, kv[0], kv[1], is_causal=True, scale=scale, enable_gqa=hq != hk)
 
         ref = sdpa(0).transpose(1, 2).reshape(total, hq, d).float()
-        err = ((ours(0).float() - ref).norm() / ref.norm()).item()
-        t_ours = _graph_time_us(ours, 1, iters, reps)
+        variants = {}
+        for impl, exact in PREFILL_VARIANTS:
+            def ours(_: int, impl=impl, exact=exact):
+                return ops.prefill_attention(q, cache, meta, scale, exact=exact, impl=impl)
+
+            err = ((ours(0).float() - ref).norm() / ref.norm()).item()
+            t = _graph_time_us(ours, 1, iters, reps)
+            variants[f"{impl}{'_exact' if exact else ''}"] = dict(
+                us=t, tflops=flops / (t * 1e-6) / 1e12, rel_err_vs_sdpa=err)
         t_sdpa = _peer_time_us(sdpa, 1, iters, reps)
+        main = variants["auto"]
         rows.append(dict(
-            batch=batch, seq_len=seq_len, q_heads=hq, kv_heads=hk, head_dim=d, us=t_ours,
-            tflops=flops / (t_ours * 1e-6) / 1e12, sdpa_us=t_sdpa, sdpa_tflops=flops / (t_sdpa * 1e-6) / 1e12,
-            rel_err_vs_sdpa=err,
+            batch=batch, seq_len=seq_len, q_heads=hq, kv_heads=hk, head_dim=d, us=main["us"], tflops=main["tflops"],
+            sdpa_us=t_sdpa, sdpa_tflops=flops / (t_sdpa * 1e-6) / 1e12, rel_err_vs_sdpa=main["rel_err_vs_sdpa"],
+            kernel="wgmma" if ops.kernels.prefill_sm90_available() else "mma_sync", variants=variants,
         ))
         del cache, kv, q, qc
         torch.cuda.empty_cache()
@@ -294,6 +305,9 @@ def main() -> None:
               + " ".join(f"{n}:{t:.1f}" for n, t in r["split_sweep_us"].items()))
     prefill = bench_prefill_attention() if "prefill" in parts else []
     for r in prefill:
+        for name, v in r["variants"].items():
+            print(f"  prefill variant {name}: {v['us']:.1f} us {v['tflops']:.0f} TFLOP/s "
+                  f"({v['tflops'] / r['sdpa_tflops']:.2f}x SDPA) err {v['rel_err_vs_sdpa']:.1e}")
         print(f"prefill {r['q_heads']}/{r['kv_heads']} d{r['head_dim']} B{r['batch']}x{r['seq_len']}: "
               f"ours {r['us']:.0f} us {r['tflops']:.0f} TFLOP/s | sdpa {r['sdpa_us']:.0f} us "
               f"{r['sdpa_tflops']:.0f} TFLOP/s | err {r['rel_err_vs_sdpa']:.1e}")

@@ -68,5 +68,12 @@ class TorchOps:
         """int64 [B]: argmax over vocab ids v of x[b, v] + gumbel(keys[b], v), a draw from softmax(x[b])."""
         return sampling.gumbel_argmax(x, keys)
 
+    def argmax_logsumexp(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(tokens int64 [B], values [B], lse [B]) of rows x [B, V]: `values, tokens = x.max(dim=1)` (NaN the
+        largest, the first index on ties, values[b] = x[b, tokens[b]]) and `lse = x.logsumexp(dim=1)` (NaN if
+        the row has a NaN, else +inf if it has a +inf). Kernel backends read x once for all three."""
+        values, tokens = x.max(dim=1)
+        return tokens, values, x.logsumexp(dim=1)
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"

@@ -82,28 +82,83 @@ def test_decode_through_ops_attention_matches_direct_call(cuda_ops):
     torch.testing.assert_close(cuda_ops.attention(q, cache, meta, scale), out, rtol=0, atol=0)
 
 
-PREFILL_CASES = [  # (q_len, kv_len): fresh prompts, cached prefixes, tile and page edges
+PREFILL_CASES = [  # (q_len, kv_len): fresh prompts, cached prefixes, 64/128-query tile and page edges
     (1, 1), (5, 5), (16, 16), (17, 40), (64, 64), (65, 200), (100, 300), (130, 131), (7, 1000), (1, 77), (250, 250),
+    (128, 128), (129, 129), (256, 384), (200, 1000), (127, 255),
 ]
+# (impl, exact P·V): the default kernel of this GPU (wgmma on Hopper) and the mma.sync one, each both ways
+PREFILL_KERNELS = [("auto", False), ("auto", True), ("wgmma_sync", False), ("mma_sync", False), ("mma_sync", True)]
+GQA_HEADS = [(8, 8, 64), (32, 8, 128), (28, 4, 128), (16, 2, 64)]  # group sizes 1, 4, 7, 8
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("hq,hk,d", HEADS)
-def test_prefill_ragged_with_cached_prefix(cuda_ops, dtype, hq, hk, d):
-    q_lens = [c[0] for c in PREFILL_CASES]
-    kv_lens = [c[1] for c in PREFILL_CASES]
+def _prefill(cuda_ops, dtype, hq, hk, d, cases, impl="auto", exact=False):
+    q_lens = [c[0] for c in cases]
+    kv_lens = [c[1] for c in cases]
     cache, tables = random_paged_cache(kv_lens, hk, d, dtype)
     meta = make_metadata(tables, q_lens, kv_lens, 16, is_prefill=True, device="cuda")
     q = torch.randn(sum(q_lens), hq, d, dtype=dtype, device="cuda")
     scale = d**-0.5
     poison_allocator(q.numel() * 4 * 8)
-    out = cuda_ops.attention(q, cache, meta, scale)
+    out = cuda_ops.prefill_attention(q, cache, meta, scale, exact=exact, impl=impl)
     ref = reference_attention(q, cache, tables, q_lens, kv_lens, scale)
+    return out, ref, (q, cache, meta, scale)
+
+
+@pytest.mark.parametrize("impl,exact", PREFILL_KERNELS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq,hk,d", GQA_HEADS)
+def test_prefill_ragged_with_cached_prefix(cuda_ops, dtype, hq, hk, d, impl, exact):
+    out, ref, _ = _prefill(cuda_ops, dtype, hq, hk, d, PREFILL_CASES, impl, exact)
     assert rel_err(out, ref) < TOL[dtype]
     start = 0
     for q_len, kv_len in PREFILL_CASES:
         assert rel_err(out[start : start + q_len], ref[start : start + q_len]) < TOL[dtype], (q_len, kv_len)
         start += q_len
+
+
+def _share_rounded_differently(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return (out != ref.to(out.dtype)).float().mean().item()
+
+
+@pytest.mark.parametrize("impl", ["auto", "mma_sync"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq,hk,d", [(14, 2, 64), (32, 8, 128)])
+def test_prefill_exact_pv_rounds_like_float32_reference(cuda_ops, dtype, hq, hk, d, impl):
+    """exact=True: the outputs differ from the float64 result rounded once about as rarely as the float32 torch
+    reference's do (H200: 0.0009 vs 0.0003 in bf16, 0.0045 vs 0.0028 in fp16), where the flash-style default
+    (P rounded to the dtype) differs in ~38% of them, yet stays a rounding-level difference."""
+    out, ref, (q, cache, meta, scale) = _prefill(cuda_ops, dtype, hq, hk, d, [(300, 700), (129, 129)], impl, True)
+    fast = cuda_ops.prefill_attention(q, cache, meta, scale, exact=False, impl=impl)
+    floor = _share_rounded_differently(paged_attention(q, cache, meta, scale), ref)
+    exact_share, fast_share = _share_rounded_differently(out, ref), _share_rounded_differently(fast, ref)
+    print(f"share rounded differently from float64: torch {floor:.4f}, exact {exact_share:.4f}, fast {fast_share:.4f}")
+    assert exact_share <= 2 * floor + 1e-3
+    assert rel_err(fast, ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("impl", ["auto", "wgmma_sync", "mma_sync"])
+def test_prefill_replays_identically_in_a_graph(cuda_ops, impl):
+    out, ref, (q, cache, meta, scale) = _prefill(cuda_ops, torch.bfloat16, 32, 8, 128, [(300, 700), (5, 5)], impl)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = cuda_ops.prefill_attention(q, cache, meta, scale, impl=impl)
+    for _ in range(3):
+        graph.replay()
+        torch.testing.assert_close(replayed, out, rtol=0, atol=0)
+
+
+def test_prefill_wgmma_kernel_is_built_on_hopper(cuda_ops):
+    """On an sm_90 GPU the build must carry the wgmma kernel, or every prefill silently takes the slow path."""
+    hopper = torch.cuda.get_device_capability() == (9, 0)
+    assert cuda_ops.kernels.prefill_sm90_available() == hopper
+
+
+def test_prefill_kernels_agree_with_each_other(cuda_ops):
+    """The two kernels with exact P·V compute the same sums to float32 rounding: nearly every output equal."""
+    out, ref, (q, cache, meta, scale) = _prefill(cuda_ops, torch.bfloat16, 28, 4, 128, PREFILL_CASES, "auto", True)
+    other = cuda_ops.prefill_attention(q, cache, meta, scale, exact=True, impl="mma_sync")
+    assert (out != other).float().mean().item() < 2e-3
+    assert rel_err(out, other.float()) < 1e-3
 
 
 @pytest.mark.parametrize("hq,hk,d", HEADS)
@@ -124,3 +179,17 @@ def test_unsupported_head_dim_falls_back_to_reference(cuda_ops):
     q = torch.randn(2, 4, 96, dtype=torch.bfloat16, device="cuda")
     out = cuda_ops.attention(q, cache, meta, 0.1)
     torch.testing.assert_close(out, paged_attention(q, cache, meta, 0.1), rtol=0, atol=0)
+
+
+def test_prefill_unaligned_q_rows_take_the_mma_sync_kernel(cuda_ops):
+    """q rows 4 bytes off a 16-byte boundary: the wgmma kernel's 16-byte copies do not apply, the result must not
+    change (the launcher routes them to the mma.sync kernel)."""
+    hq, hk, d, cases = 14, 2, 64, [(100, 300), (17, 17)]
+    q_lens, kv_lens = [c[0] for c in cases], [c[1] for c in cases]
+    cache, tables = random_paged_cache(kv_lens, hk, d, torch.bfloat16)
+    meta = make_metadata(tables, q_lens, kv_lens, 16, is_prefill=True, device="cuda")
+    rows = sum(q_lens)
+    buf = torch.randn(rows * (hq * d + 2), dtype=torch.bfloat16, device="cuda")
+    q = torch.as_strided(buf, (rows, hq, d), (hq * d + 2, d, 1))
+    out = cuda_ops.prefill_attention(q, cache, meta, d**-0.5)
+    assert rel_err(out, reference_attention(q, cache, tables, q_lens, kv_lens, d**-0.5)) < TOL[torch.bfloat16]
