@@ -336,7 +336,7 @@ at::Tensor prefill_attention(at::Tensor q, at::Tensor kv_cache, at::Tensor qo_in
   check_index(qo_indptr, "qo_indptr", at::kInt, q);
   TORCH_CHECK_VALUE(qo_indptr.size(0) == kv_indptr.size(0), "qo_indptr and kv_indptr must both have B+1 entries");
   TORCH_CHECK_VALUE(max_q_len >= 0, "max_q_len must be >= 0");
-  TORCH_CHECK_VALUE(impl >= 0 && impl <= 2, "impl must be 0 (auto), 1 (mma.sync) or 2 (wgmma, no warp specialisation), got ", impl);
+  TORCH_CHECK_VALUE(impl == 0 || impl == 1, "impl must be 0 (auto) or 1 (mma.sync), got ", impl);
   const c10::cuda::CUDAGuard guard(q.device());
   p.dtype = half_dtype(q, "q");
   p.q = q.data_ptr();

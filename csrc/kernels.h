@@ -68,7 +68,7 @@ int decode_num_splits(int batch, int num_kv_heads, int max_pages, int num_sms);
 cudaError_t decode_attention(const DecodeParams& p, cudaStream_t stream);
 
 // Which prefill kernel: the best this GPU has (wgmma on Hopper, else mma.sync), or mma.sync forced.
-enum class PrefillImpl : int { kAuto = 0, kMmaSync = 1, kWgmmaSync = 2 /* wgmma without warp specialisation */ };
+enum class PrefillImpl : int { kAuto = 0, kMmaSync = 1 };
 
 struct PrefillParams {
   PagedKV kv;

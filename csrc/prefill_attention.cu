@@ -207,7 +207,7 @@ cudaError_t prefill_attention(const PrefillParams& p, cudaStream_t stream) {
   if (p.head_dim != 128 && p.head_dim != 64) return cudaErrorInvalidValue;
   // The wgmma kernel copies q rows in 16-byte pieces.
   const bool q_vectors = reinterpret_cast<uintptr_t>(p.q) % 16 == 0 && p.q_stride_t % 8 == 0 && p.q_stride_h % 8 == 0;
-  if (p.impl != PrefillImpl::kMmaSync && q_vectors && prefill_sm90_available()) return prefill_attention_sm90(p, stream);
+  if (p.impl == PrefillImpl::kAuto && q_vectors && prefill_sm90_available()) return prefill_attention_sm90(p, stream);
   return ROLLOUT_DISPATCH_HALF(p.dtype, T, [&] {
     constexpr int kExact = PParts<T>::kNum;
     if (p.head_dim == 128) return p.exact_pv ? launch_prefill<T, 128, kExact>(p, stream) : launch_prefill<T, 128, 1>(p, stream);

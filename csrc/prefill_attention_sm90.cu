@@ -19,7 +19,7 @@ constexpr int kGroups = 2;  // consumer warpgroups per CTA
 constexpr int kThreads90 = kGroups * 128;
 constexpr int kTileQ90 = kGroups * 64;
 constexpr int kTileKV90 = 128;
-constexpr int kStages = 2;
+constexpr int kStages = 2;  // tiles in flight (three measured no faster: csrc/NOTES.md, session 8)
 
 template <int D>
 struct Sm90Shape {
@@ -207,7 +207,8 @@ struct RowsAttention {
 
 #endif  // ROLLOUT_WGMMA
 
-// Variant 1: both warpgroups load and compute; a CTA barrier per tile hands the stages over.
+// Both warpgroups load and compute; a CTA barrier per tile hands the stages over. (A warp-specialised variant,
+// a cp.async producer warpgroup feeding the two through mbarriers, measured slower: csrc/NOTES.md, session 8.)
 template <typename T, int D, int kParts>
 __global__ void __launch_bounds__(kThreads90, 1) prefill_sm90_kernel(const PrefillParams p) {
 #if ROLLOUT_WGMMA
@@ -226,13 +227,14 @@ __global__ void __launch_bounds__(kThreads90, 1) prefill_sm90_kernel(const Prefi
   const uint32_t q_smem = smem_addr(smem);
   auto stage = [&](int n) { return smem + S::kQBytes + (n % kStages) * S::kStageBytes; };
 
-  loader.load_q(smem);
-  loader.load_kv(0, stage(0), stage(0) + S::kKVBytes);  // in the same group as Q
-  cp_async_commit();
-  if (span.num_tiles > 1) loader.load_kv(1, stage(1), stage(1) + S::kKVBytes);
-  cp_async_commit();
+  loader.load_q(smem);  // in the same group as tile 0
+#pragma unroll
+  for (int n = 0; n < kStages; ++n) {
+    if (n < span.num_tiles) loader.load_kv(n, stage(n), stage(n) + S::kKVBytes);
+    cp_async_commit();
+  }
   for (int n = 0; n < span.num_tiles; ++n) {
-    cp_async_wait<1>();  // tile n (and Q) have landed; tile n + 1 may still be in flight
+    cp_async_wait<kStages - 1>();  // tile n (and Q) have landed; the next ones may still be in flight
     wgmma::fence_proxy_async();
     __syncthreads();
     if (n * kTileKV90 < wg_kv_end) {  // a warpgroup whose rows end before this tile only helps load it
@@ -240,7 +242,7 @@ __global__ void __launch_bounds__(kThreads90, 1) prefill_sm90_kernel(const Prefi
       rows.attend(span, scale_log2, q_smem + wg * 64 * 128, k_smem, k_smem + S::kKVBytes, n);
     }
     __syncthreads();  // every warpgroup is done with stage n % kStages
-    if (n + 2 < span.num_tiles) loader.load_kv(n + 2, stage(n + 2), stage(n + 2) + S::kKVBytes);
+    if (n + kStages < span.num_tiles) loader.load_kv(n + kStages, stage(n + kStages), stage(n + kStages) + S::kKVBytes);
     cp_async_commit();
   }
   cp_async_wait<0>();
@@ -248,85 +250,14 @@ __global__ void __launch_bounds__(kThreads90, 1) prefill_sm90_kernel(const Prefi
 #endif  // ROLLOUT_WGMMA
 }
 
-// Variant 2 (warp-specialised): a producer warpgroup copies tiles into a ring of stages and the two consumer
-// warpgroups take them through mbarriers, each at its own pace (one's softmax overlaps the other's MMAs).
-template <int D>
-struct WsShape {
-  static constexpr int kRing = D == 128 ? 3 : 4;
-  static constexpr size_t kSmemBytes = Sm90Shape<D>::kQBytes + kRing * Sm90Shape<D>::kStageBytes + 1024;
-};
-constexpr int kWsThreads = kThreads90 + 128;
-
-template <typename T, int D, int kParts>
-__global__ void __launch_bounds__(kWsThreads, 1) prefill_ws_kernel(const PrefillParams p) {
-#if ROLLOUT_WGMMA
-  using S = Sm90Shape<D>;
-  constexpr int kRing = WsShape<D>::kRing;
-  __shared__ __align__(8) uint64_t full[kRing], empty[kRing];
-  extern __shared__ unsigned char smem_raw[];
-  unsigned char* smem = S::aligned(smem_raw);
-  const int qt = gridDim.x - 1 - blockIdx.x, h = blockIdx.y, b = blockIdx.z;  // late query tiles first
-  const TileSpan span = TileSpan::of(p, qt, b);
-  if (qt * kTileQ90 >= span.q_len) return;
-  const int hk = h / (p.num_q_heads / p.kv.num_kv_heads);
-  auto stage = [&](int n) { return smem + S::kQBytes + (n % kRing) * S::kStageBytes; };
-  if (threadIdx.x == 0) {
-    for (int i = 0; i < kRing; ++i) {
-      wgmma::mbarrier_init(smem_addr(&full[i]), 128);       // every producer thread's copies
-      wgmma::mbarrier_init(smem_addr(&empty[i]), kThreads90 / 32);  // one arrival per consumer warp
-    }
-  }
-  __syncthreads();
-
-  if (threadIdx.x < 128) {  // producer
-    wgmma::release_registers<56>();
-    const TileLoader<T, D, 128> loader{p, span, qt, h, hk, int(threadIdx.x)};
-    for (int n = 0; n < span.num_tiles; ++n) {
-      if (n >= kRing) wgmma::mbarrier_wait(smem_addr(&empty[n % kRing]), ((n / kRing) - 1) & 1);
-      if (n == 0) loader.load_q(smem);
-      loader.load_kv(n, stage(n), stage(n) + S::kKVBytes);
-      wgmma::mbarrier_arrive_on_copies(smem_addr(&full[n % kRing]));
-    }
-    cp_async_wait<0>();
-    return;
-  }
-  wgmma::claim_registers<224>();
-  const int wg = threadIdx.x / 128 - 1;
-  const int wg_first = qt * kTileQ90 + wg * 64;
-  const int wg_kv_end = wg_first < span.q_len ? span.offset + min(span.q_len, wg_first + 64) : 0;
-  RowsAttention<T, D, kParts> rows(span, qt, wg);
-  const float scale_log2 = p.scale * 1.4426950408889634f;
-  const uint32_t q_smem = smem_addr(smem) + wg * 64 * 128;
-  for (int n = 0; n < span.num_tiles; ++n) {
-    wgmma::mbarrier_wait(smem_addr(&full[n % kRing]), (n / kRing) & 1);
-    wgmma::fence_proxy_async();  // the producer's cp.async writes, now visible here, to the tensor cores
-    if (n * kTileKV90 < wg_kv_end) {
-      const uint32_t k_smem = smem_addr(stage(n));
-      rows.attend(span, scale_log2, q_smem, k_smem, k_smem + S::kKVBytes, n);
-    }
-    __syncwarp();  // one arrival per warp: 256 arrivals on one word per tile serialise
-    if (threadIdx.x % 32 == 0) wgmma::mbarrier_arrive(smem_addr(&empty[n % kRing]));
-  }
-  rows.store(p, span, h);
-#endif  // ROLLOUT_WGMMA
-}
-
 template <typename T, int D, int kParts>
 cudaError_t launch_sm90(const PrefillParams& p, cudaStream_t stream) {
-  const dim3 grid((p.max_q_len + kTileQ90 - 1) / kTileQ90, p.num_q_heads, p.batch);
-  if (p.impl == PrefillImpl::kWgmmaSync) {
-    auto kernel = prefill_sm90_kernel<T, D, kParts>;
-    const int smem = int(Sm90Shape<D>::kSmemBytes);
-    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    if (err != cudaSuccess) return err;
-    kernel<<<grid, kThreads90, smem, stream>>>(p);
-    return cudaGetLastError();
-  }
-  auto kernel = prefill_ws_kernel<T, D, kParts>;
-  const int smem = int(WsShape<D>::kSmemBytes);
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  using S = Sm90Shape<D>;
+  auto kernel = prefill_sm90_kernel<T, D, kParts>;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(S::kSmemBytes));
   if (err != cudaSuccess) return err;
-  kernel<<<grid, kWsThreads, smem, stream>>>(p);
+  const dim3 grid((p.max_q_len + kTileQ90 - 1) / kTileQ90, p.num_q_heads, p.batch);
+  kernel<<<grid, kThreads90, S::kSmemBytes, stream>>>(p);
   return cudaGetLastError();
 }
 

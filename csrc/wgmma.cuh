@@ -64,47 +64,6 @@ __device__ __forceinline__ void fence_proxy_async() {
 #endif
 }
 
-// Shared-memory barriers (mbarrier) between a producer warpgroup and the consumers: init, arrive, the arrive
-// that fires when this thread's earlier cp.async copies have landed, and a wait on a phase's parity.
-__device__ __forceinline__ void mbarrier_init(uint32_t bar, int count) {
-#if ROLLOUT_WGMMA
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-#endif
-}
-__device__ __forceinline__ void mbarrier_arrive(uint32_t bar) {
-#if ROLLOUT_WGMMA
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-#endif
-}
-__device__ __forceinline__ void mbarrier_arrive_on_copies(uint32_t bar) {
-#if ROLLOUT_WGMMA
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
-#endif
-}
-__device__ __forceinline__ void mbarrier_wait(uint32_t bar, uint32_t parity) {
-#if ROLLOUT_WGMMA
-  asm volatile(
-      "{\n.reg .pred done;\nWAIT:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra WAIT;\n}\n" ::"r"(bar), "r"(parity)
-      : "memory");
-#endif
-}
-
-// Move registers between warpgroups of a kernel launched with a register cap (__launch_bounds__(n, 1)).
-template <int N>
-__device__ __forceinline__ void release_registers() {
-#if ROLLOUT_WGMMA
-  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
-#endif
-}
-template <int N>
-__device__ __forceinline__ void claim_registers() {
-#if ROLLOUT_WGMMA
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
-#endif
-}
-
 // d[64 x N] = (scale_d ? d : 0) + A[64 x 16] B[16 x N]; A and B from shared memory, both K-major.
 template <typename T, int N>
 __device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], uint64_t a, uint64_t b, int scale_d);

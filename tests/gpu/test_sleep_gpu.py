@@ -15,8 +15,11 @@ SEEDED = SamplingParams(temperature=1.0, max_tokens=48, ignore_eos=True, seed=7,
 
 
 def engine(model) -> Engine:
+    # Exact prefill P·V: the recompute after a sleep rebuilds decode-time KV with the prefill kernel, and the
+    # flash-style default rounds P once more, enough to flip a temperature-1 draw at a near-tie (H200: one
+    # token of 288; the rest identical).
     eng = Engine(model_source=model, device="cuda", dtype="bfloat16", num_pages=4096, max_num_seqs=32,
-                 cuda_graph_max_batch=16)
+                 cuda_graph_max_batch=16, exact_prefill_attention=True)
     assert eng.runner.graphs is not None and not eng.runner.graphs.disabled
     return eng
 
