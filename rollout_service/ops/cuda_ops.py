@@ -26,7 +26,7 @@ _HALF = (torch.bfloat16, torch.float16)
 PAGE_SIZE = 16
 HEAD_DIMS = (64, 128)
 MAX_DECODE_GROUP = 16
-PREFILL_IMPLS = {"auto": 0, "mma_sync": 1, "wgmma_sync": 2}  # csrc/kernels.h PrefillImpl
+PREFILL_IMPLS = {"auto": 0, "mma_sync": 1}  # csrc/kernels.h PrefillImpl
 
 
 def _aligned(t: torch.Tensor, elements: int = 8) -> bool:

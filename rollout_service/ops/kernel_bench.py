@@ -168,7 +168,7 @@ def bench_decode_attention(
 
 
 # (impl, exact P·V) of every prefill kernel variant timed; ("auto", False) is what the engine runs by default
-PREFILL_VARIANTS = (("auto", False), ("auto", True), ("wgmma_sync", False), ("mma_sync", False), ("mma_sync", True))
+PREFILL_VARIANTS = (("auto", False), ("auto", True), ("mma_sync", False), ("mma_sync", True))
 
 
 def bench_prefill_attention(
