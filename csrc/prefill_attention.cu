@@ -4,8 +4,9 @@
 // Q fragments stay in registers, 64-token K/V tiles gathered from the pages are double-buffered in shared
 // memory with cp.async, S = QK^T and O += PV run on mma.sync (m16n8k16, float32 accumulate), softmax is
 // online in float32 (P·V exact or flash-style: PrefillParams::exact_pv). On Hopper, prefill_attention_sm90.cu's
-// wgmma kernel runs instead unless PrefillImpl::kMmaSync is asked for. Query i of a sequence with q_len queries and kv_len keys sits at position
-// kv_len - q_len + i and sees keys 0..that position (causal over a cached prefix).
+// wgmma kernel runs instead unless PrefillImpl::kMmaSync is asked for. Query i of a sequence with q_len queries
+// and kv_len keys sits at position kv_len - q_len + i and sees keys 0..that position (causal over a cached
+// prefix).
 #include <cfloat>
 
 #include "kernel_utils.cuh"
@@ -210,7 +211,9 @@ cudaError_t prefill_attention(const PrefillParams& p, cudaStream_t stream) {
   if (p.impl == PrefillImpl::kAuto && q_vectors && prefill_sm90_available()) return prefill_attention_sm90(p, stream);
   return ROLLOUT_DISPATCH_HALF(p.dtype, T, [&] {
     constexpr int kExact = PParts<T>::kNum;
-    if (p.head_dim == 128) return p.exact_pv ? launch_prefill<T, 128, kExact>(p, stream) : launch_prefill<T, 128, 1>(p, stream);
+    if (p.head_dim == 128) {
+      return p.exact_pv ? launch_prefill<T, 128, kExact>(p, stream) : launch_prefill<T, 128, 1>(p, stream);
+    }
     return p.exact_pv ? launch_prefill<T, 64, kExact>(p, stream) : launch_prefill<T, 64, 1>(p, stream);
   });
 }
