@@ -182,6 +182,22 @@ __device__ __forceinline__ float quad_max(float v) {
   return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
 }
 
+// One online-softmax step for a thread's two MMA rows, given each row's max over the new tile (this thread's
+// share; the quad is reduced here): updates the running max m and sum l, returns in m_use the value to
+// subtract before exp2 (0 for a row with nothing visible yet, which then stays all-zero) and in corr the
+// factor that rescales what was accumulated so far.
+__device__ __forceinline__ void online_softmax_step(float (&m)[2], float (&l)[2], const float (&tile_max)[2],
+                                                    float (&m_use)[2], float (&corr)[2]) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const float m_new = fmaxf(m[r], quad_max(tile_max[r]));
+    m_use[r] = m_new == -INFINITY ? 0.f : m_new;
+    corr[r] = fast_exp2(m[r] - m_use[r]);
+    m[r] = m_new;
+    l[r] *= corr[r];
+  }
+}
+
 // Dispatch a runtime DType to a template on the element type (bf16 or fp16 only).
 #define ROLLOUT_DISPATCH_HALF(dtype, T, ...)                 \
   [&]() -> cudaError_t {                                    \

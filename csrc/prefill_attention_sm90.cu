@@ -150,14 +150,7 @@ struct RowsAttention {
       }
     }
     float corr[2], m_use[2];
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      const float m_new = fmaxf(m[hh], quad_max(mx[hh]));
-      m_use[hh] = m_new == -INFINITY ? 0.f : m_new;  // a row with nothing visible yet stays all-zero
-      corr[hh] = fast_exp2(m[hh] - m_use[hh]);
-      m[hh] = m_new;
-      l[hh] *= corr[hh];
-    }
+    online_softmax_step(m, l, mx, m_use, corr);
 #pragma unroll
     for (int i = 0; i < kTileKV90 / 2; ++i) {
       s[i] = fast_exp2(s[i] - m_use[(i >> 1) & 1]);

@@ -12,33 +12,13 @@ import os
 import torch
 import torch.nn.functional as F
 
+from rollout_service.ops.kernel_bench import ROTATE_BYTES, _graph_time_us
+
 SHAPES = {  # (name, N, K) of x[M, K] @ W[N, K]^T
     "llama3-8b": (("qkv", 6144, 4096), ("o_proj", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336),
                   ("lm_head", 128256, 4096)),
     "qwen2.5-0.5b": (("qkv", 1152, 896), ("o_proj", 896, 896), ("gate_up", 9728, 896), ("down", 896, 4864)),
 }
-ROTATE_BYTES = 512 << 20
-
-
-def time_us(fn, copies: int, iters: int = 10, reps: int = 5) -> float:
-    """Median over reps of one CUDA-graph replay of iters x copies calls, per call."""
-    for i in range(copies):
-        fn(i)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(iters):
-            for i in range(copies):
-                fn(i)
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / (iters * copies))
-    return sorted(times)[len(times) // 2]
 
 
 def run(m: int, mode: str) -> list[dict]:
@@ -49,7 +29,7 @@ def run(m: int, mode: str) -> list[dict]:
             copies = max(1, min(16, ROTATE_BYTES // (n * k * 2)))
             ws = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") / k**0.5 for _ in range(copies)]
             x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
-            us = time_us(lambda i: F.linear(x, ws[i]), copies)
+            us = _graph_time_us(lambda i: F.linear(x, ws[i]), copies, iters=10 * copies, reps=5)
             rows.append(dict(model=model, layer=name, m=m, n=n, k=k, mode=mode, us=round(us, 2),
                              tflops=round(2 * m * n * k / (us * 1e-6) / 1e12, 1)))
             del ws

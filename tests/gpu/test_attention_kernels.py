@@ -10,6 +10,16 @@ DTYPES = [torch.bfloat16, torch.float16]
 HEADS = [(14, 2, 64), (32, 8, 128)]  # qwen2.5-0.5b, llama3-8b
 
 
+def assert_graph_replays_exactly(launch, eager: torch.Tensor) -> None:
+    """launch(), captured once and replayed several times, gives the eager output bit for bit."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = launch()
+    for _ in range(3):
+        graph.replay()
+        torch.testing.assert_close(replayed, eager, rtol=0, atol=0)
+
+
 def _decode(cuda_ops, dtype, hq, hk, d, kv_lens, num_splits=0):
     cache, tables = random_paged_cache(kv_lens, hk, d, dtype)
     meta = make_metadata(tables, [1] * len(kv_lens), kv_lens, 16, is_prefill=False, device="cuda")
@@ -69,12 +79,7 @@ def test_decode_splits_replay_identically_in_a_graph(cuda_ops, num_splits):
     """Split partials and their reduce, captured once and replayed several times, give the eager output exactly."""
     out, ref, (q, cache, meta, scale) = _decode(cuda_ops, torch.bfloat16, 14, 2, 64, [3000, 40, 700], num_splits)
     assert rel_err(out, ref) < TOL[torch.bfloat16]
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        replayed = cuda_ops.decode_attention(q, cache, meta, scale, num_splits=num_splits)
-    for _ in range(3):
-        graph.replay()
-        torch.testing.assert_close(replayed, out, rtol=0, atol=0)
+    assert_graph_replays_exactly(lambda: cuda_ops.decode_attention(q, cache, meta, scale, num_splits=num_splits), out)
 
 
 def test_decode_through_ops_attention_matches_direct_call(cuda_ops):
@@ -139,12 +144,8 @@ def test_prefill_exact_pv_rounds_like_float32_reference(cuda_ops, dtype, hq, hk,
 @pytest.mark.parametrize("impl", ["auto", "mma_sync"])
 def test_prefill_replays_identically_in_a_graph(cuda_ops, impl):
     out, ref, (q, cache, meta, scale) = _prefill(cuda_ops, torch.bfloat16, 32, 8, 128, [(300, 700), (5, 5)], impl)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        replayed = cuda_ops.prefill_attention(q, cache, meta, scale, impl=impl)
-    for _ in range(3):
-        graph.replay()
-        torch.testing.assert_close(replayed, out, rtol=0, atol=0)
+    assert rel_err(out, ref) < TOL[torch.bfloat16]
+    assert_graph_replays_exactly(lambda: cuda_ops.prefill_attention(q, cache, meta, scale, impl=impl), out)
 
 
 def test_prefill_wgmma_kernel_is_built_on_hopper(cuda_ops):
