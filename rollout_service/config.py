@@ -63,6 +63,11 @@ class EngineConfig:
     # attention does (fast; log-prob fidelity measured at HF bf16's level, README); True keeps P to float32
     # precision (P in 2-3 parts, ~2x the prefill attention time). Decode attention is exact either way.
     exact_prefill_attention: bool = False
+    # A sequence's tokens and log-probs bitwise the same whatever its batch mates, step kind (prefill, decode,
+    # recompute) or prompt sharing, and equal to rollout_service.training.InvariantForward's recompute: fixed
+    # row tiles for every product, fixed key blocks in attention (rollout_service/ops/invariant.py). Runs on
+    # the torch ops (any device); the CUDA kernels have no invariant mode yet.
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         c = "EngineConfig"
@@ -87,11 +92,13 @@ class EngineConfig:
         if not 0 < self.gpu_memory_utilization <= 0.98:
             _fail(c, "gpu_memory_utilization", self.gpu_memory_utilization, "must be in (0, 0.98]")
         for name in ("overlap_decode", "enable_prefix_cache", "prefix_cache_across_versions",
-                     "exact_prefill_attention"):
+                     "exact_prefill_attention", "batch_invariant"):
             if not isinstance(getattr(self, name), bool):
                 _fail(c, name, getattr(self, name), "must be a bool")
         if not self.kv_cache_memory_gb > 0:
             _fail(c, "kv_cache_memory_gb", self.kv_cache_memory_gb, "must be > 0")
+        if self.batch_invariant and self.backend == "cuda":
+            _fail(c, "backend", self.backend, "batch_invariant runs on the torch ops; use backend 'auto' or 'torch'")
         if self.on_refresh not in ON_REFRESH:
             _fail(c, "on_refresh", self.on_refresh, f"must be one of {ON_REFRESH}")
 

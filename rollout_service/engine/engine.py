@@ -82,12 +82,14 @@ class Engine:
         config = dataclasses.replace(config or EngineConfig(), **overrides)
         self.config = config
         self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.backend = resolve_backend(config.backend, self.device)
+        # batch-invariant mode runs the torch ops on any device (EngineConfig.batch_invariant)
+        self.backend = "torch" if config.batch_invariant else resolve_backend(config.backend, self.device)
         dtype = getattr(torch, config.dtype) if config.dtype else None
         source = model_source if model_source is not None else config.model
         loaded = load_model(source, dtype=dtype, device=self.device, backend=self.backend, tokenizer=tokenizer,
                             load_format=config.load_format,
-                            exact_prefill_attention=config.exact_prefill_attention)
+                            exact_prefill_attention=config.exact_prefill_attention,
+                            batch_invariant=config.batch_invariant)
         self.model, self.hf_config, self.tokenizer = loaded.model, loaded.hf_config, loaded.tokenizer
         self.max_model_len = min(config.max_model_len or 1 << 30, self.hf_config.max_position_embeddings)
         self.prompts = PromptProcessor(self.tokenizer, self.hf_config.vocab_size)

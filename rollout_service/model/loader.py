@@ -70,12 +70,13 @@ def load_model(
     tokenizer: Any | None = None,
     load_format: str = "auto",
     exact_prefill_attention: bool = False,
+    batch_invariant: bool = False,
 ) -> LoadedModel:
     """Load weights + config (+ tokenizer when the source has one) into a DecoderLM on `device`."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format={load_format!r}; choose one of {LOAD_FORMATS}")
     torch_dtype = resolve_dtype(dtype, device)
-    ops = select_ops(resolve_backend(backend, device), exact_prefill_attention)
+    ops = select_ops(resolve_backend(backend, device), exact_prefill_attention, batch_invariant)
     if load_format == "dummy":
         config, state, found_tokenizer = _read_config_only(source)
     else:

@@ -16,10 +16,17 @@ Ops = TorchOps
 BACKENDS = OPS_BACKENDS
 
 
-def select_ops(backend: str, exact_prefill_attention: bool = False) -> Ops:
+def select_ops(backend: str, exact_prefill_attention: bool = False, batch_invariant: bool = False) -> Ops:
     """The Ops object for a concrete backend name. exact_prefill_attention: the CUDA prefill kernel keeps P
     to float32 precision in P·V (slower) instead of rounding it to the model dtype as flash attention does;
-    the torch reference is exact either way."""
+    the torch reference is exact either way. batch_invariant: the torch ops with batch-invariant products
+    and attention (rollout_service/ops/invariant.py); torch backend only."""
+    if batch_invariant:
+        if backend != "torch":
+            raise ValueError(f"batch_invariant runs on the torch ops, not backend {backend!r}")
+        from rollout_service.ops.invariant import InvariantOps
+
+        return InvariantOps()
     if backend == "torch":
         return TorchOps()
     if backend == "cuda":
