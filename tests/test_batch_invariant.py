@@ -1,0 +1,153 @@
+"""Batch-invariant mode: a sequence's tokens and log-prob bytes do not depend on its batch mates, on how its
+prompt was prefilled (alone, chunked, shared, from the prefix cache) or on a preemption and recompute, and
+the learner's InvariantForward recomputes the same bytes (EngineConfig.batch_invariant)."""
+import numpy as np
+import pytest
+import torch
+from tiny_models import tiny_hf_model
+
+from rollout_service.config import EngineConfig
+from rollout_service.engine.engine import Engine
+from rollout_service.ops import invariant
+from rollout_service.training.invariant_forward import InvariantForward
+from rollout_service.types import RolloutRequest, SamplingParams
+
+SAMPLED = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True, seed=11, logprobs_mode="scaled")
+TARGET = list(range(3, 44))  # 41 tokens: crosses a 16-row tile and a partial page
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_hf_model("llama", num_hidden_layers=2)
+
+
+def _prompts(n: int, seed: int, longest: int = 90) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(1, longest, (n,), generator=g).tolist()
+    return [torch.randint(0, 256, (k,), generator=g).tolist() for k in lens]
+
+
+def run(model, requests: list[tuple[list[int], SamplingParams]], then=(), **config) -> dict:
+    """{(request index, sample index): result} of one engine serving `requests` together, then (once they
+    are done) the requests of `then`, numbered on from the first ones."""
+    eng = Engine(model_source=model, device="cpu", num_pages=config.pop("num_pages", 512), batch_invariant=True,
+                 **config)
+    out, index = {}, 0
+    for wave in (requests, then):
+        for prompt, sp in wave:
+            eng.add_request(RolloutRequest(prompt=prompt, sampling=sp, request_id=str(index)))
+            index += 1
+        out.update({(int(r.request_id), r.sample_index): r for r in eng.run_until_done()})
+    out["stats"] = eng.stats()
+    return out
+
+
+def same_bytes(a, b) -> bool:
+    return a.token_ids == b.token_ids and a.logprobs.tobytes() == b.logprobs.tobytes()
+
+
+@pytest.fixture(scope="module")
+def alone(model):
+    return run(model, [(TARGET, SAMPLED)])[(0, 0)]
+
+
+@pytest.mark.parametrize("mates,seed", [(1, 0), (3, 1), (12, 2)])
+def test_same_bytes_in_batches_of_any_size_and_composition(model, alone, mates, seed):
+    greedy = SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True)
+    others = [(p, SAMPLED if i % 2 else greedy) for i, p in enumerate(_prompts(mates, seed))]
+    batch = others[: mates // 2] + [(TARGET, SAMPLED)] + others[mates // 2:]  # the target mid-batch
+    got = run(model, batch)[(mates // 2, 0)]
+    assert same_bytes(got, alone)
+
+
+def test_same_bytes_after_preemption_and_recompute(model, alone):
+    """A pool too small for the batch: sequences are preempted and recomputed by prefill."""
+    requests = [(p, SAMPLED) for p in _prompts(5, 3, longest=40)] + [(TARGET, SAMPLED)]
+    got = run(model, requests, num_pages=14, page_size=8)
+    assert got["stats"]["recomputes"] > 0
+    assert same_bytes(got[(5, 0)], alone)
+
+
+def test_same_bytes_with_chunked_prefill_and_without_overlap(model, alone):
+    got = run(model, [(TARGET, SAMPLED)], max_num_batched_tokens=16, overlap_decode=False)
+    assert same_bytes(got[(0, 0)], alone)
+
+
+def test_same_bytes_with_and_without_prompt_sharing(model):
+    """The n samples of a group share the prompt's pages, and a repeat of the prompt hits the prefix cache:
+    each sample's bytes equal the same sample computed with the cache off."""
+    group = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=5, n=4, logprobs_mode="scaled")
+    prompt = TARGET + TARGET  # 82 tokens: several full pages to share
+    shared = run(model, [(prompt, group)], then=[(prompt, group)])
+    assert shared["stats"]["prefix_cache"]["hit_tokens"] > 0
+    unshared = run(model, [(prompt, group)], enable_prefix_cache=False)
+    for k in range(4):
+        assert same_bytes(shared[(0, k)], unshared[(0, k)]) and same_bytes(shared[(1, k)], unshared[(0, k)])
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_learner_recompute_equals_rollout_bytes(arch, temperature):
+    policy = tiny_hf_model(arch, num_hidden_layers=2)
+    sp = SamplingParams(temperature=temperature, max_tokens=16, ignore_eos=True, seed=3, n=2,
+                        logprobs_mode="scaled")
+    results = [r for k, r in run(policy, [(p, sp) for p in _prompts(4, 7)]).items() if k != "stats"]
+    with torch.no_grad():
+        recomputed = InvariantForward(policy).logprobs(results, temperature)
+    assert all(lp.numpy().tobytes() == r.logprobs.tobytes() for lp, r in zip(recomputed, results))
+
+
+def test_learner_recompute_equals_rollout_bytes_on_the_embedded_model(smollm2):
+    policy, tok = smollm2
+    prompts = [tok.encode(t) for t in ("The capital of France is", "Write a haiku about rain.",
+                                       "1 + 1 =", "List three colours:")]
+    sp = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=1, n=2, logprobs_mode="scaled")
+    results = [r for k, r in run(policy, [(p, sp) for p in prompts]).items() if k != "stats"]
+    with torch.no_grad():
+        recomputed = InvariantForward(policy).logprobs(results)
+    assert all(lp.numpy().tobytes() == r.logprobs.tobytes() for lp, r in zip(recomputed, results))
+
+
+def test_invariant_products_match_the_reference_closely():
+    """Row tiles change the summation kernel, not the math: within float32 rounding of F.linear."""
+    x, w, b = torch.randn(37, 96), torch.randn(80, 96), torch.randn(80)
+    torch.testing.assert_close(invariant.linear(x, w, b), torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    tiles = [invariant.linear(x[i:i + 1], w, b) for i in range(3)]
+    assert all(torch.equal(t[0], invariant.linear(x, w, b)[i]) for i, t in enumerate(tiles))
+
+
+def test_block_attention_matches_the_reference_closely():
+    from rollout_service.training.invariant_forward import _reference_self_attention, self_attention
+    lens = [1, 70, 130]
+    q, k, v = torch.randn(sum(lens), 4, 16), torch.randn(sum(lens), 2, 16), torch.randn(sum(lens), 2, 16)
+    got = self_attention(q, k, v, lens, 0.25)
+    torch.testing.assert_close(got, _reference_self_attention(q, k, v, lens, 0.25), rtol=1e-5, atol=1e-5)
+
+
+def test_config_rejects_the_cuda_backend_and_non_bools():
+    with pytest.raises(ValueError, match="batch_invariant"):
+        EngineConfig(batch_invariant=True, backend="cuda")
+    with pytest.raises(ValueError, match="batch_invariant"):
+        EngineConfig(batch_invariant="yes")
+    assert EngineConfig.from_dict({"batch_invariant": True}).batch_invariant is True
+
+
+def test_gradients_match_the_reference_forward():
+    """InvariantForward's backward is the reference math: its gradients equal those of the same computation
+    through plain torch ops to float32 tolerance."""
+    from rollout_service.mismatch import token_logprobs
+    policy = tiny_hf_model("qwen2", num_hidden_layers=2)
+    sp = SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True, seed=2, logprobs_mode="scaled")
+    results = [r for k, r in run(policy, [(p, sp) for p in _prompts(3, 9)]).items() if k != "stats"]
+    params = [p for p in policy.parameters() if p.requires_grad]
+
+    def grads(fn):
+        policy.zero_grad()
+        loss = sum(lp.sum() for lp in fn())
+        loss.backward()
+        return [p.grad.clone() for p in params]
+
+    ours = grads(lambda: InvariantForward(policy).logprobs(results))
+    ref = grads(lambda: token_logprobs(policy, results))
+    for a, b in zip(ours, ref):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=2e-4, atol=2e-5)
