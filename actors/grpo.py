@@ -23,9 +23,17 @@ Multi-turn episodes (rollout_service/episodes.py): give the learner `env_fn(prob
 problem becomes a group of G episodes (GRPOConfig.max_turns, max_total_tokens, stop), rewarded by default with
 the environment's final reward. The loss, the token counts and the fidelity report then cover only the tokens
 the model sampled (loss_mask == 1), never the environment's or the chat template's.
+
+Bitwise mode (GRPOConfig.bitwise, against an engine with EngineConfig.batch_invariant): the learner recomputes
+the log-probs with the engine's batch-invariant numerics (rollout_service.training.InvariantForward) instead
+of the transformers forward, so while its weights are the ones the engine sampled with, the PPO ratio is
+exactly 1 on every token (each row's ratio_first_minibatch_max_abs_dev is 0.0). That needs the policy in the
+engine's dtype on the engine's kind of device; the learner checks both, and batch_invariant, in every
+worker's stats at construction.
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Sequence
@@ -37,9 +45,10 @@ import torch
 from actors.learner import group_advantages, load_policy
 from rollout_service import tasks
 from rollout_service.config import DTYPE_NAMES
-from rollout_service.mismatch import (fp32_reference_report, logprob_mismatch, mismatch_report, model_token_mask,
-                                     num_model_tokens, token_logprobs)
-from rollout_service.training import OPTIMIZERS, LearnerOutOfMemory, MasterWeights, StepClock, memory_figures
+from rollout_service.mismatch import (fp32_reference_report, logprob_mismatch, model_token_mask, num_model_tokens,
+                                     token_logprobs)
+from rollout_service.training import (OPTIMIZERS, InvariantForward, LearnerOutOfMemory, MasterWeights, StepClock,
+                                      memory_figures)
 from rollout_service.training.memory import describe, is_out_of_memory
 from rollout_service.types import EpisodeParams, RolloutRequest, RolloutResult, SamplingParams
 
@@ -69,6 +78,8 @@ class GRPOConfig:
     stop: list[str] = field(default_factory=list)  # stop strings of every rollout (a tool call's end: "</calc>")
     max_turns: int = 4                 # episodes (env_fn given): model turns per episode
     max_total_tokens: int = 1024       # episodes: tokens per episode, first prompt included
+    bitwise: bool = False              # recompute with the batch-invariant engine's numerics (module docstring):
+                                       # needs EngineConfig.batch_invariant and the engine's dtype and device type
 
     def __post_init__(self) -> None:
         for name in ("group_size", "prompts_per_step", "max_tokens", "micro_batch", "max_turns", "max_total_tokens"):
@@ -88,6 +99,12 @@ class GRPOConfig:
             raise ValueError(f"GRPOConfig.optimizer={self.optimizer!r}: choose one of {OPTIMIZERS}")
         if self.colocate not in (True, False, "auto"):
             raise ValueError(f"GRPOConfig.colocate={self.colocate!r}: must be true, false or 'auto'")
+        if not isinstance(self.bitwise, bool):
+            raise ValueError(f"GRPOConfig.bitwise={self.bitwise!r}: must be true or false")
+        if self.bitwise and self.gradient_checkpointing:
+            # InvariantForward calls the layers' weights itself: transformers' checkpointing never runs
+            raise ValueError("GRPOConfig.bitwise with gradient_checkpointing: the bitwise recompute runs its own "
+                             "forward, which does not checkpoint; turn one of them off")
         if self.sleep_level not in (1, 2):
             raise ValueError(f"GRPOConfig.sleep_level={self.sleep_level!r}: must be 1 or 2")
         if self.memory_limit_gb is not None and not (isinstance(self.memory_limit_gb, (int, float))
@@ -140,6 +157,9 @@ class GRPOLearner:
             from rollout_service.client import RolloutClient
             client = RolloutClient.connect(client, namespace=namespace)
         self.client = client
+        self.invariant = InvariantForward(self.policy) if c.bitwise else None
+        if c.bitwise:
+            check_bitwise_engine(engine_numerics(client), next(self.policy.parameters()).dtype, self.device)
         self.env_fn = env_fn
         default_reward = _episode_reward if env_fn else (lambda r: tasks.reward(r.text, r.metadata["answer"]))
         self.reward_fn = reward_fn or default_reward
@@ -192,9 +212,26 @@ class GRPOLearner:
                 "samples": [r.text for r in results[:4]]}
 
     # -- learning --------------------------------------------------------------------------------
+    def recompute(self, results: Sequence[RolloutResult]) -> list[torch.Tensor]:
+        """The log-probs of the results' tokens under the learner's current weights (with grad in grad mode):
+        the batch-invariant engine's numerics in bitwise mode, else the transformers forward's."""
+        if self.invariant is not None:
+            return self.invariant.logprobs(results, self.config.temperature)
+        return token_logprobs(self.policy, results, self.config.temperature)
+
+    def _recompute_all(self, results: Sequence[RolloutResult]) -> list[torch.Tensor]:
+        """recompute() of every result, no grad, in micro-batches."""
+        out: list[torch.Tensor] = []
+        with torch.no_grad():
+            for i in range(0, len(results), self.config.micro_batch):
+                out += [t.float().cpu() for t in self.recompute(results[i:i + self.config.micro_batch])]
+        return out
+
     def train_on(self, results: Sequence[RolloutResult], rewards: Sequence[float]) -> dict:
         """One GRPO update on a prompt-major batch; returns loss, grad norm, mismatch report, counts. Only the
-        tokens the model sampled count (an episode's loss_mask == 1)."""
+        tokens the model sampled count (an episode's loss_mask == 1). ratio_first_minibatch_max_abs_dev: max
+        |ratio - 1| over the first micro-batch's tokens (None without one), before this update: 0.0 in bitwise
+        mode while the engine sampled with the learner's weights."""
         c = self.config
         start = time.perf_counter()
         adv = group_advantages(rewards, c.group_size)
@@ -203,12 +240,14 @@ class GRPOLearner:
         live = [i for i, a in enumerate(adv) if a != 0.0 and sampled[i].any()]
         n_tokens = max(1, sum(int(m.sum()) for m in sampled))
         self.precision.zero_grad()
-        loss_total, learner_lp = 0.0, {}
+        loss_total, learner_lp, first = 0.0, {}, (None, 0)
         for j in range(0, len(live), c.micro_batch):
             chunk = live[j:j + c.micro_batch]
-            lps = token_logprobs(self.policy, [results[i] for i in chunk], c.temperature)
+            lps = self.recompute([results[i] for i in chunk])
             old = [torch.as_tensor(np.array(results[i].logprobs), device=lp.device) for i, lp in zip(chunk, lps)]
             keep = [torch.as_tensor(sampled[i], device=lp.device) for i, lp in zip(chunk, lps)]
+            if j == 0:
+                first = _ratio_deviation(lps, old, keep)
             loss = sum(grpo_token_loss(lp[k], o[k], float(adv[i]), c.clip_eps, c.tis_cap)
                        for i, lp, o, k in zip(chunk, lps, old, keep)) / n_tokens
             loss.backward()
@@ -219,7 +258,8 @@ class GRPOLearner:
         measured = sorted(learner_lp)
         mismatch = logprob_mismatch([results[i] for i in measured], [learner_lp[i] for i in measured])
         return {"loss": loss_total, "grad_norm": grad_norm, "trained_samples": len(live),
-                "mismatch": mismatch, "learner_s": time.perf_counter() - start}
+                "mismatch": mismatch, "ratio_first_minibatch_max_abs_dev": first[0],
+                "ratio_first_minibatch_tokens": first[1], "learner_s": time.perf_counter() - start}
 
     def push_weights(self) -> int:
         """Send the weights to every rollout worker as the next policy version (= number of updates)."""
@@ -273,8 +313,7 @@ class GRPOLearner:
                     extra["fidelity_vs_fp32"] = fp32_reference_report(
                         self.policy, results[:fp32_reference], self.config.temperature, self.config.micro_batch)
                 if full_mismatch:
-                    extra["full"] = mismatch_report(self.policy, results, self.config.temperature,
-                                                    self.config.micro_batch)
+                    extra["full"] = logprob_mismatch(results, self._recompute_all(results))
                 stats = self.train_on(results, rewards)
                 extra["learner_memory"] = memory_figures(self.device)
                 self._release_cached_memory()  # the engine wakes into what the learner held as cache
@@ -330,6 +369,9 @@ class GRPOLearner:
             "loss": stats["loss"], "grad_norm": stats["grad_norm"], "trained_samples": stats["trained_samples"],
             "mismatch_mean": mm["mean_abs"], "mismatch_max": mm["max_abs"], "mismatch_tokens": mm["n_tokens"],
             "kl_rollout_learner": mm["kl"], "ratio_max": mm["ratio_max"],
+            "ratio_first_minibatch_max_abs_dev": stats["ratio_first_minibatch_max_abs_dev"],
+            "ratio_first_minibatch_tokens": stats["ratio_first_minibatch_tokens"],
+            "learner_bitwise": self.config.bitwise,
             "staleness": (self.version - 1) - oldest,
             "rollout_tokens": gen_tokens, "rollout_span_s": span,
             "rollout_tokens_per_s": gen_tokens / span if span > 0 else None,
@@ -347,6 +389,42 @@ class GRPOLearner:
 
     def state(self) -> dict:
         return {"version": self.version, "config": asdict(self.config)}
+
+
+def _ratio_deviation(lps: Sequence[torch.Tensor], old: Sequence[torch.Tensor],
+                     keep: Sequence[torch.Tensor]) -> tuple[float | None, int]:
+    """(max |ratio - 1|, tokens) over the kept tokens of one micro-batch, the ratio as grpo_token_loss forms it."""
+    with torch.no_grad():
+        dev = [(torch.exp(lp[k] - o[k]) - 1).abs() for lp, o, k in zip(lps, old, keep)]
+        flat = torch.cat(dev) if dev else torch.zeros(0)
+    return (float(flat.max()) if flat.numel() else None), int(flat.numel())
+
+
+def engine_numerics(client: Any) -> list[dict]:
+    """Per rollout worker, what fixes its numerics: batch_invariant, dtype (a torch dtype's name), device and
+    backend, from its stats (None where a worker does not say)."""
+    return [{k: s.get(k) for k in ("batch_invariant", "dtype", "device", "backend")} for s in client.stats()]
+
+
+def check_bitwise_engine(workers: Sequence[dict], dtype: torch.dtype, device: torch.device) -> None:
+    """ValueError unless every worker can sample with the numerics of a bitwise learner in `dtype` on
+    `device` (engine_numerics' dicts); a warning for what no worker reports."""
+    learner_dtype = str(dtype).removeprefix("torch.")
+    for i, w in enumerate(workers):
+        where = f"GRPOConfig.bitwise: rollout worker {i}"
+        if w["batch_invariant"] is False or w["backend"] not in (None, "torch"):
+            raise ValueError(f"{where} is not batch-invariant (batch_invariant={w['batch_invariant']}, backend "
+                             f"{w['backend']!r}): start the engine with batch_invariant=True (--bitwise)")
+        if w["dtype"] is not None and w["dtype"] != learner_dtype:
+            raise ValueError(f"{where} runs in {w['dtype']}, the learner in {learner_dtype}: the policy's weights "
+                             f"must be in the engine's dtype (GRPOConfig.dtype={w['dtype']!r})")
+        if w["device"] is not None and torch.device(w["device"]).type != device.type:
+            raise ValueError(f"{where} runs on {w['device']}, the learner on {device}: bitwise log-probs need the "
+                             "same kind of device on both sides")
+    if any(w["batch_invariant"] is None for w in workers):
+        logging.getLogger(__name__).warning(
+            "GRPOConfig.bitwise: some workers do not report batch_invariant or dtype, so the learner cannot check "
+            "them; each step's ratio_first_minibatch_max_abs_dev is 0.0 only when they match")
 
 
 def _episode_reward(result: RolloutResult) -> float:

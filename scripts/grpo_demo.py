@@ -2,6 +2,7 @@
 
     python scripts/grpo_demo.py --config cluster_configs/grpo-local.yaml [--steps 12] [--out DIR]
     python scripts/grpo_demo.py --config cluster_configs/grpo-colocated-gpu.yaml   # learner + worker on one GPU
+    python scripts/grpo_demo.py --bitwise   # batch-invariant engine, bitwise learner recompute: ratio exactly 1
 
 The service (router + rollout workers) comes from the YAML; the learner is a Ray actor (actors/grpo.py)
 that samples G completions per prompt, updates, and pushes each new policy version to the workers. With
@@ -11,6 +12,10 @@ steps), the fidelity of the step's rollouts (rollout/learner log-prob mismatch, 
 rollout tokens/s, the seconds of every phase (rollout, reward, learner, refresh, sleep, wake, idle) and the
 learner's memory; at the end it draws DIR/grpo.png and writes DIR/run.json (command, wall time, load
 average, before/after accuracy).
+
+--bitwise turns on the engine's batch_invariant mode (the torch ops, also on a GPU) and the learner's bitwise
+recompute (GRPOConfig.bitwise): on-policy, the PPO ratio is then exactly 1 (each row's
+ratio_first_minibatch_max_abs_dev is 0.0). The engine runs in the learner's dtype (grpo.dtype).
 """
 from __future__ import annotations
 
@@ -39,6 +44,18 @@ def load_config(path: str) -> tuple[dict, dict, dict]:
     grpo = dict(raw.pop("grpo", {}) or {})
     demo = {k: grpo.pop(k) for k in DEMO_KEYS if k in grpo}
     return raw, grpo, demo
+
+
+def bitwise_settings(service_cfg: dict, grpo_cfg: dict) -> None:
+    """--bitwise, in place: a batch-invariant engine in the learner's dtype and a bitwise learner. An engine
+    dtype left unset takes the learner's (bitwise log-probs need one dtype); a different one is a ValueError."""
+    engine = service_cfg.setdefault("engine", {})
+    learner_dtype = grpo_cfg.get("dtype", "float32")
+    if engine.get("dtype") not in (None, learner_dtype):
+        raise ValueError(f"--bitwise: engine.dtype={engine['dtype']!r} but grpo.dtype={learner_dtype!r}; bitwise "
+                         "log-probs need the learner's weights in the engine's dtype: set both alike")
+    engine.update(batch_invariant=True, dtype=learner_dtype)
+    grpo_cfg["bitwise"] = True
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -75,9 +92,14 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results/grpo-local")
     ap.add_argument("--overlap", action="store_true",
                     help="one-step off-policy: submit the next batch before each update (staleness 1)")
+    ap.add_argument("--bitwise", action="store_true",
+                    help="batch-invariant engine (torch ops) and the learner's bitwise recompute: the on-policy "
+                         "PPO ratio is exactly 1")
     args = ap.parse_args()
     t_start = time.perf_counter()
     service_cfg, grpo_cfg, demo = load_config(args.config)
+    if args.bitwise:
+        bitwise_settings(service_cfg, grpo_cfg)
     steps = args.steps or demo.get("steps", 12)
     eval_every = args.eval_every or demo.get("eval_every", 4)
     out = Path(args.out)
@@ -110,10 +132,11 @@ def main() -> None:
                "accuracy_after": evals[-1]["heldout_accuracy"] if evals else None,
                "mismatch_step1_full_mean": rows[0].get("mismatch_full_mean"),
                "mismatch_step1_full_max": rows[0].get("mismatch_full_max"),
+               "ratio_step1_first_minibatch_max_abs_dev": rows[0].get("ratio_first_minibatch_max_abs_dev"),
                "loadavg_start_end": [rows[0]["loadavg"], rows[-1]["loadavg"]], "cpus": os.cpu_count()}
     (out / "run.json").write_text(json.dumps(summary, indent=2))
-    print(json.dumps({k: summary[k] for k in ("wall_s", "accuracy_before", "accuracy_after",
-                                               "mismatch_step1_full_mean", "mismatch_step1_full_max")}))
+    print(json.dumps({k: summary[k] for k in ("wall_s", "accuracy_before", "accuracy_after", "mismatch_step1_full_mean",
+                                               "mismatch_step1_full_max", "ratio_step1_first_minibatch_max_abs_dev")}))
 
 
 def run(learner, ray, sampler, heldout, steps, eval_every, grpo_cfg, out: Path, overlap: bool) -> list[dict]:

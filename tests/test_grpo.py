@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from actors.grpo import GRPOConfig, GRPOLearner, grpo_token_loss
+from actors.grpo import GRPOConfig, GRPOLearner, check_bitwise_engine, grpo_token_loss
 from actors.learner import group_advantages
 from rollout_service import tasks
 from rollout_service.client import RolloutClient
@@ -121,3 +121,66 @@ def test_two_grpo_steps_on_a_tiny_model():
     assert row["step"] == 4 and row["policy_version_submitted"] == 2 and row["policy_version_oldest"] == 3
     assert row["staleness"] == 0
     client.close()
+
+
+def _bitwise_setup(bitwise: bool, batch_invariant: bool = True, engine_dtype: str = "float32", **config):
+    policy = tiny_hf_model("qwen3", seed=1)
+    client = RolloutClient.local(policy, backend="torch", dtype=engine_dtype, enable_cuda_graphs=False,
+                                 kv_cache_memory_gb=0.01, max_num_seqs=16, batch_invariant=batch_invariant)
+    cfg = GRPOConfig(group_size=4, prompts_per_step=2, max_tokens=6, lr=1e-3, seed=3, temperature=0.7,
+                     micro_batch=4, bitwise=bitwise, **config)
+    learner = GRPOLearner(policy, client, cfg, prompt_fn=lambda p: [1, 2 + p, 3],
+                          reward_fn=lambda r: float(np.mean([t % 2 == 0 for t in r.token_ids])))
+    return client, learner
+
+
+def test_bitwise_learner_ratio_is_exactly_one_against_a_batch_invariant_engine():
+    client, learner = _bitwise_setup(bitwise=True)
+    results, _ = learner.rollout([0, 1])
+    with torch.no_grad():
+        recomputed = learner.recompute(results)
+    assert all(lp.numpy().tobytes() == r.logprobs.tobytes() for lp, r in zip(recomputed, results))
+    rows = [learner.step([0, 1], full_mismatch=True), learner.step([2, 3])]
+    first = rows[0]
+    assert first["learner_bitwise"] and first["trained_samples"] > 4  # more than the first micro-batch
+    assert first["ratio_first_minibatch_tokens"] > 0 and first["ratio_first_minibatch_max_abs_dev"] == 0.0
+    assert first["mismatch_max"] == 0.0 and first["mismatch_full_max"] == 0.0 and first["ratio_max"] == 1.0
+    # fp32 weights pushed as they are: on-policy after the update too
+    assert rows[1]["step"] == 2 and rows[1]["ratio_first_minibatch_max_abs_dev"] == 0.0
+    client.close()
+
+
+def test_default_learner_ratio_is_only_close_to_one():
+    """The transformers forward sums in another order than the invariant engine: float noise, not zero
+    (nonzero in every tiny llama/qwen2/qwen3 set-up measured at temperature 1.0 and 0.7)."""
+    client, learner = _bitwise_setup(bitwise=False)
+    row = learner.step([0, 1])
+    assert not row["learner_bitwise"] and row["ratio_first_minibatch_tokens"] > 0
+    assert 0.0 < row["ratio_first_minibatch_max_abs_dev"] < 1e-4
+    client.close()
+
+
+def test_bitwise_learner_refuses_an_engine_it_cannot_match():
+    with pytest.raises(ValueError, match="rollout worker 0 is not batch-invariant"):
+        _bitwise_setup(bitwise=True, batch_invariant=False)
+    with pytest.raises(ValueError, match="runs in bfloat16, the learner in float32"):
+        _bitwise_setup(bitwise=True, engine_dtype="bfloat16")
+    with pytest.raises(ValueError, match="gradient_checkpointing"):
+        GRPOConfig(bitwise=True, gradient_checkpointing=True)
+    with pytest.raises(ValueError, match="bitwise"):
+        GRPOConfig(bitwise="yes")
+
+
+def test_bitwise_check_of_what_ray_workers_report(caplog):
+    """Over Ray a worker's stats give its backend and device only: a CUDA-kernel worker, or one on another
+    kind of device, is refused; one that does not say whether it is batch-invariant gets a warning."""
+    cpu, f32 = torch.device("cpu"), torch.float32
+    worker = {"batch_invariant": None, "dtype": None, "device": "cpu", "backend": "torch"}
+    with pytest.raises(ValueError, match="not batch-invariant"):
+        check_bitwise_engine([worker, {**worker, "backend": "cuda", "device": "cuda:0"}], f32, cpu)
+    with pytest.raises(ValueError, match="same kind of device"):
+        check_bitwise_engine([{**worker, "device": "cuda:0"}], f32, cpu)
+    check_bitwise_engine([{**worker, "batch_invariant": True, "dtype": "float32"}], f32, cpu)
+    assert "cannot check" not in caplog.text
+    check_bitwise_engine([worker], f32, cpu)
+    assert "cannot check" in caplog.text

@@ -532,6 +532,8 @@ class Engine:
             "recomputes": c.recomputes, "preemptions": self.scheduler.num_preemptions,
             "overlapped_steps": c.overlapped_steps,
             "generated_tokens": c.generated_tokens, "backend": self.backend, "device": str(self.device),
+            "batch_invariant": self.config.batch_invariant,
+            "dtype": str(next(self.model.parameters()).dtype).removeprefix("torch."),
             "sleep_level": self.sleeper.level, "weights": self.sleeper.parking.state,
             "device_memory_bytes": self.sleeper.device_memory(), "graph_capture_s": self.runner.capture_s,
             "process_gpu_bytes": process_gpu_bytes() if self.device.type == "cuda" else None,

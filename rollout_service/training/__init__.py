@@ -1,6 +1,8 @@
-"""The learner side of an RL step: training precision, memory figures, and the clock of a step's phases."""
+"""The learner side of an RL step: training precision, memory figures, the clock of a step's phases, and the
+bitwise recompute of a batch-invariant engine's log-probs."""
+from rollout_service.training.invariant_forward import InvariantForward
 from rollout_service.training.memory import LearnerOutOfMemory, memory_figures
 from rollout_service.training.phases import StepClock
 from rollout_service.training.precision import OPTIMIZERS, MasterWeights
 
-__all__ = ["LearnerOutOfMemory", "MasterWeights", "OPTIMIZERS", "StepClock", "memory_figures"]
+__all__ = ["InvariantForward", "LearnerOutOfMemory", "MasterWeights", "OPTIMIZERS", "StepClock", "memory_figures"]
