@@ -97,6 +97,30 @@ def test_learner_recompute_equals_rollout_bytes(arch, temperature):
     assert all(lp.numpy().tobytes() == r.logprobs.tobytes() for lp, r in zip(recomputed, results))
 
 
+def test_same_bytes_alone_and_in_a_batch_with_a_large_vocabulary(smollm2):
+    """49152 logits a row: torch's logsumexp would sum a lone row across threads in another order than the
+    same row inside a batch (the sampler's normaliser is a row-tile product here)."""
+    policy, _ = smollm2
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, policy.config.vocab_size, (128,), generator=g).tolist() for _ in range(4)]
+    for sp in (SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+               SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, seed=4, logprobs_mode="scaled")):
+        batched = run(policy, [(p, sp) for p in prompts])
+        for i in (0, 1):  # before the fix, prompt 0 alone moved its last log-prob by 2e-6
+            assert same_bytes(run(policy, [(prompts[i], sp)])[(0, 0)], batched[(i, 0)])
+
+
+def test_invariant_logsumexp_special_values_and_accuracy():
+    x = torch.randn(5, 3000) * 4
+    x[1, 7] = float("nan")
+    x[2, 9] = float("inf")
+    x[3] = float("-inf")
+    got, ref = invariant.logsumexp(x), x.logsumexp(dim=1)
+    assert torch.isnan(got[1]) and got[2] == float("inf") and got[3] == float("-inf")
+    torch.testing.assert_close(got[[0, 4]], ref[[0, 4]], rtol=1e-6, atol=1e-6)
+    assert torch.equal(invariant.logsumexp(x[:1]), got[:1])  # a lone row: the same bits as in the batch
+
+
 def test_learner_recompute_equals_rollout_bytes_on_the_embedded_model(smollm2):
     policy, tok = smollm2
     prompts = [tok.encode(t) for t in ("The capital of France is", "Write a haiku about rain.",

@@ -4,6 +4,7 @@ import glob
 import json
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -34,7 +35,7 @@ def quick_run(tmp_path_factory):
     torch.manual_seed(0)
     out = str(tmp_path_factory.mktemp("bench"))
     # The W3 rows through the service start a Ray instance: tests/test_ray_weights.py runs them.
-    rc = main(["--quick", "--model", "tiny-llama", "--workloads", "W1,W2,W2n,W2p,W3,W4,W5", "--out", out,
+    rc = main(["--quick", "--model", "tiny-llama", "--workloads", "W1,W2,W2n,W2p,W3,W4,W5,WBI", "--out", out,
                "--skip", "service"])
     assert rc == 0
     return _load(out)
@@ -109,6 +110,45 @@ def test_quick_refresh_and_kernel_rows(quick_run):
         assert r["engine"]["value"] > 0 and r["other_peer"]["value"] > 0
         assert r["ratios"]["engine/other_peer"] == pytest.approx(_expected_ratio(r, "other_peer"))
     assert rows["W5"]["engine"]["value"] is None and "GPU" in rows["W5"]["engine"]["note"]
+
+
+def test_quick_batch_invariant_rows_time_both_modes_and_find_every_sequence_bitwise_equal(quick_run):
+    _, doc, _ = quick_run
+    shapes = doc["meta"]["shapes"]
+    rows = {r["workload"]: r for r in doc["rows"] if r["workload"].startswith("WBI")}
+    sizes = {"WBI W2": shapes["w2_seqs"], "WBI W2n": shapes["w2n_prompts"] * shapes["w2n_n"]}
+    assert set(rows) == set(sizes)
+    for name, seqs in sizes.items():
+        row, d = rows[name], rows[name]["details"]
+        assert row["engine"]["value"] > 0 and row["other_peer"]["value"] > 0
+        assert "batch_invariant off" in row["other_peer"]["note"] and d["invariant_backend"] == "torch"
+        assert d["cost"] == pytest.approx(1 - row["engine"]["value"] / row["other_peer"]["value"], abs=1e-4)
+        # every sequence of the quick run checked (wbi_check >= its size), none differing by a bit
+        assert d["bitwise_checked"] == f"{seqs} of {seqs} sequences"
+        assert d["bitwise_alone"] == d["bitwise_learner"] == f"{seqs}/{seqs}"
+
+
+def test_batch_invariant_checks_count_a_single_flipped_bit():
+    """Both comparisons are of bytes: one log-prob one ulp off makes its sequence count as unequal."""
+    import dataclasses
+
+    from rollout_service import RolloutClient
+    from rollout_service.bench import batch_invariant as wbi
+    from rollout_service.bench.context import QUICK, BenchContext
+    from rollout_service.bench.models import load_bench_model, random_prompts
+
+    bm = load_bench_model("tiny-llama", torch.device("cpu"))
+    ctx = BenchContext(bm, None, QUICK, "torch")
+    row = Row("tiny-llama", "WBI", "", "tok/s", True)
+    prompts, sp = random_prompts(2, 16, bm.vocab_size, seed=3), wbi._sampling(8, 2, 1.0)
+    with RolloutClient.local(model=bm.hf_model, backend="torch", device="cpu", num_pages=32,
+                             batch_invariant=True) as client:
+        results = client.generate(prompts, sampling=sp)
+        bad = results[3].logprobs.copy()
+        bad[5] = np.nextafter(bad[5], np.float32(0))
+        results[3] = dataclasses.replace(results[3], logprobs=bad)
+        assert wbi._alone(client, prompts, sp, [0, 1, 2, 3], results) == "3/4"
+    assert wbi._learner(ctx, row, torch.float32, results, 1.0) == "3/4"
 
 
 def test_failed_part_becomes_na_and_the_rest_still_runs_repeated(tmp_path):

@@ -16,8 +16,8 @@ from rollout_service.config import DTYPE_NAMES
 # the refreshed weights, which the engine and the peers then share just the same. W6 (an RL step in a Ray
 # service) needs only the model's config, so it runs before the model is loaded in this process. W7
 # (multi-turn episodes, prefix cache on vs off) and WDS (dynamic sampling's overhead) are the RL-rollout
-# features'.
-WORKLOADS = ("W6", "W2", "W1", "W5", "W3", "W4", "W2n", "W2p", "W7", "WDS")
+# features'. WBI: batch-invariant mode's cost on W2's and W2n's shapes and its bitwise check.
+WORKLOADS = ("W6", "W2", "W1", "W5", "W3", "W4", "W2n", "W2p", "W7", "WDS", "WBI")
 DTYPES = DTYPE_NAMES
 
 

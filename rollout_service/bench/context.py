@@ -55,6 +55,7 @@ class Shapes:
     ds_n: int = 8
     ds_prompt: int = 256
     ds_new: int = 256
+    wbi_check: int = 16   # WBI: sequences of each run whose log-prob bytes are checked (alone, learner); 0: all
 
     def replace(self, **kw) -> "Shapes":
         return dataclasses.replace(self, **kw)
@@ -72,11 +73,13 @@ QUICK = Shapes(w1_prompt=8, w1_new=8, w2_seqs=4, w2_prompt=8, w2_new=8, w2n_prom
 # prompt, 4k tokens (11 s on 2 cores with SmolLM2) where the GPU shape's 512k would take about half an hour;
 # prompt tokens still outnumber new ones 8 to 1 per sample, so the row stays prefill-heavy.
 # W6 on the CPU: 8 prompts x n=4, prompt 64, 32 new tokens. W7 on the CPU: 8 episodes x 4 turns, prompt and
-# observations 128, answers 32.
+# observations 128, answers 32. WBI on the CPU checks 8 sequences of each run: a re-run alone is a batch of
+# one, which the invariant products pad to a 16-row tile (seconds per sequence with SmolLM2 on 2 cores).
 CPU = Shapes(w2_seqs=32, w2_new=64, w2n_prompts=4, w2n_prompt=128, w2n_new=64, w2p_prompts=4, w2p_n=4,
              w2p_prompt=256, w2p_new=32, w4_batches=(1, 32),
              w4_contexts=(1024,), w4_prefill_len=512, w6_prompts=8, w6_n=4, w6_prompt=64, w6_new=32,
-             w7_episodes=8, w7_prompt=128, w7_obs=128, w7_new=32, ds_groups=4, ds_n=4, ds_prompt=32, ds_new=16)
+             w7_episodes=8, w7_prompt=128, w7_obs=128, w7_new=32, ds_groups=4, ds_n=4, ds_prompt=32, ds_new=16,
+             wbi_check=8)
 
 
 def parse_shape(spec: str) -> tuple[str, object]:

@@ -15,6 +15,7 @@ from tqdm import tqdm
 
 from . import DTYPES as DTYPE_NAMES, WORKLOADS
 from .attention_bench import w4_kernels
+from .batch_invariant import wbi_batch_invariant
 from .ceilings import measure_ceilings
 from .context import CPU, QUICK, BenchContext, Shapes, parse_shape
 from .dynamic_sampling import wds_dynamic_sampling
@@ -28,7 +29,7 @@ from .workloads import w1_latency, w2_rollout, w2n_samples, w2p_long_prompts, w5
 # the workloads' names and run order: rollout_service/bench/__init__.py
 RUNNERS = {"W2": w2_rollout, "W1": w1_latency, "W5": w5_graphs, "W3": w3_refresh, "W4": w4_kernels,
            "W2n": w2n_samples, "W2p": w2p_long_prompts, "W6": w6_rl_step, "W7": w7_multiturn,
-           "WDS": wds_dynamic_sampling}
+           "WDS": wds_dynamic_sampling, "WBI": wbi_batch_invariant}
 CONFIG_ONLY = ("W6",)  # workloads that never touch this process's copy of the weights
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 

@@ -135,8 +135,8 @@ class Sampler:
             sources.update(scaled=scaled, processed=truncated)
             if kept is not None:
                 kept_lse = torch.full((batch,), float("nan"), device=dev)
-                _assign(kept_lse, sampled, kept[0].logsumexp(dim=1))
-        return _report(sources, rp.modes, tokens, min(rp.num_top, vocab), kept_lse)
+                _assign(kept_lse, sampled, self.ops.logsumexp(kept[0]))
+        return _report(sources, rp.modes, tokens, min(rp.num_top, vocab), kept_lse, self.ops)
 
 
 def _checked(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -210,7 +210,7 @@ def _draw(x: torch.Tensor, keys: torch.Tensor, kept, ops: Ops) -> torch.Tensor:
 
 
 def _report(sources: dict[str, torch.Tensor], modes: list[str], tokens: torch.Tensor, k: int,
-            kept_lse: torch.Tensor | None) -> SamplerOutput:
+            kept_lse: torch.Tensor | None, ops: Ops) -> SamplerOutput:
     """Log-probs of the chosen tokens (and the top k) under each row's mode's distribution, as
     x - logsumexp(x): one reduction, no [B, V] log_softmax. For "processed" rows the normaliser comes
     from the kept tokens when known (exp of the many -inf entries is slow on CPU)."""
@@ -226,7 +226,7 @@ def _report(sources: dict[str, torch.Tensor], modes: list[str], tokens: torch.Te
         if mode == "processed" and kept_lse is not None:
             lse = _rows(kept_lse, rows).unsqueeze(1)
         else:
-            lse = x.logsumexp(dim=1, keepdim=True)
+            lse = ops.logsumexp(x).unsqueeze(1)
         _assign(logprobs, rows, (x.gather(1, tok) - lse).squeeze(1))
         if k:
             values, ids = x.topk(k, dim=1)

@@ -10,7 +10,8 @@ over a length that the batch mates decide. Here:
 - attention walks each query's keys in fixed blocks of KEY_BLOCK absolute positions with an online softmax
   merged in block order, so prefill, decode and a recompute after preemption give a query the same bits.
 
-Norms, RoPE, SiLU and the sampler's reductions are row-local already (tests/test_batch_invariant.py checks
+The sampler's normaliser is a row-tile product too (logsumexp: torch splits a lone row's sum across threads).
+Norms (rows of at most a few thousand), RoPE and SiLU are row-local already (tests/test_batch_invariant.py checks
 the whole engine). The same functions serve the learner (rollout_service.training.InvariantForward), as
 autograd functions whose backward is the plain torch reference math.
 """
@@ -39,6 +40,17 @@ def tiled_matmul(x: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
     rows = x.shape[0]
     out = torch.matmul(_row_tiles(x), weight_t)
     return out.reshape(-1, weight_t.shape[1])[:rows]
+
+
+def logsumexp(x: torch.Tensor) -> torch.Tensor:
+    """[B] log-sum-exp of the rows of x [B, V], the sum of exp(x - max) taken as a product with a ones vector
+    on row tiles: torch's own reduction splits a lone row across threads and sums it in another order than
+    the same row inside a batch. Same special values as torch (a NaN gives NaN, else +inf gives +inf, an all
+    -inf row -inf); differentiable (the shift is a constant, as usual)."""
+    m = x.amax(dim=1, keepdim=True).detach()
+    shift = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    total = tiled_matmul(torch.exp(x - shift), x.new_ones(x.shape[1], 1))
+    return (torch.log(total) + shift)[:, 0]
 
 
 def _linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -165,6 +177,9 @@ class InvariantOps(TorchOps):
 
     def logits(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return logits(hidden, weight)
+
+    def logsumexp(self, x: torch.Tensor) -> torch.Tensor:
+        return logsumexp(x)
 
     def attention(
         self, q: torch.Tensor, kv_layer: torch.Tensor, meta: attention_ref.AttentionMetadata, scale: float

@@ -73,7 +73,11 @@ class TorchOps:
         largest, the first index on ties, values[b] = x[b, tokens[b]]) and `lse = x.logsumexp(dim=1)` (NaN if
         the row has a NaN, else +inf if it has a +inf). Kernel backends read x once for all three."""
         values, tokens = x.max(dim=1)
-        return tokens, values, x.logsumexp(dim=1)
+        return tokens, values, self.logsumexp(x)
+
+    def logsumexp(self, x: torch.Tensor) -> torch.Tensor:
+        """[B] log-sum-exp of each row of x [B, V] (the sampler's normaliser)."""
+        return x.logsumexp(dim=1)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"

@@ -154,6 +154,6 @@ class InvariantForward:
         for r in results:
             x = logits[at:at + len(r.token_ids)]
             target = torch.tensor(r.token_ids, dtype=torch.long, device=device)
-            out.append((x.gather(1, target[:, None]) - x.logsumexp(dim=1, keepdim=True))[:, 0])
+            out.append(x.gather(1, target[:, None])[:, 0] - invariant.logsumexp(x))
             at += len(r.token_ids)
         return out
