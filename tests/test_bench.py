@@ -135,12 +135,13 @@ def test_batch_invariant_checks_count_a_single_flipped_bit():
     from rollout_service import RolloutClient
     from rollout_service.bench import batch_invariant as wbi
     from rollout_service.bench.context import QUICK, BenchContext
+    from rollout_service.bench.engine_side import sampling
     from rollout_service.bench.models import load_bench_model, random_prompts
 
     bm = load_bench_model("tiny-llama", torch.device("cpu"))
     ctx = BenchContext(bm, None, QUICK, "torch")
     row = Row("tiny-llama", "WBI", "", "tok/s", True)
-    prompts, sp = random_prompts(2, 16, bm.vocab_size, seed=3), wbi._sampling(8, 2, 1.0)
+    prompts, sp = random_prompts(2, 16, bm.vocab_size, seed=3), sampling(8, 2, 1.0, 0, wbi.LOGPROBS_MODE)
     with RolloutClient.local(model=bm.hf_model, backend="torch", device="cpu", num_pages=32,
                              batch_invariant=True) as client:
         results = client.generate(prompts, sampling=sp)

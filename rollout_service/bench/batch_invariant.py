@@ -16,14 +16,12 @@ from __future__ import annotations
 
 import copy
 import random
-import time
 import traceback
 
 import torch
 
-from .ceilings import sync
 from .context import BenchContext
-from .engine_side import engine_facts, open_engine
+from .engine_side import engine_facts, open_engine, sampling, timed_generate
 from .models import random_prompts
 from .report import Cell, Row
 
@@ -41,32 +39,13 @@ def wbi_batch_invariant(ctx: BenchContext) -> list[Row]:
                  f"{s.w2n_new} new, temperature 1.0", w2n, s.w2n_new, s.w2n_n, 1.0)]
 
 
-def _sampling(new: int, n: int, temperature: float, seed: int = 0):
-    from rollout_service import SamplingParams
-
-    return SamplingParams(n=n, temperature=temperature, max_tokens=new, ignore_eos=True, seed=seed,
-                          logprobs_mode=LOGPROBS_MODE)
-
-
-def _timed_generate(client, ctx: BenchContext, prompts: list[list[int]], sp) -> tuple[float, list]:
-    sync(ctx.device)
-    t0 = time.perf_counter()
-    results = client.generate(prompts, sampling=sp)
-    sync(ctx.device)
-    seconds = time.perf_counter() - t0
-    got, want = sum(len(r.token_ids) for r in results), len(prompts) * sp.n * sp.max_tokens
-    if got != want:
-        raise RuntimeError(f"engine returned {got} tokens, expected {want}")
-    return seconds, results
-
-
 def _row(ctx: BenchContext, name: str, shape: str, prompts: list[list[int]], new: int, n: int,
          temperature: float) -> Row:
     row = Row(ctx.bm.name, name, f"output tok/s, batch_invariant on (engine) vs off (other peer); {shape}",
               "tok/s", True)
     na = "WBI compares the engine with itself"
     row.hf_generate, row.hf_generate_batch, row.floor = Cell.na(na), Cell.na(na), Cell.na(na)
-    sp = _sampling(new, n, temperature)
+    sp = sampling(new, n, temperature, 0, LOGPROBS_MODE)
     total = len(prompts) * n * new
     pending_check = [True]  # the bitwise check runs once, in the first invariant run's engine
 
@@ -77,8 +56,8 @@ def _row(ctx: BenchContext, name: str, shape: str, prompts: list[list[int]], new
         backend = "torch" if invariant else ctx.backend
         with open_engine(ctx.bm, backend, len(prompts) * n, len(prompts[0]) + new, extra, n,
                          len(prompts[0])) as client:
-            client.generate([p[:8] for p in prompts[:2]], sampling=_sampling(2, n, temperature))  # warm-up
-            seconds, results = _timed_generate(client, ctx, prompts, sp)
+            client.generate([p[:8] for p in prompts[:2]], sampling=sampling(2, n, temperature, 0, LOGPROBS_MODE))  # warm-up
+            seconds, results = timed_generate(client, ctx.device, prompts, sp)
             facts = engine_facts(client)
             row.details[f"{mode}_backend"] = facts.get("engine_backend", "?")
             row.details[f"{mode}_preemptions"] = facts.get("engine_preemptions", "?")

@@ -58,26 +58,33 @@ def open_engine(bm: BenchModel, backend: str, num_seqs: int, max_len: int, extra
             torch.cuda.empty_cache()
 
 
-def sampling(max_new: int, n: int = 1, temperature: float = 0.0, seed: int | None = None):
+def sampling(max_new: int, n: int = 1, temperature: float = 0.0, seed: int | None = None,
+             logprobs_mode: str = "processed"):
     from rollout_service import SamplingParams
 
-    return SamplingParams(n=n, temperature=temperature, max_tokens=max_new, ignore_eos=True, seed=seed)
+    return SamplingParams(n=n, temperature=temperature, max_tokens=max_new, ignore_eos=True, seed=seed,
+                          logprobs_mode=logprobs_mode)
+
+
+def timed_generate(client, device: torch.device, prompts: list[list[int]], sp) -> tuple[float, list]:
+    """(seconds, results) end to end: submit every prompt, wait for the last result; every token asked for
+    must come back (sp ignores EOS)."""
+    sync(device)
+    t0 = time.perf_counter()
+    results = client.generate(prompts, sampling=sp)
+    sync(device)
+    seconds = time.perf_counter() - t0
+    n_out, want = sum(len(r.token_ids) for r in results), len(prompts) * sp.n * sp.max_tokens
+    if n_out != want:
+        raise RuntimeError(f"engine returned {n_out} tokens, expected {want}")
+    return seconds, results
 
 
 def engine_generate(client, bm: BenchModel, prompts: list[list[int]], max_new: int, n: int = 1,
                     temperature: float = 0.0, seed: int | None = None) -> PeerRun:
     """End to end: submit every prompt, wait for the last result."""
-    sp = sampling(max_new, n, temperature, seed)
-    sync(bm.device)
-    t0 = time.perf_counter()
-    results = client.generate(prompts, sampling=sp)
-    sync(bm.device)
-    seconds = time.perf_counter() - t0
-    tokens = [list(r.token_ids) for r in results]
-    n_out = sum(len(t) for t in tokens)
-    if n_out != len(prompts) * n * max_new:
-        raise RuntimeError(f"engine returned {n_out} tokens, expected {len(prompts) * n * max_new}")
-    return PeerRun(seconds, tokens)
+    seconds, results = timed_generate(client, bm.device, prompts, sampling(max_new, n, temperature, seed))
+    return PeerRun(seconds, [list(r.token_ids) for r in results])
 
 
 def engine_ms_per_step(client, bm: BenchModel, prompt: list[int], max_new: int) -> tuple[float, PeerRun]:

@@ -114,7 +114,7 @@ def _query_tiles(q_lens: list[int], device: torch.device) -> tuple[torch.Tensor,
 def block_attention_forward(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, q_lens: list[int],
                             kv_lens: list[int], scale: float) -> torch.Tensor:
     """Causal attention of q [T, Hq, D] (sequence b's rows are its last q_lens[b] positions) over each
-    sequence's keys / values [B, Hk, L, D] (zero past kv_lens[b]); float32 [T, Hq, D].
+    sequence's keys / values [B, Hk, L, D] (anything, even NaN, past kv_lens[b]: masked here); float32.
 
     A tile (ROW_TILE queries of one sequence and head) walks key blocks [j * KEY_BLOCK, (j + 1) * KEY_BLOCK)
     with products of fixed shape ([R, D] x [D, KEY_BLOCK], [R, KEY_BLOCK] x [KEY_BLOCK, D]). A block wholly
@@ -141,8 +141,9 @@ def block_attention_forward(q: torch.Tensor, keys: torch.Tensor, values: torch.T
         in_cache = key_pos.clamp(max=length - 1)
         sel = (tile_seq[None, :, None], kv_head[:, None, None], in_cache[None, None, :])
         kb, vb = keys[sel], values[sel]  # [Hq, NT, KB, D]
-        visible = (key_pos[None, None, :] <= pos[..., None]) & (key_pos[None, :] < limit[:, None])[:, None, :]
-        vb = vb.masked_fill(~(key_pos[None, :] < limit[:, None])[None, :, :, None], 0.0)
+        in_seq = key_pos[None, :] < limit[:, None]  # [NT, KB]
+        visible = (key_pos[None, None, :] <= pos[..., None]) & in_seq[:, None, :]
+        vb = vb.masked_fill(~in_seq[None, :, :, None], 0.0)  # 0 * garbage stays 0
         scores = torch.matmul(tiles, kb.transpose(-1, -2)) * scale  # [Hq, NT, R, KB]
         scores = scores.masked_fill(~visible[None], float("-inf"))
         m_new = torch.maximum(m, scores.amax(-1))
@@ -157,13 +158,12 @@ def block_attention_forward(q: torch.Tensor, keys: torch.Tensor, values: torch.T
 
 
 def gather_paged_kv(kv_layer: torch.Tensor, meta: attention_ref.AttentionMetadata) -> tuple[torch.Tensor, ...]:
-    """Each sequence's K and V [B, Hk, L, D] in float32 from the paged cache (L: the batch's page span)."""
+    """Each sequence's K and V [B, Hk, L, D] in float32 from the paged cache (L: the batch's page span; what
+    lies past a sequence's length, stale page tails and padding pages, is masked by block_attention_forward)."""
     _, _, num_kv_heads, page_size, head_dim = kv_layer.shape
     batch, max_pages = meta.block_tables.shape
     kv = kv_layer[meta.block_tables.long()]  # [B, P, 2, Hk, ps, D]
-    kv = kv.permute(2, 0, 3, 1, 4, 5).reshape(2, batch, num_kv_heads, max_pages * page_size, head_dim)
-    valid = torch.arange(max_pages * page_size, device=kv.device)[None, :] < meta.kv_lens[:, None]
-    kv = kv.float().masked_fill(~valid[None, :, None, :, None], 0.0)  # stale page tails may hold anything
+    kv = kv.permute(2, 0, 3, 1, 4, 5).reshape(2, batch, num_kv_heads, max_pages * page_size, head_dim).float()
     return kv[0], kv[1]
 
 
