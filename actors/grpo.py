@@ -157,9 +157,12 @@ class GRPOLearner:
             from rollout_service.client import RolloutClient
             client = RolloutClient.connect(client, namespace=namespace)
         self.client = client
-        self.invariant = InvariantForward(self.policy) if c.bitwise else None
-        if c.bitwise:
-            check_bitwise_engine(engine_numerics(client), next(self.policy.parameters()).dtype, self.device)
+        self.invariant = None
+        if c.bitwise:  # the workers' ops backend (torch or cuda) is the learner's too
+            workers = engine_numerics(client)
+            backends = {w["backend"] for w in workers if w["backend"] is not None}
+            self.invariant = InvariantForward(self.policy, backends.pop() if len(backends) == 1 else "auto")
+            check_bitwise_engine(workers, next(self.policy.parameters()).dtype, self.device, self.invariant.backend)
         self.env_fn = env_fn
         default_reward = _episode_reward if env_fn else (lambda r: tasks.reward(r.text, r.metadata["answer"]))
         self.reward_fn = reward_fn or default_reward
@@ -406,15 +409,18 @@ def engine_numerics(client: Any) -> list[dict]:
     return [{k: s.get(k) for k in ("batch_invariant", "dtype", "device", "backend")} for s in client.stats()]
 
 
-def check_bitwise_engine(workers: Sequence[dict], dtype: torch.dtype, device: torch.device) -> None:
+def check_bitwise_engine(workers: Sequence[dict], dtype: torch.dtype, device: torch.device,
+                         backend: str = "torch") -> None:
     """ValueError unless every worker can sample with the numerics of a bitwise learner in `dtype` on
-    `device` (engine_numerics' dicts); a warning for what no worker reports."""
+    `device` with the ops `backend` (engine_numerics' dicts); a warning for what no worker reports."""
     learner_dtype = str(dtype).removeprefix("torch.")
     for i, w in enumerate(workers):
         where = f"GRPOConfig.bitwise: rollout worker {i}"
-        if w["batch_invariant"] is False or w["backend"] not in (None, "torch"):
-            raise ValueError(f"{where} is not batch-invariant (batch_invariant={w['batch_invariant']}, backend "
-                             f"{w['backend']!r}): start the engine with batch_invariant=True (--bitwise)")
+        if w["batch_invariant"] is False:
+            raise ValueError(f"{where} is not batch-invariant: start the engine with batch_invariant=True (--bitwise)")
+        if w["backend"] is not None and w["backend"] != backend:
+            raise ValueError(f"{where} runs the {w['backend']!r} ops, the learner the {backend!r} ops: bitwise "
+                             "log-probs need the same ops on both sides")
         if w["dtype"] is not None and w["dtype"] != learner_dtype:
             raise ValueError(f"{where} runs in {w['dtype']}, the learner in {learner_dtype}: the policy's weights "
                              f"must be in the engine's dtype (GRPOConfig.dtype={w['dtype']!r})")

@@ -1,10 +1,13 @@
 // The only torch-aware file of csrc: checks tensors (clear ValueErrors), picks the current CUDA stream,
 // allocates outputs/workspaces, and calls the torch-free launchers of kernels.h.
+#include <ATen/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <optional>
+#include <vector>
 
 #include "kernels.h"
 
@@ -254,6 +257,65 @@ void gemv(at::Tensor out, at::Tensor x, at::Tensor weight, std::optional<at::Ten
   check_launch(rk::gemv(p, c10::cuda::getCurrentCUDAStream().stream()), "gemv");
 }
 
+// ---- batch-invariant linear layers -----------------------------------------------------------------
+
+// out = x @ weight.T (+ bias) as x.size(0) / rows cuBLAS products of exactly `rows` rows (the caller pads x).
+// cuBLAS picks its kernel, and with it every output's summation order, from the shape: one shape for every call
+// makes a row's bits independent of the rows that come with it (rollout_service/ops/invariant_cuda.py). The
+// loop is here, not in Python, to keep a long prefill's per-chunk overhead small; its chunks run on up to
+// kInvariantLinearStreams streams, because one 256-row product leaves most SMs idle on a large weight, and
+// each product is computed alone in any case (no atomics, no shared workspace), so the bits do not change.
+constexpr int kInvariantLinearStreams = 4;
+
+void fixed_rows_linear(at::Tensor out, at::Tensor x, at::Tensor weight, std::optional<at::Tensor> bias,
+                       int64_t rows) {
+  check_cuda(weight, "weight", x);
+  check_cuda(out, "out", x);
+  check_same_dtype(weight, "weight", x);
+  check_same_dtype(out, "out", x);
+  TORCH_CHECK_VALUE(rows > 0 && x.dim() == 2 && x.size(0) % rows == 0 && x.is_contiguous(),
+                    "x must be a contiguous [k * ", rows, ", in] tensor, got ", x.sizes());
+  TORCH_CHECK_VALUE(weight.dim() == 2 && weight.size(1) == x.size(1), "weight must be [out, ", x.size(1), "], got ",
+                    weight.sizes());
+  TORCH_CHECK_VALUE(out.dim() == 2 && out.size(0) == x.size(0) && out.size(1) == weight.size(0) && out.is_contiguous(),
+                    "out must be a contiguous [", x.size(0), ", ", weight.size(0), "] tensor, got ", out.sizes());
+  if (bias) {
+    check_cuda(*bias, "bias", x);
+    check_same_dtype(*bias, "bias", x);
+    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == weight.size(0), "bias must be [", weight.size(0), "]");
+  }
+  const c10::cuda::CUDAGuard guard(x.device());
+  const at::Tensor wt = weight.t();
+  const int64_t chunks = x.size(0) / rows;
+  const int lanes = static_cast<int>(std::min<int64_t>(chunks, kInvariantLinearStreams));
+  const c10::cuda::CUDAStream main = c10::cuda::getCurrentCUDAStream();
+  std::vector<c10::cuda::CUDAStream> streams;
+  if (lanes > 1) {  // fork: every lane waits for x
+    at::cuda::CUDAEvent ready;
+    ready.record(main);
+    for (int i = 0; i < lanes; ++i) {
+      streams.push_back(c10::cuda::getStreamFromPool(false, x.get_device()));
+      ready.block(streams.back());
+    }
+  }
+  for (int64_t c = 0; c < chunks; ++c) {
+    std::optional<c10::cuda::CUDAStreamGuard> lane;
+    if (lanes > 1) lane.emplace(streams[c % lanes]);
+    at::Tensor o = out.narrow(0, c * rows, rows);
+    const at::Tensor xs = x.narrow(0, c * rows, rows);
+    if (bias) {
+      at::addmm_out(o, *bias, xs, wt);
+    } else {
+      at::mm_out(o, xs, wt);
+    }
+  }
+  for (auto& s : streams) {  // join: the caller's stream waits for every lane
+    at::cuda::CUDAEvent done;
+    done.record(s);
+    done.block(main);
+  }
+}
+
 // ---- attention -------------------------------------------------------------------------------------
 
 rk::PagedKV paged_kv(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& kv_indptr,
@@ -429,6 +491,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_kv", &write_kv, "store k, v [T, Hk, D] in the paged cache at slot_mapping");
   m.def("rope_write_kv", &rope_write_kv, "RoPE of q, k in place + store rotated k and v in the cache");
   m.def("gemv", &gemv, "out = x @ weight.T (+ bias) for one row; gated: silu(gate) * up of the fused gate_up");
+  m.def("fixed_rows_linear", &fixed_rows_linear,
+        "out = x @ weight.T (+ bias) as cuBLAS products of exactly `rows` rows each (batch-invariant mode)");
   m.def("decode_num_splits", &decode_num_splits,
         "split-KV count the decode kernel would choose (-1: one warp per sequence and kv head)");
   m.def("decode_attention", &decode_attention, "paged decode attention (one query per sequence)");

@@ -64,9 +64,9 @@ class EngineConfig:
     # precision (P in 2-3 parts, ~2x the prefill attention time). Decode attention is exact either way.
     exact_prefill_attention: bool = False
     # A sequence's tokens and log-probs bitwise the same whatever its batch mates, step kind (prefill, decode,
-    # recompute) or prompt sharing, and equal to rollout_service.training.InvariantForward's recompute: fixed
-    # row tiles for every product, fixed key blocks in attention (rollout_service/ops/invariant.py). Runs on
-    # the torch ops (any device); the CUDA kernels have no invariant mode yet.
+    # recompute) or prompt sharing, and equal to rollout_service.training.InvariantForward's recompute: every
+    # product on fixed row tiles, attention in one fixed order per query (ops/invariant.py on the torch
+    # backend, ops/invariant_cuda.py on the cuda backend, with CUDA graphs).
     batch_invariant: bool = False
 
     def __post_init__(self) -> None:
@@ -97,8 +97,6 @@ class EngineConfig:
                 _fail(c, name, getattr(self, name), "must be a bool")
         if not self.kv_cache_memory_gb > 0:
             _fail(c, "kv_cache_memory_gb", self.kv_cache_memory_gb, "must be > 0")
-        if self.batch_invariant and self.backend == "cuda":
-            _fail(c, "backend", self.backend, "batch_invariant runs on the torch ops; use backend 'auto' or 'torch'")
         if self.on_refresh not in ON_REFRESH:
             _fail(c, "on_refresh", self.on_refresh, f"must be one of {ON_REFRESH}")
 

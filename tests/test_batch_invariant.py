@@ -141,16 +141,18 @@ def test_invariant_products_match_the_reference_closely():
 
 
 def test_block_attention_matches_the_reference_closely():
-    from rollout_service.training.invariant_forward import _reference_self_attention, self_attention
+    from rollout_service.ops.invariant import InvariantOps
+    from rollout_service.ops.rope import build_cos_sin_cache
+    from rollout_service.training.invariant_forward import reference_self_attention
+    cos_sin = build_cos_sin_cache(tiny_hf_model("llama").config, 256)[:, :16]
     lens = [1, 70, 130]
     q, k, v = torch.randn(sum(lens), 4, 16), torch.randn(sum(lens), 2, 16), torch.randn(sum(lens), 2, 16)
-    got = self_attention(q, k, v, lens, 0.25)
-    torch.testing.assert_close(got, _reference_self_attention(q, k, v, lens, 0.25), rtol=1e-5, atol=1e-5)
+    got = InvariantOps().causal_self_attention(q, k, v, cos_sin, lens, 0.25)
+    torch.testing.assert_close(got, reference_self_attention(q, k, v, cos_sin, lens, 0.25), rtol=1e-5, atol=1e-5)
 
 
-def test_config_rejects_the_cuda_backend_and_non_bools():
-    with pytest.raises(ValueError, match="batch_invariant"):
-        EngineConfig(batch_invariant=True, backend="cuda")
+def test_config_takes_either_backend_and_refuses_non_bools():
+    assert EngineConfig(batch_invariant=True, backend="cuda").backend == "cuda"  # ops/invariant_cuda.py
     with pytest.raises(ValueError, match="batch_invariant"):
         EngineConfig(batch_invariant="yes")
     assert EngineConfig.from_dict({"batch_invariant": True}).batch_invariant is True
@@ -175,3 +177,47 @@ def test_gradients_match_the_reference_forward():
     ref = grads(lambda: token_logprobs(policy, results))
     for a, b in zip(ours, ref):
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=2e-4, atol=2e-5)
+
+
+# ---- the cuda backend's invariant ops: the host-side parts that run anywhere (tests/gpu runs the kernels) ----
+
+def test_cuda_invariant_products_use_one_gemm_shape_whatever_the_rows():
+    from rollout_service.ops.invariant_cuda import GEMM_ROWS, _fixed_row_chunks
+    w = torch.randn(24, 40)
+    for rows in (1, 7, GEMM_ROWS, GEMM_ROWS + 3, 3 * GEMM_ROWS):
+        x, shapes = torch.randn(rows, 40), []
+
+        def product(chunk):
+            shapes.append(tuple(chunk.shape))
+            return chunk @ w.t()
+        out = _fixed_row_chunks(x, product)
+        assert set(shapes) == {(GEMM_ROWS, 40)} and len(shapes) == -(-rows // GEMM_ROWS)
+        torch.testing.assert_close(out, x @ w.t())
+    strided = torch.randn(10, 80)[:, ::2]  # not contiguous: copied into an aligned, padded block first
+    torch.testing.assert_close(_fixed_row_chunks(strided, lambda c: c @ w.t()), strided @ w.t())
+
+
+def test_cuda_invariant_prefill_queries_become_one_decode_row_each():
+    """Query at position p of a (possibly chunked) prefill reads its sequence's first p // 16 + 1 pages."""
+    from rollout_service.ops.attention import make_metadata
+    from rollout_service.ops.invariant_cuda import per_query_pages
+    tables = [[5, 9], [3], [7, 2, 11, 4]]
+    q_lens, kv_lens = [20, 3, 10], [20, 3, 60]  # the third: a later chunk (positions 50..59)
+    meta = make_metadata(tables, q_lens, kv_lens, 16, True)
+    indptr, indices, last = per_query_pages(meta, 16)
+    expected = [(table, pos) for table, q, kv in zip(tables, q_lens, kv_lens) for pos in range(kv - q, kv)]
+    assert indptr.dtype == indices.dtype == last.dtype == torch.int32 and len(indptr) == len(expected) + 1
+    for i, (table, pos) in enumerate(expected):
+        assert indices[indptr[i]:indptr[i + 1]].tolist() == table[:pos // 16 + 1]
+        assert last[i] == pos % 16 + 1
+
+
+def test_cuda_invariant_mode_names_what_it_does_not_cover():
+    from transformers import LlamaConfig
+
+    from rollout_service.ops.invariant_cuda import CudaInvariantOps
+    CudaInvariantOps.check_model(LlamaConfig(hidden_size=256, num_attention_heads=4, num_key_value_heads=2),
+                                 torch.bfloat16, 16)
+    odd = LlamaConfig(hidden_size=96, num_attention_heads=4, num_key_value_heads=2)  # head_dim 24
+    with pytest.raises(ValueError, match=r"dtype float32 \(needs bfloat16 or float16\), head_dim 24 .*page_size 32"):
+        CudaInvariantOps.check_model(odd, torch.float32, 32)

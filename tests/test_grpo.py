@@ -172,12 +172,14 @@ def test_bitwise_learner_refuses_an_engine_it_cannot_match():
 
 
 def test_bitwise_check_of_what_ray_workers_report(caplog):
-    """Over Ray a worker's stats give its backend and device only: a CUDA-kernel worker, or one on another
-    kind of device, is refused; one that does not say whether it is batch-invariant gets a warning."""
+    """Over Ray a worker's stats give its backend and device only: a worker on other ops than the learner's, or
+    on another kind of device, is refused; one that does not say whether it is batch-invariant gets a warning."""
     cpu, f32 = torch.device("cpu"), torch.float32
     worker = {"batch_invariant": None, "dtype": None, "device": "cpu", "backend": "torch"}
-    with pytest.raises(ValueError, match="not batch-invariant"):
+    with pytest.raises(ValueError, match="rollout worker 1 runs the 'cuda' ops, the learner the 'torch' ops"):
         check_bitwise_engine([worker, {**worker, "backend": "cuda", "device": "cuda:0"}], f32, cpu)
+    with pytest.raises(ValueError, match="rollout worker 0 is not batch-invariant"):
+        check_bitwise_engine([{**worker, "batch_invariant": False}], f32, cpu)
     with pytest.raises(ValueError, match="same kind of device"):
         check_bitwise_engine([{**worker, "device": "cuda:0"}], f32, cpu)
     check_bitwise_engine([{**worker, "batch_invariant": True, "dtype": "float32"}], f32, cpu)

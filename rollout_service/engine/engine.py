@@ -82,8 +82,7 @@ class Engine:
         config = dataclasses.replace(config or EngineConfig(), **overrides)
         self.config = config
         self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        # batch-invariant mode runs the torch ops on any device (EngineConfig.batch_invariant)
-        self.backend = "torch" if config.batch_invariant else resolve_backend(config.backend, self.device)
+        self.backend = resolve_backend(config.backend, self.device)
         dtype = getattr(torch, config.dtype) if config.dtype else None
         source = model_source if model_source is not None else config.model
         loaded = load_model(source, dtype=dtype, device=self.device, backend=self.backend, tokenizer=tokenizer,
@@ -91,6 +90,8 @@ class Engine:
                             exact_prefill_attention=config.exact_prefill_attention,
                             batch_invariant=config.batch_invariant)
         self.model, self.hf_config, self.tokenizer = loaded.model, loaded.hf_config, loaded.tokenizer
+        if config.batch_invariant and self.backend == "cuda":
+            self.model.ops.check_model(self.hf_config, next(self.model.parameters()).dtype, config.page_size)
         self.max_model_len = min(config.max_model_len or 1 << 30, self.hf_config.max_position_embeddings)
         self.prompts = PromptProcessor(self.tokenizer, self.hf_config.vocab_size)
         self.eos_ids = self.prompts.eos_ids(self.hf_config)

@@ -19,11 +19,9 @@ BACKENDS = OPS_BACKENDS
 def select_ops(backend: str, exact_prefill_attention: bool = False, batch_invariant: bool = False) -> Ops:
     """The Ops object for a concrete backend name. exact_prefill_attention: the CUDA prefill kernel keeps P
     to float32 precision in P·V (slower) instead of rounding it to the model dtype as flash attention does;
-    the torch reference is exact either way. batch_invariant: the torch ops with batch-invariant products
-    and attention (rollout_service/ops/invariant.py); torch backend only."""
-    if batch_invariant:
-        if backend != "torch":
-            raise ValueError(f"batch_invariant runs on the torch ops, not backend {backend!r}")
+    the torch reference is exact either way. batch_invariant: the backend's batch-invariant ops (a token's
+    numbers never depend on its batch mates): ops/invariant.py (torch) or ops/invariant_cuda.py (cuda)."""
+    if batch_invariant and backend == "torch":
         from rollout_service.ops.invariant import InvariantOps
 
         return InvariantOps()
@@ -34,6 +32,10 @@ def select_ops(backend: str, exact_prefill_attention: bool = False, batch_invari
             from rollout_service.ops.cuda_ops import CudaOps
         except ImportError as exc:
             raise ValueError(f"backend 'cuda' is unavailable: cannot import rollout_service.ops.cuda_ops ({exc})") from exc
+        if batch_invariant:
+            from rollout_service.ops.invariant_cuda import CudaInvariantOps
+
+            return CudaInvariantOps()
         return CudaOps(exact_prefill_attention)
     raise ValueError(f"unknown ops backend {backend!r}; choose one of {BACKENDS} (or 'auto' via resolve_backend)")
 

@@ -12,8 +12,8 @@ over a length that the batch mates decide. Here:
 
 The sampler's normaliser is a row-tile product too (logsumexp: torch splits a lone row's sum across threads).
 Norms (rows of at most a few thousand), RoPE and SiLU are row-local already (tests/test_batch_invariant.py checks
-the whole engine). The same functions serve the learner (rollout_service.training.InvariantForward), as
-autograd functions whose backward is the plain torch reference math.
+the whole engine). The learner's recompute (rollout_service.training.InvariantForward) calls the same ops in
+its forward and differentiates the plain torch reference math. The CUDA version is ops/invariant_cuda.py.
 """
 from __future__ import annotations
 
@@ -53,39 +53,13 @@ def logsumexp(x: torch.Tensor) -> torch.Tensor:
     return (torch.log(total) + shift)[:, 0]
 
 
-def _linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T (+ bias) on row tiles."""
     flat = x.reshape(-1, x.shape[-1])
     out = tiled_matmul(flat, weight.t())
     if bias is not None:
         out = out + bias
     return out.view(*x.shape[:-1], weight.shape[0])
-
-
-class _Linear(torch.autograd.Function):
-    """Forward on row tiles; backward the reference's: dx = dy W, dW = dy^T x, db = sum dy."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias):
-        ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
-        return _linear_forward(x, weight, bias)
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
-        g = grad.reshape(-1, grad.shape[-1])
-        dx = (g @ weight).view(x.shape) if ctx.needs_input_grad[0] else None
-        dw = g.t() @ x.reshape(-1, x.shape[-1]) if ctx.needs_input_grad[1] else None
-        db = g.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return dx, dw, db
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T (+ bias) on row tiles; differentiable."""
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or
-                                    (bias is not None and bias.requires_grad)):
-        return _Linear.apply(x, weight, bias)
-    return _linear_forward(x, weight, bias)
 
 
 def logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -157,6 +131,16 @@ def block_attention_forward(q: torch.Tensor, keys: torch.Tensor, values: torch.T
     return out
 
 
+def padded_per_sequence(x: torch.Tensor, lens: list[int]) -> torch.Tensor:
+    """x [T, H, D] (sequences back to back) as float32 [B, H, max(lens), D], zero past each length."""
+    out = x.new_zeros(len(lens), x.shape[1], max(lens), x.shape[2], dtype=torch.float32)
+    start = 0
+    for b, n in enumerate(lens):
+        out[b, :, :n] = x[start:start + n].transpose(0, 1).float()
+        start += n
+    return out
+
+
 def gather_paged_kv(kv_layer: torch.Tensor, meta: attention_ref.AttentionMetadata) -> tuple[torch.Tensor, ...]:
     """Each sequence's K and V [B, Hk, L, D] in float32 from the paged cache (L: the batch's page span; what
     lies past a sequence's length, stale page tails and padding pages, is masked by block_attention_forward)."""
@@ -188,3 +172,12 @@ class InvariantOps(TorchOps):
         q_lens = (meta.qo_indptr[1:] - meta.qo_indptr[:-1]).tolist()
         out = block_attention_forward(q, keys, values, q_lens, meta.kv_lens.tolist(), scale)
         return out.to(q.dtype)
+
+    def causal_self_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_sin: torch.Tensor,
+                              lens: list[int], scale: float) -> torch.Tensor:
+        """RoPE then causal attention of sequences laid back to back (q [T, Hq, D], k / v [T, Hk, D], not yet
+        rotated), as the engine computes them: the learner's forward (rollout_service.training.InvariantForward)."""
+        positions = torch.cat([torch.arange(n, device=q.device) for n in lens])
+        q, k = self.rope(q, k, positions, cos_sin)
+        keys, values = padded_per_sequence(k, lens), padded_per_sequence(v, lens)
+        return block_attention_forward(q, keys, values, lens, lens, scale).to(q.dtype)

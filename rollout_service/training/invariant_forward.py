@@ -2,41 +2,36 @@
 
 `InvariantForward(policy).logprobs(results)` gives, for each rollout result, the log-probs of its tokens under
 the policy's current weights, computed with the same operations in the same order as an engine running with
-`EngineConfig(batch_invariant=True)`: the fused q/k/v and gate/up products on fixed row tiles, attention in
-fixed key blocks, the float32 LM head, the reference norms, RoPE and SiLU. So while the weights are the ones
-the engine sampled with, the learner's log-probs are the rollout's, bit for bit, and the PPO ratio of the
-first minibatch is exactly 1. Gradients flow: the products and attention are autograd functions whose
-backward is the plain torch reference math (ops/invariant.py).
+`EngineConfig(batch_invariant=True)` on the same backend: its forward calls the engine's own invariant ops
+(ops/invariant.py on the torch backend, ops/invariant_cuda.py's kernels and fixed-shape cuBLAS calls on the cuda
+backend) in the engine's order. So while the weights are the ones the engine sampled with, the learner's
+log-probs are the rollout's, bit for bit, and the PPO ratio of the first minibatch is exactly 1. Gradients
+flow: every op is an autograd function whose forward is the engine's op and whose backward is the plain torch
+reference math (the products' explicit formulas; the rest by differentiating a recompute of the reference).
 
 The policy is any HF-named decoder (transformers' Llama / Mistral / Qwen2 / Qwen3 *ForCausalLM, or this
 package's DecoderLM), trained in place: its parameters are read at every call, never copied.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from rollout_service.model.registry import arch_flags
-from rollout_service.ops import invariant, norm
+from rollout_service.ops import norm
+from rollout_service.ops.backend import resolve_backend, select_ops
 from rollout_service.ops.rope import apply_rope, build_cos_sin_cache, rope_head_dim
 from rollout_service.types import RolloutResult
 
 
-def _padded_per_sequence(x: torch.Tensor, lens: list[int]) -> torch.Tensor:
-    """x [T, H, D] (sequences back to back) as float32 [B, H, max(lens), D], zero past each length."""
-    out = x.new_zeros(len(lens), x.shape[1], max(lens), x.shape[2], dtype=torch.float32)
-    start = 0
-    for b, n in enumerate(lens):
-        out[b, :, :n] = x[start:start + n].transpose(0, 1).float()
-        start += n
-    return out
-
-
-def _reference_self_attention(q, k, v, lens: list[int], scale: float) -> torch.Tensor:
-    """Causal attention per sequence with torch's SDPA in float32: the math the backward differentiates."""
+def reference_self_attention(q, k, v, cos_sin: torch.Tensor, lens: list[int], scale: float) -> torch.Tensor:
+    """RoPE then causal attention per sequence with torch's SDPA in float32, in q's dtype: the math the
+    backward differentiates (q, k not yet rotated; sequences back to back)."""
+    positions = torch.cat([torch.arange(n, device=q.device) for n in lens])
+    q, k = apply_rope(q, k, positions, cos_sin)
     outs, start = [], 0
     for n in lens:
         qs, ks, vs = (t[start:start + n].transpose(0, 1).float() for t in (q, k, v))
@@ -44,32 +39,55 @@ def _reference_self_attention(q, k, v, lens: list[int], scale: float) -> torch.T
                                            enable_gqa=qs.shape[0] != ks.shape[0])
         outs.append(o.transpose(0, 1))
         start += n
-    return torch.cat(outs)
+    return torch.cat(outs).to(q.dtype)
 
 
-class _SelfAttention(torch.autograd.Function):
+class _Exact(torch.autograd.Function):
+    """Forward: fast(*tensors), the engine's op; backward: the gradient of ref(*tensors), the reference math."""
+
     @staticmethod
-    def forward(ctx, q, k, v, lens, scale):
-        ctx.save_for_backward(q, k, v)
-        ctx.lens, ctx.scale = lens, scale
-        keys, values = _padded_per_sequence(k, lens), _padded_per_sequence(v, lens)
-        return invariant.block_attention_forward(q, keys, values, lens, lens, scale)
+    def forward(ctx, fast, ref, *tensors):
+        ctx.ref = ref
+        ctx.save_for_backward(*tensors)
+        return fast(*tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        inputs = [t.detach().requires_grad_(need) for t, need in zip(ctx.saved_tensors, ctx.needs_input_grad[2:])]
+        with torch.enable_grad():
+            out = ctx.ref(*inputs)
+        pairs = [(o, g) for o, g in zip(out if isinstance(out, tuple) else (out,), grads)
+                 if g is not None and o.requires_grad]
+        wanted = [t for t in inputs if t.requires_grad]
+        got = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True)
+                   if wanted and pairs else [None] * len(wanted))
+        return (None, None, *[next(got) if t.requires_grad else None for t in inputs])
+
+
+def exact(fast: Callable, ref: Callable, *tensors: torch.Tensor):
+    """fast(*tensors), with the gradient of ref(*tensors) when one is wanted."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return _Exact.apply(fast, ref, *tensors)
+    return fast(*tensors)
+
+
+class _Linear(torch.autograd.Function):
+    """Forward: the engine's product; backward the reference's: dx = dy W, dW = dy^T x, db = sum dy."""
+
+    @staticmethod
+    def forward(ctx, ops, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return ops.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad):
-        q, k, v = (t.detach().requires_grad_() for t in ctx.saved_tensors)
-        with torch.enable_grad():
-            ref = _reference_self_attention(q, k, v, ctx.lens, ctx.scale)
-            dq, dk, dv = torch.autograd.grad(ref, (q, k, v), grad)
-        return dq, dk, dv, None, None
-
-
-def self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int], scale: float) -> torch.Tensor:
-    """Causal attention of sequences laid back to back ([T, H, D] each), the engine's invariant numerics."""
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        return _SelfAttention.apply(q, k, v, lens, scale)
-    return invariant.block_attention_forward(q, _padded_per_sequence(k, lens), _padded_per_sequence(v, lens),
-                                             lens, lens, scale)
+        x, weight = ctx.saved_tensors
+        g = grad.reshape(-1, grad.shape[-1])
+        dx = (g @ weight).view(x.shape) if ctx.needs_input_grad[1] else None
+        dw = g.t() @ x.reshape(-1, x.shape[-1]) if ctx.needs_input_grad[2] else None
+        db = g.sum(0) if ctx.has_bias and ctx.needs_input_grad[3] else None
+        return None, dx, dw, db
 
 
 def _cat(*tensors: torch.Tensor | None) -> torch.Tensor | None:
@@ -77,14 +95,18 @@ def _cat(*tensors: torch.Tensor | None) -> torch.Tensor | None:
 
 
 class InvariantForward:
-    """A differentiable forward of `policy` with the batch-invariant engine's numerics (module docstring)."""
+    """A differentiable forward of `policy` with the batch-invariant engine's numerics (module docstring).
 
-    def __init__(self, policy: nn.Module):
+    backend: the engine's ("torch" or "cuda"; "auto" as the engine resolves it on the policy's device)."""
+
+    def __init__(self, policy: nn.Module, backend: str = "auto"):
         self.policy = policy
         self.config = policy.config
         self.flags = arch_flags(self.config)
         self.head_dim = rope_head_dim(self.config)
         self.eps = self.config.rms_norm_eps
+        self.backend = resolve_backend(backend, next(policy.parameters()).device)
+        self.ops = select_ops(self.backend, batch_invariant=True)
         self._cos_sin: torch.Tensor | None = None
 
     def _rope_table(self, like: torch.Tensor) -> torch.Tensor:
@@ -94,40 +116,64 @@ class InvariantForward:
                                                 like.device)
         return self._cos_sin
 
-    def hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, lens: list[int]) -> torch.Tensor:
+    # ---- the engine's ops, differentiable ------------------------------------------------------------
+
+    def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
+            return _Linear.apply(self.ops, x, weight, bias)
+        return self.ops.linear(x, weight, bias)
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return exact(lambda x, w: self.ops.rms_norm(x, w, self.eps), lambda x, w: norm.rms_norm(x, w, self.eps),
+                     x, weight)
+
+    def _add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor,
+                      weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # the CUDA kernel writes x + residual into residual: give it a copy, the input is saved for backward
+        return exact(lambda x, r, w: self.ops.add_rms_norm(x, r.clone(), w, self.eps),
+                     lambda x, r, w: norm.add_rms_norm(x, r, w, self.eps), x, residual, weight)
+
+    def _silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        def ref(gu):
+            gate, up = gu.chunk(2, dim=-1)
+            return F.silu(gate) * up
+        return exact(self.ops.silu_and_mul, ref, gate_up)
+
+    # ---- the forward -------------------------------------------------------------------------------
+
+    def hidden(self, input_ids: torch.Tensor, lens: list[int]) -> torch.Tensor:
         """Final-norm hidden states [T, H] of sequences laid back to back (lens), as DecoderLM computes them."""
         backbone = self.policy.model
         x, residual = backbone.embed_tokens(input_ids), None
         cos_sin = self._rope_table(x)
         for layer in backbone.layers:
             if residual is None:
-                residual, x = x, norm.rms_norm(x, layer.input_layernorm.weight, self.eps)
+                residual, x = x, self._rms_norm(x, layer.input_layernorm.weight)
             else:
-                x, residual = norm.add_rms_norm(x, residual, layer.input_layernorm.weight, self.eps)
-            x = self._attention(layer.self_attn, x, positions, lens, cos_sin)
-            x, residual = norm.add_rms_norm(x, residual, layer.post_attention_layernorm.weight, self.eps)
+                x, residual = self._add_rms_norm(x, residual, layer.input_layernorm.weight)
+            x = self._attention(layer.self_attn, x, lens, cos_sin)
+            x, residual = self._add_rms_norm(x, residual, layer.post_attention_layernorm.weight)
             mlp = layer.mlp
-            gate_up = invariant.linear(x, _cat(mlp.gate_proj.weight, mlp.up_proj.weight),
-                                       _cat(mlp.gate_proj.bias, mlp.up_proj.bias))
-            gate, up = gate_up.chunk(2, dim=-1)
-            x = invariant.linear(F.silu(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias)
-        x, _ = norm.add_rms_norm(x, residual, backbone.norm.weight, self.eps)
+            gate_up = self._linear(x, _cat(mlp.gate_proj.weight, mlp.up_proj.weight),
+                                   _cat(mlp.gate_proj.bias, mlp.up_proj.bias))
+            x = self._linear(self._silu_and_mul(gate_up), mlp.down_proj.weight, mlp.down_proj.bias)
+        x, _ = self._add_rms_norm(x, residual, backbone.norm.weight)
         return x
 
-    def _attention(self, attn: nn.Module, x: torch.Tensor, positions: torch.Tensor, lens: list[int],
-                   cos_sin: torch.Tensor) -> torch.Tensor:
+    def _attention(self, attn: nn.Module, x: torch.Tensor, lens: list[int], cos_sin: torch.Tensor) -> torch.Tensor:
         cfg, d, tokens = self.config, self.head_dim, x.shape[0]
         hq, hk = cfg.num_attention_heads, cfg.num_key_value_heads
-        qkv = invariant.linear(x, _cat(attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight),
-                               _cat(attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias))
+        qkv = self._linear(x, _cat(attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight),
+                           _cat(attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias))
         q, k, v = qkv.split([hq * d, hk * d, hk * d], dim=-1)
         q, k, v = q.reshape(tokens, hq, d), k.reshape(tokens, hk, d), v.reshape(tokens, hk, d)
         if self.flags.qk_norm:
-            q = norm.rms_norm(q, attn.q_norm.weight, self.eps)
-            k = norm.rms_norm(k, attn.k_norm.weight, self.eps)
-        q, k = apply_rope(q, k, positions, cos_sin)
-        out = self_attention(q, k, v, lens, d**-0.5).to(q.dtype)
-        return invariant.linear(out.reshape(tokens, hq * d), attn.o_proj.weight, attn.o_proj.bias)
+            q = self._rms_norm(q, attn.q_norm.weight)
+            k = self._rms_norm(k, attn.k_norm.weight)
+        scale = d**-0.5
+        out = exact(lambda q, k, v: self.ops.causal_self_attention(q, k, v, cos_sin, lens, scale),
+                    lambda q, k, v: reference_self_attention(q, k, v, cos_sin, lens, scale), q, k, v)
+        return self._linear(out.reshape(tokens, hq * d), attn.o_proj.weight, attn.o_proj.bias)
 
     def logprobs(self, results: Sequence[RolloutResult], temperature: float = 1.0) -> list[torch.Tensor]:
         """log p(token_ids[i] | prompt + earlier tokens) per result (float32), as the engine's sampler reports
@@ -140,20 +186,17 @@ class InvariantForward:
         seqs = [list(r.prompt_token_ids) + list(r.token_ids) for r in results]
         lens = [len(s) for s in seqs]
         ids = torch.tensor([t for s in seqs for t in s], dtype=torch.long, device=device)
-        positions = torch.cat([torch.arange(n, device=device) for n in lens])
-        hidden = self.hidden(ids, positions, lens)
+        hidden = self.hidden(ids, lens)
         rows, start = [], 0  # the hidden state before each sampled token
         for r, n in zip(results, lens):
             first = start + len(r.prompt_token_ids) - 1
             rows.append(torch.arange(first, first + len(r.token_ids), device=device))
             start += n
-        logits = invariant.logits(hidden[torch.cat(rows)], self.policy.lm_head.weight)
+        logits = exact(self.ops.logits, lambda h, w: F.linear(h.float(), w.float()),
+                       hidden[torch.cat(rows)], self.policy.lm_head.weight)
         if temperature != 1.0:  # the sampler divides by a float32 temperature, and only when it is not 1
             logits = logits / torch.tensor(temperature, dtype=torch.float32, device=device)
-        out, at = [], 0
-        for r in results:
-            x = logits[at:at + len(r.token_ids)]
-            target = torch.tensor(r.token_ids, dtype=torch.long, device=device)
-            out.append(x.gather(1, target[:, None])[:, 0] - invariant.logsumexp(x))
-            at += len(r.token_ids)
-        return out
+        targets = torch.tensor([t for r in results for t in r.token_ids], dtype=torch.long, device=device)
+        lse = exact(self.ops.logsumexp, lambda x: x.logsumexp(dim=1), logits)
+        token_logprobs = logits.gather(1, targets[:, None])[:, 0] - lse
+        return list(token_logprobs.split([len(r.token_ids) for r in results]))
