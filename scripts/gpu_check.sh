@@ -9,7 +9,7 @@
 #   env: PYTHON (default python3), OUT, GPU_CHECK_BUDGET_S (default 530),
 #        GPU_CHECK_MODELS (default qwen2.5-0.5b,llama3-8b), GPU_CHECK_ARGS (extra harness arguments),
 #        GPU_CHECK_RESULTS (default benchmarks/results), GPU_CHECK_TAG (suffix of the result files),
-#        GPU_CHECK_BENCH (the benchmark steps, in order: default w7,w6,w3,w4,w2p,main; the budget cuts the last ones)
+#        GPU_CHECK_BENCH (the benchmark steps, in order: default w7,w6,w3,w4,w2p,wbi,main; the budget cuts the last ones)
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -26,7 +26,7 @@ START=$(date +%s)
 LOG=${OUT:-/tmp}/gpu_check.log
 mkdir -p "$RESULTS" "$(dirname "$LOG")"
 MARK=$(mktemp); touch "$MARK"
-BENCH_STEPS=${GPU_CHECK_BENCH:-w7,w6,w3,w4,w2p,main}
+BENCH_STEPS=${GPU_CHECK_BENCH:-w7,w6,w3,w4,w2p,wbi,main}
 left() { echo $(( BUDGET - ($(date +%s) - START) )); }
 wanted() { [[ ",$BENCH_STEPS," == *",$1,"* ]]; }
 declare -A STATUS
@@ -99,6 +99,13 @@ if wanted w2p && [ "$W2P_S" -gt 0 ]; then
   step bench_w2p "$W2P_S" "$PY" scripts/bench.py --model "$MODELS" --workloads W2p --budget-s $(( W2P_S - 30 )) \
     --skip W2p:hf_generate_batch --out "$RESULTS" --tag "w2p${TAG}"
 fi
+# WBI (batch-invariant mode on vs off at W2's and W2n's shapes, in one run, and its bitwise checks: a sample of
+# sequences re-run alone, every sequence recomputed by the learner forward) on both models.
+WBI_S=$(( $(left) > 240 ? ($(left) > 420 ? 360 : $(left) - 40) : 0 ))
+if wanted wbi && [ "$WBI_S" -gt 0 ]; then
+  step bench_wbi "$WBI_S" "$PY" scripts/bench.py --model "$MODELS" --workloads WBI --repeats 2 --budget-s $(( WBI_S - 30 )) \
+    --out "$RESULTS" --tag "wbi${TAG}"
+fi
 BENCH_S=$(( $(left) - 20 ))
 if ! wanted main; then
   echo "== bench: not in GPU_CHECK_BENCH=$BENCH_STEPS" | tee -a "$LOG"
@@ -124,7 +131,7 @@ for f in $NEW; do case $f in *.md) cat "$f";; esac; done
 # green: the GPU tests (where the tree has them) passed, every benchmark step that ran passed, and one did run
 green=$([ "${STATUS[gpu_tests]:-0}" = 0 ] && echo 1 || echo 0)
 ran=0
-for b in bench_w7 bench_w6 bench_w3 bench_w4 bench_w2p bench; do
+for b in bench_w7 bench_w6 bench_w3 bench_w4 bench_w2p bench_wbi bench; do
   case ${STATUS[$b]:-} in "") ;; 0) ran=1 ;; *) green=0 ;; esac
 done
 [ "$green" = 1 ] && [ "$ran" = 1 ]

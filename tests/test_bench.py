@@ -124,7 +124,7 @@ def test_quick_batch_invariant_rows_time_both_modes_and_find_every_sequence_bitw
         assert "batch_invariant off" in row["other_peer"]["note"] and d["invariant_backend"] == "torch"
         assert d["cost"] == pytest.approx(1 - row["engine"]["value"] / row["other_peer"]["value"], abs=1e-4)
         # every sequence of the quick run checked (wbi_check >= its size), none differing by a bit
-        assert d["bitwise_checked"] == f"{seqs} of {seqs} sequences"
+        assert d["bitwise_checked"] == f"alone {seqs}, learner {seqs} of {seqs} sequences"
         assert d["bitwise_alone"] == d["bitwise_learner"] == f"{seqs}/{seqs}"
 
 

@@ -2,15 +2,16 @@
 
 For W2's shape (greedy) and W2n's (n samples per prompt, temperature 1.0), in one run: output tok/s of the
 engine as W2 / W2n run it (ctx.backend: the fast mode, the "other peer" column) and of the engine with
-`batch_invariant=True` (the torch ops on any device, so on a GPU this compares against the CUDA backend).
+`batch_invariant=True` (the same backend's invariant ops: ops/invariant.py or ops/invariant_cuda.py).
 Both runs request the same tokens (seeded, ignore_eos, logprobs_mode "scaled").
 
-Then, on `wbi_check` sequences of each invariant run (a seeded choice, all of them when the run is no larger),
-two bitwise comparisons of the log-prob bytes (and tokens) the batched run reported:
-- alone: the sequence re-run by itself, n=1, in the same invariant engine. The sampler's noise keys on
-  seed + sample_index (engine/sampler.py), so sample k of a group seeded s is the n=1 request seeded s + k;
-- learner: InvariantForward on the bench model's HF object, the weights the engine loaded (cast to the
-  engine's dtype when the harness loaded them in another one, as the engine's loader did).
+Then two bitwise comparisons of the log-prob bytes (and tokens) the batched invariant run reported:
+- alone, on `wbi_check` sequences (a seeded choice; all when 0 or the run is no larger): the sequence re-run
+  by itself, n=1, in the same invariant engine. The sampler's noise keys on seed + sample_index
+  (engine/sampler.py), so sample k of a group seeded s is the n=1 request seeded s + k;
+- learner, on `wbi_learner_check` sequences (all by default): InvariantForward on the bench model's HF object,
+  the weights the engine loaded (cast to the engine's dtype when the harness loaded them in another one, as the
+  engine's loader did), with the engine's ops backend, LEARNER_BATCH sequences per forward.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from .report import Cell, Row
 
 TARGET_COST = 0.15
 LOGPROBS_MODE = "scaled"  # what InvariantForward recomputes (greedy rows report "raw": the same at T=1)
+LEARNER_BATCH = 16
 
 
 def wbi_batch_invariant(ctx: BenchContext) -> list[Row]:
@@ -52,9 +54,7 @@ def _row(ctx: BenchContext, name: str, shape: str, prompts: list[list[int]], new
     def run(invariant: bool) -> Cell:
         mode = "invariant" if invariant else "fast"
         extra = {**ctx.engine_extra, "batch_invariant": invariant}
-        # the config refuses batch_invariant with backend "cuda"; the engine then runs the torch ops anyway
-        backend = "torch" if invariant else ctx.backend
-        with open_engine(ctx.bm, backend, len(prompts) * n, len(prompts[0]) + new, extra, n,
+        with open_engine(ctx.bm, ctx.backend, len(prompts) * n, len(prompts[0]) + new, extra, n,
                          len(prompts[0])) as client:
             client.generate([p[:8] for p in prompts[:2]], sampling=sampling(2, n, temperature, 0, LOGPROBS_MODE))  # warm-up
             seconds, results = timed_generate(client, ctx.device, prompts, sp)
@@ -100,12 +100,12 @@ def _checked_indices(total: int, limit: int) -> list[int]:
 def _bitwise(ctx: BenchContext, row: Row, client, prompts: list[list[int]], sp, results: list) -> None:
     """row.details: bitwise_alone and bitwise_learner as "equal/checked" (or the error that stopped one)."""
     idx = _checked_indices(len(results), ctx.shapes.wbi_check)
-    picked = [results[i] for i in idx]
-    row.details["bitwise_checked"] = (f"{len(idx)} of {len(results)} sequences"
-                                      + ("" if len(idx) == len(results) else " (a seeded choice)"))
+    learner_idx = _checked_indices(len(results), ctx.shapes.wbi_learner_check)
+    row.details["bitwise_checked"] = f"alone {len(idx)}, learner {len(learner_idx)} of {len(results)} sequences"
     engine_dtype = next(client.engine.model.parameters()).dtype
-    _guarded(ctx, row, "bitwise_alone", lambda: _alone(client, prompts, sp, idx, picked))
-    _guarded(ctx, row, "bitwise_learner", lambda: _learner(ctx, row, engine_dtype, picked, sp.temperature))
+    _guarded(ctx, row, "bitwise_alone", lambda: _alone(client, prompts, sp, idx, [results[i] for i in idx]))
+    _guarded(ctx, row, "bitwise_learner",
+             lambda: _learner(ctx, row, engine_dtype, [results[i] for i in learner_idx], sp.temperature))
 
 
 def _guarded(ctx: BenchContext, row: Row, key: str, fn) -> None:
@@ -140,7 +140,11 @@ def _learner(ctx: BenchContext, row: Row, engine_dtype: torch.dtype, picked: lis
         # the engine cast the weights on load; the same cast of a copy gives the learner the same numbers
         policy = copy.deepcopy(policy).to(engine_dtype)
     row.details["learner_dtype"] = str(engine_dtype).replace("torch.", "")
-    with torch.no_grad():
-        recomputed = InvariantForward(policy).logprobs(picked, temperature if temperature > 0 else 1.0)
-    equal = sum(lp.cpu().numpy().tobytes() == r.logprobs.tobytes() for lp, r in zip(recomputed, picked))
+    learner = InvariantForward(policy, row.details.get("invariant_backend", "auto"))
+    equal = 0
+    for i in range(0, len(picked), LEARNER_BATCH):
+        batch = picked[i:i + LEARNER_BATCH]
+        with torch.no_grad():
+            recomputed = learner.logprobs(batch, temperature if temperature > 0 else 1.0)
+        equal += sum(lp.cpu().numpy().tobytes() == r.logprobs.tobytes() for lp, r in zip(recomputed, batch))
     return f"{equal}/{len(picked)}"

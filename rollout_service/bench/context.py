@@ -55,7 +55,8 @@ class Shapes:
     ds_n: int = 8
     ds_prompt: int = 256
     ds_new: int = 256
-    wbi_check: int = 16   # WBI: sequences of each run whose log-prob bytes are checked (alone, learner); 0: all
+    wbi_check: int = 8    # WBI: sequences of each run re-run alone to compare log-prob bytes; 0: all
+    wbi_learner_check: int = 0  # WBI: sequences of each run recomputed by the learner forward; 0: all
 
     def replace(self, **kw) -> "Shapes":
         return dataclasses.replace(self, **kw)
@@ -79,7 +80,7 @@ CPU = Shapes(w2_seqs=32, w2_new=64, w2n_prompts=4, w2n_prompt=128, w2n_new=64, w
              w2p_prompt=256, w2p_new=32, w4_batches=(1, 32),
              w4_contexts=(1024,), w4_prefill_len=512, w6_prompts=8, w6_n=4, w6_prompt=64, w6_new=32,
              w7_episodes=8, w7_prompt=128, w7_obs=128, w7_new=32, ds_groups=4, ds_n=4, ds_prompt=32, ds_new=16,
-             wbi_check=8)
+             wbi_check=8, wbi_learner_check=8)
 
 
 def parse_shape(spec: str) -> tuple[str, object]:
