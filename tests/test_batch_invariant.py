@@ -221,3 +221,18 @@ def test_cuda_invariant_mode_names_what_it_does_not_cover():
     odd = LlamaConfig(hidden_size=96, num_attention_heads=4, num_key_value_heads=2)  # head_dim 24
     with pytest.raises(ValueError, match=r"dtype float32 \(needs bfloat16 or float16\), head_dim 24 .*page_size 32"):
         CudaInvariantOps.check_model(odd, torch.float32, 32)
+
+
+def test_products_have_the_bits_of_row_tile_products_on_either_path():
+    """tiled_matmul folds the tiles into one product only where that gives each row a 16-row product's bits."""
+    x, w = torch.randn(100, 96), torch.randn(96, 80)
+    tiles = torch.cat([t @ w for t in invariant._row_tiles(x)])[:100]
+    key = (tuple(w.shape), w.dtype, "cpu")
+    assert invariant._fold_ok(w) in (True, False) and key in invariant._fold_checked
+    assert torch.equal(invariant.tiled_matmul(x, w), tiles)
+    folded = invariant._fold_checked[key]
+    try:
+        invariant._fold_checked[key] = not folded  # the other path: the same bits
+        assert torch.equal(invariant.tiled_matmul(x, w), tiles)
+    finally:
+        invariant._fold_checked[key] = folded

@@ -2,13 +2,16 @@
 
 Where an ordinary forward is not batch invariant: a GEMM's kernel (and with it the summation order of each
 output) is chosen by the shape, so the same row gets other roundings at M = 1 than at M = 64 (on this CPU
-build, rows of M < 4 take a GEMV path), and attention over a batch padded to its longest sequence reduces
+build, rows of M = 1, 2, 3, 5, 7 take other paths than M = 4, 8 or any multiple of 16), and attention over a batch padded to its longest sequence reduces
 over a length that the batch mates decide. Here:
 
-- every matrix product runs on fixed-size row tiles (ROW_TILE rows, zero-padded): the same kernel with the
-  same reduction order for every row, whatever the batch, the step (prefill or decode) or the row's place;
+- every matrix product has its rows zero-padded to a multiple of ROW_TILE, which keeps the BLAS off its
+  small-M paths, and runs as one product where that gives each row the bits of a ROW_TILE-row product of it
+  (checked once per shape on 16 to 1024 random rows, `_fold_ok`), else as one ROW_TILE-row product per tile:
+  the same reduction order for every row, whatever the batch, the step (prefill or decode) or the row's place;
 - attention walks each query's keys in fixed blocks of KEY_BLOCK absolute positions with an online softmax
-  merged in block order, so prefill, decode and a recompute after preemption give a query the same bits.
+  merged in block order, in tiles of a fixed row count (queries x the GQA group's heads), so prefill, decode
+  and a recompute after preemption give a query the same bits.
 
 The sampler's normaliser is a row-tile product too (logsumexp: torch splits a lone row's sum across threads).
 Norms (rows of at most a few thousand), RoPE and SiLU are row-local already (tests/test_batch_invariant.py checks
@@ -35,10 +38,31 @@ def _row_tiles(x: torch.Tensor, tile: int = ROW_TILE) -> torch.Tensor:
     return x.view(tiles, tile, *x.shape[1:])
 
 
+_FOLD_CHECK_ROWS = (ROW_TILE, 3 * ROW_TILE, 16 * ROW_TILE, 64 * ROW_TILE)
+_fold_checked: dict[tuple, bool] = {}
+
+
+def _fold_ok(weight_t: torch.Tensor) -> bool:
+    """Whether a product of many ROW_TILE-multiple rows with weight_t's shape gives every row the bits that a
+    ROW_TILE-row product gives it: a BLAS picks its kernel (and summation order) by shape, not data, so random
+    rows answer for all rows. Measured once per shape, dtype and device."""
+    key = (tuple(weight_t.shape), weight_t.dtype, weight_t.device.type)
+    if key not in _fold_checked:
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(_FOLD_CHECK_ROWS[-1], weight_t.shape[0], generator=g).to(weight_t.device, weight_t.dtype)
+        w = torch.randn(weight_t.shape, generator=g).to(weight_t.device, weight_t.dtype)
+        tiles = torch.cat([x[i:i + ROW_TILE] @ w for i in range(0, x.shape[0], ROW_TILE)])
+        _fold_checked[key] = all(torch.equal(x[:m] @ w, tiles[:m]) for m in _FOLD_CHECK_ROWS)
+    return _fold_checked[key]
+
+
 def tiled_matmul(x: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
-    """x [M, K] @ weight_t [K, N] as one batched product of [ROW_TILE, K] tiles (rows past M dropped)."""
-    rows = x.shape[0]
-    out = torch.matmul(_row_tiles(x), weight_t)
+    """x [M, K] @ weight_t [K, N] with the bits of [ROW_TILE, K] tile products (rows past M dropped)."""
+    rows, tiles = x.shape[0], _row_tiles(x)
+    if _fold_ok(weight_t):
+        out = torch.matmul(tiles, weight_t)  # folded into one product of all the tiles' rows
+    else:
+        out = torch.stack([tile @ weight_t for tile in tiles])
     return out.reshape(-1, weight_t.shape[1])[:rows]
 
 
@@ -67,20 +91,20 @@ def logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return linear(hidden.float(), weight.float())
 
 
-def _query_tiles(q_lens: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Each sequence's query rows cut into ROW_TILE-row tiles of their own: (token index [NT, R] into the
-    flat query rows, padding rows repeating the sequence's last query; the tile's sequence [NT]; real [NT, R])."""
+def _query_tiles(q_lens: list[int], per_tile: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Each sequence's queries cut into tiles of `per_tile` of its own: (token index [NT, per_tile] into the flat
+    query rows, padding repeating the sequence's last query; the tile's sequence [NT]; real [NT, per_tile])."""
     rows, seqs, real = [], [], []
     start = 0
     for b, n in enumerate(q_lens):
-        for t0 in range(0, n, ROW_TILE):
-            idx = torch.arange(start + t0, start + t0 + ROW_TILE)
+        for t0 in range(0, n, per_tile):
+            idx = torch.arange(start + t0, start + t0 + per_tile)
             real.append(idx < start + n)
             rows.append(idx.clamp(max=start + n - 1))
             seqs.append(b)
         start += n
     if not rows:
-        empty = torch.empty(0, ROW_TILE, dtype=torch.long, device=device)
+        empty = torch.empty(0, per_tile, dtype=torch.long, device=device)
         return empty, torch.empty(0, dtype=torch.long, device=device), empty.bool()
     return (torch.stack(rows).to(device), torch.tensor(seqs, device=device), torch.stack(real).to(device))
 
@@ -90,36 +114,53 @@ def block_attention_forward(q: torch.Tensor, keys: torch.Tensor, values: torch.T
     """Causal attention of q [T, Hq, D] (sequence b's rows are its last q_lens[b] positions) over each
     sequence's keys / values [B, Hk, L, D] (anything, even NaN, past kv_lens[b]: masked here); float32.
 
-    A tile (ROW_TILE queries of one sequence and head) walks key blocks [j * KEY_BLOCK, (j + 1) * KEY_BLOCK)
-    with products of fixed shape ([R, D] x [D, KEY_BLOCK], [R, KEY_BLOCK] x [KEY_BLOCK, D]). A block wholly
-    after a query's position leaves its state bit for bit unchanged (scores -inf, weights exactly 0, the
-    rescale exp(0) = 1), so neither tile mates nor the number of blocks change a query's numbers."""
+    A tile is ROW_TILE // G queries of one sequence times the G query heads of a kv head (GQA), its rows in a
+    fixed order; it walks key blocks [j * KEY_BLOCK, (j + 1) * KEY_BLOCK) with products of one fixed shape
+    ([R, D] x [D, KEY_BLOCK], [R, KEY_BLOCK] x [KEY_BLOCK, D]). A block wholly after a query's position leaves
+    its state bit for bit unchanged (scores -inf, weights exactly 0, the rescale exp(0) = 1), so neither tile
+    mates nor the number of blocks change a query's numbers. Masks are skipped where nothing is masked (an
+    all-false mask changes no bit)."""
     num_q, num_q_heads, head_dim = q.shape
-    num_kv_heads, length = keys.shape[1], keys.shape[2]
+    batch, num_kv_heads, length = keys.shape[:3]
+    group = num_q_heads // num_kv_heads
+    per_tile = max(1, ROW_TILE // group)
     dev = q.device
-    rows, tile_seq, real = _query_tiles(q_lens, dev)
-    if rows.shape[0] == 0:
+    rows, tile_seq, real = _query_tiles(q_lens, per_tile, dev)
+    n_tiles = rows.shape[0]
+    if n_tiles == 0:
         return q.new_zeros(q.shape, dtype=torch.float32)
+    blocks = -(-max(kv_lens) // KEY_BLOCK)
+    if length < blocks * KEY_BLOCK:  # whole blocks (zeros past L: masked)
+        pad = (0, 0, 0, blocks * KEY_BLOCK - length)
+        keys, values = torch.nn.functional.pad(keys, pad), torch.nn.functional.pad(values, pad)
     first_pos = torch.tensor([kv - n for kv, n in zip(kv_lens, q_lens)], device=dev)
     q_start = torch.tensor([0] + q_lens, device=dev).cumsum(0)[:-1]
-    pos = first_pos[tile_seq][:, None] + rows - q_start[tile_seq][:, None]  # [NT, R]
+    pos = first_pos[tile_seq][:, None] + rows - q_start[tile_seq][:, None]  # [NT, per_tile]
+    pos = pos[:, None, :, None].expand(n_tiles, 1, per_tile, group).reshape(n_tiles, 1, -1)  # [NT, 1, R]
     limit = torch.tensor(kv_lens, device=dev)[tile_seq]  # [NT]
-    tiles = q.float()[rows].permute(2, 0, 1, 3)  # [Hq, NT, R, D]
-    kv_head = torch.arange(num_q_heads, device=dev) // (num_q_heads // num_kv_heads)
-    n_tiles = rows.shape[0]
-    m = torch.full((num_q_heads, n_tiles, ROW_TILE), float("-inf"), device=dev)
-    denom = torch.zeros(num_q_heads, n_tiles, ROW_TILE, device=dev)
-    acc = torch.zeros(num_q_heads, n_tiles, ROW_TILE, head_dim, device=dev)
-    for j in range(-(-max(kv_lens) // KEY_BLOCK)):
-        key_pos = torch.arange(j * KEY_BLOCK, (j + 1) * KEY_BLOCK, device=dev)
-        in_cache = key_pos.clamp(max=length - 1)
-        sel = (tile_seq[None, :, None], kv_head[:, None, None], in_cache[None, None, :])
-        kb, vb = keys[sel], values[sel]  # [Hq, NT, KB, D]
-        in_seq = key_pos[None, :] < limit[:, None]  # [NT, KB]
-        visible = (key_pos[None, None, :] <= pos[..., None]) & in_seq[:, None, :]
-        vb = vb.masked_fill(~in_seq[None, :, :, None], 0.0)  # 0 * garbage stays 0
-        scores = torch.matmul(tiles, kb.transpose(-1, -2)) * scale  # [Hq, NT, R, KB]
-        scores = scores.masked_fill(~visible[None], float("-inf"))
+    width = per_tile * group
+    tiles = (q.float()[rows].view(n_tiles, per_tile, num_kv_heads, group, head_dim)
+             .permute(0, 2, 1, 3, 4).reshape(n_tiles, num_kv_heads, width, head_dim))  # [NT, Hk, R, D]
+    one_tile_each = n_tiles == batch  # every sequence a single tile, in order: no gather of its keys
+    live = [(kv, n) for kv, n in zip(kv_lens, q_lens) if n > 0]
+    unmasked = min(kv - n for kv, n in live) + 1  # keys before this are visible to every query
+    shortest = min(kv for kv, _ in live)
+    m = torch.full((n_tiles, num_kv_heads, width), float("-inf"), device=dev)
+    denom = torch.zeros(n_tiles, num_kv_heads, width, device=dev)
+    acc = torch.zeros(n_tiles, num_kv_heads, width, head_dim, device=dev)
+    for j in range(blocks):
+        lo, hi = j * KEY_BLOCK, (j + 1) * KEY_BLOCK
+        kb, vb = keys[:, :, lo:hi], values[:, :, lo:hi]
+        if not one_tile_each:
+            kb, vb = kb[tile_seq], vb[tile_seq]  # [NT, Hk, KB, D]
+        key_pos = torch.arange(lo, hi, device=dev)
+        if hi > shortest:
+            in_seq = key_pos[None, :] < limit[:, None]  # [NT, KB]
+            vb = vb.masked_fill(~in_seq[:, None, :, None], 0.0)  # 0 * garbage stays 0
+        scores = torch.matmul(tiles, kb.transpose(-1, -2)) * scale  # [NT, Hk, R, KB]
+        if hi > unmasked:
+            visible = (key_pos <= pos[..., None]) & (key_pos < limit[:, None, None, None])  # [NT, 1, R, KB]
+            scores = scores.masked_fill(~visible, float("-inf"))
         m_new = torch.maximum(m, scores.amax(-1))
         m_use = torch.where(m_new == float("-inf"), torch.zeros_like(m_new), m_new)
         corr = torch.exp(m - m_use)
@@ -127,8 +168,9 @@ def block_attention_forward(q: torch.Tensor, keys: torch.Tensor, values: torch.T
         denom = denom * corr + p.sum(-1)
         acc = acc * corr[..., None] + torch.matmul(p, vb)
         m = m_new
-    out = (acc / denom[..., None]).permute(1, 2, 0, 3)[real]  # [T, Hq, D] in tile order = token order
-    return out
+    out = (acc / denom[..., None]).view(n_tiles, num_kv_heads, per_tile, group, head_dim)
+    out = out.permute(0, 2, 1, 3, 4).reshape(n_tiles, per_tile, num_q_heads, head_dim)
+    return out[real]  # [T, Hq, D]: tiles and their rows in token order
 
 
 def padded_per_sequence(x: torch.Tensor, lens: list[int]) -> torch.Tensor:
@@ -142,11 +184,16 @@ def padded_per_sequence(x: torch.Tensor, lens: list[int]) -> torch.Tensor:
 
 
 def gather_paged_kv(kv_layer: torch.Tensor, meta: attention_ref.AttentionMetadata) -> tuple[torch.Tensor, ...]:
-    """Each sequence's K and V [B, Hk, L, D] in float32 from the paged cache (L: the batch's page span; what
-    lies past a sequence's length, stale page tails and padding pages, is masked by block_attention_forward)."""
+    """Each sequence's K and V [B, Hk, L, D] in float32 from the paged cache, L whole KEY_BLOCKs (what lies past
+    a sequence's length, stale page tails and padding pages, is masked by block_attention_forward)."""
     _, _, num_kv_heads, page_size, head_dim = kv_layer.shape
-    batch, max_pages = meta.block_tables.shape
-    kv = kv_layer[meta.block_tables.long()]  # [B, P, 2, Hk, ps, D]
+    tables = meta.block_tables.long()
+    batch, max_pages = tables.shape
+    per_block = max(1, KEY_BLOCK // page_size)
+    if max_pages % per_block:  # the reserved page 0 as padding: whole blocks without a second copy
+        tables = torch.nn.functional.pad(tables, (0, per_block - max_pages % per_block))
+        max_pages = tables.shape[1]
+    kv = kv_layer.index_select(0, tables.flatten()).view(batch, max_pages, 2, num_kv_heads, page_size, head_dim)
     kv = kv.permute(2, 0, 3, 1, 4, 5).reshape(2, batch, num_kv_heads, max_pages * page_size, head_dim).float()
     return kv[0], kv[1]
 
