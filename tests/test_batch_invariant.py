@@ -4,13 +4,14 @@ the learner's InvariantForward recomputes the same bytes (EngineConfig.batch_inv
 import numpy as np
 import pytest
 import torch
+from engine_waves import serve_in_waves
 from tiny_models import tiny_hf_model
 
 from rollout_service.config import EngineConfig
 from rollout_service.engine.engine import Engine
 from rollout_service.ops import invariant
 from rollout_service.training.invariant_forward import InvariantForward
-from rollout_service.types import RolloutRequest, SamplingParams
+from rollout_service.types import SamplingParams
 
 SAMPLED = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True, seed=11, logprobs_mode="scaled")
 TARGET = list(range(3, 44))  # 41 tokens: crosses a 16-row tile and a partial page
@@ -32,14 +33,7 @@ def run(model, requests: list[tuple[list[int], SamplingParams]], then=(), **conf
     are done) the requests of `then`, numbered on from the first ones."""
     eng = Engine(model_source=model, device="cpu", num_pages=config.pop("num_pages", 512), batch_invariant=True,
                  **config)
-    out, index = {}, 0
-    for wave in (requests, then):
-        for prompt, sp in wave:
-            eng.add_request(RolloutRequest(prompt=prompt, sampling=sp, request_id=str(index)))
-            index += 1
-        out.update({(int(r.request_id), r.sample_index): r for r in eng.run_until_done()})
-    out["stats"] = eng.stats()
-    return out
+    return serve_in_waves(eng, requests, then)
 
 
 def same_bytes(a, b) -> bool:

@@ -5,12 +5,13 @@ import copy
 
 import pytest
 import torch
+from engine_waves import serve_in_waves
 from kv_utils import requires_cuda
 
 from rollout_service.engine.engine import Engine
 from rollout_service.ops.attention import make_metadata
 from rollout_service.training import InvariantForward
-from rollout_service.types import RolloutRequest, SamplingParams
+from rollout_service.types import SamplingParams
 
 pytestmark = pytest.mark.skipif(**requires_cuda)
 
@@ -45,13 +46,7 @@ def run(model, requests, then=(), **config) -> dict:
     `requests` together, then those of `then`; "stats": the engine's stats."""
     config = {"num_pages": 2048, "max_num_seqs": 64, "cuda_graph_max_batch": 64, **config}
     eng = Engine(model_source=model, device="cuda", dtype="bfloat16", backend="cuda", batch_invariant=True, **config)
-    out, index = {}, 0
-    for wave in (requests, then):
-        for prompt, sp in wave:
-            eng.add_request(RolloutRequest(prompt=prompt, sampling=sp, request_id=str(index)))
-            index += 1
-        out.update({(int(r.request_id), r.sample_index): r for r in eng.run_until_done()})
-    out["stats"] = eng.stats()
+    out = serve_in_waves(eng, requests, then)
     out["graphs"] = eng.runner.graphs is not None
     return out
 
