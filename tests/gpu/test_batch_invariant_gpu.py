@@ -167,3 +167,26 @@ def test_products_and_attention_are_row_invariant_at_the_op_level():
         decode = ops.attention(q[pos:pos + 1], kv_layer, make_metadata([table], [1], [pos + 1], 16, False, "cuda"),
                                0.125)
         assert torch.equal(decode[0], prefill[pos]), pos
+
+
+def test_grpo_bitwise_ratio_is_exactly_one_on_the_cuda_backend(model):
+    """GRPO --bitwise against a cuda engine: the bf16 learner recomputes through the same kernels, so the PPO
+    ratio of the first minibatch is exactly 1, at step 1 and after a weight update (the pushed bf16 weights are
+    the learner's)."""
+    import numpy as np
+
+    from actors.grpo import GRPOConfig, GRPOLearner
+    from rollout_service import RolloutClient
+
+    client = RolloutClient.local(model, device="cuda", dtype="bfloat16", backend="cuda", batch_invariant=True,
+                                 num_pages=512, max_num_seqs=32, cuda_graph_max_batch=32)
+    cfg = GRPOConfig(group_size=4, prompts_per_step=2, max_tokens=12, lr=1e-4, seed=3, temperature=1.0,
+                     micro_batch=4, device="cuda", dtype="bfloat16", bitwise=True)
+    learner = GRPOLearner(copy.deepcopy(model), client, cfg, prompt_fn=lambda p: [1, 2 + p, 3],
+                          reward_fn=lambda r: float(np.mean([t % 2 == 0 for t in r.token_ids])))
+    assert learner.invariant.backend == "cuda"
+    rows = [learner.step([0, 1], full_mismatch=True), learner.step([2, 3])]
+    assert rows[0]["ratio_first_minibatch_tokens"] > 0 and rows[0]["ratio_first_minibatch_max_abs_dev"] == 0.0
+    assert rows[0]["mismatch_full_max"] == 0.0
+    assert rows[1]["step"] == 2 and rows[1]["ratio_first_minibatch_max_abs_dev"] == 0.0
+    client.close()
