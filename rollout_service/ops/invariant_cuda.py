@@ -133,7 +133,8 @@ class CudaInvariantOps(CudaOps):
         GEMM_ROWS-row chunks: measured once per shape on random rows (module docstring)."""
         key = (tuple(weight.shape), weight.dtype, bias is not None)
         if key not in self._wide:
-            x = torch.randn(WIDE_ROWS, weight.shape[1], device=weight.device, dtype=weight.dtype)
+            g = torch.Generator(device=weight.device).manual_seed(0)  # the caller's random stream stays as it is
+            x = torch.randn(WIDE_ROWS, weight.shape[1], device=weight.device, dtype=weight.dtype, generator=g)
             wide, narrow = (torch.empty(WIDE_ROWS, weight.shape[0], device=weight.device, dtype=weight.dtype)
                             for _ in range(2))
             self.kernels.fixed_rows_linear(wide, x, weight, bias, WIDE_ROWS)
