@@ -45,8 +45,8 @@ import torch
 from actors.learner import group_advantages, load_policy
 from rollout_service import tasks
 from rollout_service.config import DTYPE_NAMES
-from rollout_service.mismatch import (fp32_reference_report, logprob_mismatch, model_token_mask, num_model_tokens,
-                                     token_logprobs)
+from rollout_service.mismatch import (fp32_reference_report, learner_logprobs, logprob_mismatch, model_token_mask,
+                                     num_model_tokens, token_logprobs)
 from rollout_service.training import (OPTIMIZERS, InvariantForward, LearnerOutOfMemory, MasterWeights, StepClock,
                                       memory_figures)
 from rollout_service.training.memory import describe, is_out_of_memory
@@ -222,14 +222,6 @@ class GRPOLearner:
             return self.invariant.logprobs(results, self.config.temperature)
         return token_logprobs(self.policy, results, self.config.temperature)
 
-    def _recompute_all(self, results: Sequence[RolloutResult]) -> list[torch.Tensor]:
-        """recompute() of every result, no grad, in micro-batches."""
-        out: list[torch.Tensor] = []
-        with torch.no_grad():
-            for i in range(0, len(results), self.config.micro_batch):
-                out += [t.float().cpu() for t in self.recompute(results[i:i + self.config.micro_batch])]
-        return out
-
     def train_on(self, results: Sequence[RolloutResult], rewards: Sequence[float]) -> dict:
         """One GRPO update on a prompt-major batch; returns loss, grad norm, mismatch report, counts. Only the
         tokens the model sampled count (an episode's loss_mask == 1). ratio_first_minibatch_max_abs_dev: max
@@ -316,7 +308,8 @@ class GRPOLearner:
                     extra["fidelity_vs_fp32"] = fp32_reference_report(
                         self.policy, results[:fp32_reference], self.config.temperature, self.config.micro_batch)
                 if full_mismatch:
-                    extra["full"] = logprob_mismatch(results, self._recompute_all(results))
+                    extra["full"] = logprob_mismatch(results, learner_logprobs(
+                        self.policy, results, micro_batch=self.config.micro_batch, recompute=self.recompute))
                 stats = self.train_on(results, rewards)
                 extra["learner_memory"] = memory_figures(self.device)
                 self._release_cached_memory()  # the engine wakes into what the learner held as cache

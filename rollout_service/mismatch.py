@@ -16,7 +16,7 @@ model did not sample (loss_mask 0, log-prob 0.0): only its loss_mask == 1 tokens
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -77,15 +77,17 @@ def token_logprobs(model: torch.nn.Module, results: Sequence[RolloutResult], tem
 
 
 def learner_logprobs(model: torch.nn.Module, results: Sequence[RolloutResult], temperature: float = 1.0,
-                     micro_batch: int = 16) -> list[np.ndarray]:
-    """The learner's float32 log-probs of every result's sampled tokens (no grad, in micro-batches)."""
+                     micro_batch: int = 16, recompute: Callable[[Sequence[RolloutResult]], list] | None = None,
+                     ) -> list[np.ndarray]:
+    """The learner's float32 log-probs of every result's sampled tokens (no grad, in micro-batches).
+    recompute(results): the learner's forward (default: token_logprobs of `model` at `temperature`)."""
     if micro_batch < 1:
         raise ValueError(f"micro_batch={micro_batch} must be >= 1")
+    recompute = recompute or (lambda chunk: token_logprobs(model, chunk, temperature))
     out: list[np.ndarray] = []
     with torch.no_grad():
         for i in range(0, len(results), micro_batch):
-            out += [t.cpu().numpy().astype(np.float32)
-                    for t in token_logprobs(model, results[i:i + micro_batch], temperature)]
+            out += [t.cpu().numpy().astype(np.float32) for t in recompute(results[i:i + micro_batch])]
     return out
 
 

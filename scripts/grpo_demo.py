@@ -13,7 +13,7 @@ rollout tokens/s, the seconds of every phase (rollout, reward, learner, refresh,
 learner's memory; at the end it draws DIR/grpo.png and writes DIR/run.json (command, wall time, load
 average, before/after accuracy).
 
---bitwise turns on the engine's batch_invariant mode (the torch ops, also on a GPU) and the learner's bitwise
+--bitwise turns on the engine's batch_invariant mode (on its ops backend, torch or cuda) and the learner's bitwise
 recompute (GRPOConfig.bitwise): on-policy, the PPO ratio is then exactly 1 (each row's
 ratio_first_minibatch_max_abs_dev is 0.0). The engine runs in the learner's dtype (grpo.dtype).
 """
@@ -93,7 +93,7 @@ def main() -> None:
     ap.add_argument("--overlap", action="store_true",
                     help="one-step off-policy: submit the next batch before each update (staleness 1)")
     ap.add_argument("--bitwise", action="store_true",
-                    help="batch-invariant engine (torch ops) and the learner's bitwise recompute: the on-policy "
+                    help="batch-invariant engine and the learner's bitwise recompute: the on-policy "
                          "PPO ratio is exactly 1")
     args = ap.parse_args()
     t_start = time.perf_counter()

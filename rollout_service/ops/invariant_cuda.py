@@ -85,6 +85,7 @@ class CudaInvariantOps(CudaOps):
         super().__init__(exact_prefill_attention=False)
         self._expanded: tuple[attention_ref.AttentionMetadata, tuple[torch.Tensor, ...]] | None = None
         self._wide: dict[tuple, bool] = {}  # weight shape -> WIDE_ROWS products equal GEMM_ROWS chunks
+        self._scratch: tuple | None = None  # the learner's scratch-page metadata (_scratch_pages)
 
     @staticmethod
     def check_model(config, dtype: torch.dtype, page_size: int) -> None:
@@ -184,14 +185,22 @@ class CudaInvariantOps(CudaOps):
         """RoPE then causal attention of sequences laid back to back (q [T, Hq, D], k / v [T, Hk, D], not yet
         rotated) with the engine's kernels: K/V written to scratch pages, each query through the decode kernel."""
         q, k = q.clone(), k.clone()  # the kernels rotate in place
-        num_kv_heads, head_dim = k.shape[1], k.shape[2]
-        page_tables, first = [], 1  # page 0 stays unused, as in the engine's pool
-        for n in lens:
-            pages = -(-n // PAGE_SIZE)
-            page_tables.append(list(range(first, first + pages)))
-            first += pages
-        kv_layer = k.new_zeros(first, 2, num_kv_heads, PAGE_SIZE, head_dim)
-        meta = attention_ref.make_metadata(page_tables, lens, lens, PAGE_SIZE, True, q.device)
+        meta, num_pages = self._scratch_pages(lens, q.device)
+        kv_layer = k.new_zeros(num_pages, 2, k.shape[1], PAGE_SIZE, k.shape[2])
         q = self.rope_and_write_kv(q, k, v, meta.positions, cos_sin, kv_layer, meta.slot_mapping)
         return self.attention(q, kv_layer, meta, scale)
 
+    def _scratch_pages(self, lens: list[int], device: torch.device) -> tuple[attention_ref.AttentionMetadata, int]:
+        """Prefill metadata of sequences `lens` on consecutive scratch pages (page 0 unused, as in the engine's
+        pool) and the page count; kept while the lengths repeat, so every layer of a forward shares it (and the
+        per-query expansion of _per_query)."""
+        key = (tuple(lens), device)
+        if self._scratch is None or self._scratch[0] != key:
+            page_tables, first = [], 1
+            for n in lens:
+                pages = -(-n // PAGE_SIZE)
+                page_tables.append(list(range(first, first + pages)))
+                first += pages
+            meta = attention_ref.make_metadata(page_tables, lens, lens, PAGE_SIZE, True, device)
+            self._scratch = (key, meta, first)
+        return self._scratch[1], self._scratch[2]
