@@ -226,7 +226,37 @@ def test_products_have_the_bits_of_row_tile_products_on_either_path():
     assert torch.equal(invariant.tiled_matmul(x, w), tiles)
     folded = invariant._fold_checked[key]
     try:
-        invariant._fold_checked[key] = not folded  # the other path: the same bits
+        invariant._fold_checked[key] = False  # one product per tile: the same bits (as the check said)
         assert torch.equal(invariant.tiled_matmul(x, w), tiles)
     finally:
         invariant._fold_checked[key] = folded
+
+
+@pytest.mark.parametrize("heads", [(4, 4), (6, 2), (16, 1)])
+def test_attention_gives_the_same_bits_on_either_path_and_matches_the_reference(heads):
+    """A sequence's tiles stacked into one product (keys in place) or one product per tile (keys copied per
+    tile): the same bits, and a query's bits do not depend on its batch mates (a sequence with no queries this
+    step, other lengths). Within float32 rounding of plain causal attention."""
+    hq, hk = heads
+    q_lens, kv_lens = [17, 0, 30, 40], [17, 4, 70, 130]
+    q = torch.randn(sum(q_lens), hq, 16)
+    keys, values = torch.randn(4, hk, 130, 16), torch.randn(4, hk, 130, 16)
+    keys[1, :, 4:] = values[1, :, 4:] = float("nan")  # past a sequence's length: anything
+    key = (max(1, invariant.ROW_TILE // (hq // hk)) * (hq // hk), 16, "cpu")
+    got = invariant.block_attention_forward(q, keys, values, q_lens, kv_lens, 0.25)
+    stacked = invariant._attention_fold_checked[key]
+    try:  # (where the check refused stacking, both runs take the per-tile path)
+        invariant._attention_fold_checked[key] = False
+        assert torch.equal(invariant.block_attention_forward(q, keys, values, q_lens, kv_lens, 0.25), got)
+    finally:
+        invariant._attention_fold_checked[key] = stacked
+    alone = invariant.block_attention_forward(q[17:47], keys[2:3], values[2:3], [30], [70], 0.25)
+    assert torch.equal(alone, got[17:47])
+    start, ref = 0, []
+    for b, (n, kv) in enumerate(zip(q_lens, kv_lens)):
+        visible = torch.arange(kv)[None, :] <= torch.arange(kv - n, kv)[:, None]
+        ref.append(torch.nn.functional.scaled_dot_product_attention(
+            q[start:start + n].transpose(0, 1), keys[b, :, :kv], values[b, :, :kv], attn_mask=visible, scale=0.25,
+            enable_gqa=hq != hk).transpose(0, 1))
+        start += n
+    torch.testing.assert_close(got, torch.cat(ref), rtol=1e-5, atol=1e-5)

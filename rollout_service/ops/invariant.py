@@ -11,7 +11,8 @@ over a length that the batch mates decide. Here:
   the same reduction order for every row, whatever the batch, the step (prefill or decode) or the row's place;
 - attention walks each query's keys in fixed blocks of KEY_BLOCK absolute positions with an online softmax
   merged in block order, in tiles of a fixed row count (queries x the GQA group's heads), so prefill, decode
-  and a recompute after preemption give a query the same bits.
+  and a recompute after preemption give a query the same bits; a sequence's tiles go in one product over its
+  keys where that gives each row a tile product's bits (checked once per shape, `_attention_fold_ok`).
 
 The sampler's normaliser is a row-tile product too (logsumexp: torch splits a lone row's sum across threads).
 Norms (rows of at most a few thousand), RoPE and SiLU are row-local already (tests/test_batch_invariant.py checks
@@ -19,6 +20,8 @@ the whole engine). The learner's recompute (rollout_service.training.InvariantFo
 its forward and differentiates the plain torch reference math. The CUDA version is ops/invariant_cuda.py.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -91,22 +94,58 @@ def logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return linear(hidden.float(), weight.float())
 
 
-def _query_tiles(q_lens: list[int], per_tile: int, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """Each sequence's queries cut into tiles of `per_tile` of its own: (token index [NT, per_tile] into the flat
-    query rows, padding repeating the sequence's last query; the tile's sequence [NT]; real [NT, per_tile])."""
-    rows, seqs, real = [], [], []
-    start = 0
-    for b, n in enumerate(q_lens):
-        for t0 in range(0, n, per_tile):
-            idx = torch.arange(start + t0, start + t0 + per_tile)
-            real.append(idx < start + n)
-            rows.append(idx.clamp(max=start + n - 1))
-            seqs.append(b)
-        start += n
-    if not rows:
-        empty = torch.empty(0, per_tile, dtype=torch.long, device=device)
-        return empty, torch.empty(0, dtype=torch.long, device=device), empty.bool()
-    return (torch.stack(rows).to(device), torch.tensor(seqs, device=device), torch.stack(real).to(device))
+class _Layout(NamedTuple):
+    """Where each query row of a step sits in attention's tiles: sequence b's queries fill slots [b, 0:n_b] of
+    [B, S * per_tile] (S: the most tiles a sequence needs; a padding slot repeats the sequence's last query)."""
+    rows: torch.Tensor  # [B, S * per_tile] index into the flat query rows
+    real: torch.Tensor  # [B, S * per_tile] bool: a query of the sequence, not padding
+    pos: torch.Tensor  # [B, S * per_tile] the slot's absolute position
+    limit: torch.Tensor  # [B] the sequence's key count
+    tiles: int  # S
+    used: int  # tiles holding a query (B * S when every sequence needs S)
+
+
+_layouts: dict[tuple, _Layout] = {}
+
+
+def _layout(q_lens: list[int], kv_lens: list[int], per_tile: int, device: torch.device) -> _Layout:
+    """The step's tile layout, built once for all its layers (the last few steps' kept)."""
+    key = (tuple(q_lens), tuple(kv_lens), per_tile, str(device))
+    if key not in _layouts:
+        if len(_layouts) >= 8:
+            _layouts.pop(next(iter(_layouts)))
+        n = torch.tensor(q_lens, device=device)
+        kv = torch.tensor(kv_lens, device=device)
+        per_seq = [-(-x // per_tile) for x in q_lens]
+        tiles = max(1, max(per_seq))
+        slot = torch.arange(tiles * per_tile, device=device)[None, :]
+        last = (n - 1).clamp(min=0)[:, None]
+        start = torch.cumsum(n, 0)[:, None] - n[:, None]
+        _layouts[key] = _Layout(rows=(start + slot.minimum(last)).clamp(min=0), real=slot < n[:, None],
+                                pos=(kv - n)[:, None] + slot.minimum(last), limit=kv, tiles=tiles,
+                                used=sum(per_seq))
+    return _layouts[key]
+
+
+_attention_fold_checked: dict[tuple, bool] = {}
+
+
+def _attention_fold_ok(rows: int, head_dim: int, device: torch.device) -> bool:
+    """Whether attention's two products ([R, D] x [D, KEY_BLOCK], [R, KEY_BLOCK] x [KEY_BLOCK, D]) give a row the
+    same bits when a sequence's tiles are stacked into one product of k * R rows as in R-row products (k up to
+    64, batched as attention batches them). Then a sequence's keys are read in place, not copied per tile."""
+    key = (rows, head_dim, device.type)
+    if key not in _attention_fold_checked:
+        g = torch.Generator().manual_seed(0)
+        ok = True
+        for k, n in ((head_dim, KEY_BLOCK), (KEY_BLOCK, head_dim)):
+            x = torch.randn(3, 64 * rows, k, generator=g).to(device)
+            w = torch.randn(3, k, n, generator=g).to(device)
+            tiles = torch.cat([torch.matmul(x[:, i:i + rows], w) for i in range(0, x.shape[1], rows)], 1)
+            ok &= all(torch.equal(torch.matmul(x[:b, :m * rows], w[:b]), tiles[:b, :m * rows])
+                      for m in (2, 3, 16, 64) for b in (1, 3))
+        _attention_fold_checked[key] = ok
+    return _attention_fold_checked[key]
 
 
 def block_attention_forward(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, q_lens: list[int],
@@ -116,50 +155,55 @@ def block_attention_forward(q: torch.Tensor, keys: torch.Tensor, values: torch.T
 
     A tile is ROW_TILE // G queries of one sequence times the G query heads of a kv head (GQA), its rows in a
     fixed order; it walks key blocks [j * KEY_BLOCK, (j + 1) * KEY_BLOCK) with products of one fixed shape
-    ([R, D] x [D, KEY_BLOCK], [R, KEY_BLOCK] x [KEY_BLOCK, D]). A block wholly after a query's position leaves
-    its state bit for bit unchanged (scores -inf, weights exactly 0, the rescale exp(0) = 1), so neither tile
-    mates nor the number of blocks change a query's numbers. Masks are skipped where nothing is masked (an
-    all-false mask changes no bit)."""
+    ([R, D] x [D, KEY_BLOCK], [R, KEY_BLOCK] x [KEY_BLOCK, D]), or, where that gives each row the same bits
+    (`_attention_fold_ok`), a sequence's tiles stacked into one product over its keys in place. A block
+    wholly after a query's position leaves its state bit for bit unchanged (scores -inf, weights exactly 0,
+    the rescale exp(0) = 1), so neither tile mates nor the number of blocks change a query's numbers. Masks
+    are skipped where nothing is masked (an all-false mask changes no bit)."""
     num_q, num_q_heads, head_dim = q.shape
     batch, num_kv_heads, length = keys.shape[:3]
     group = num_q_heads // num_kv_heads
     per_tile = max(1, ROW_TILE // group)
-    dev = q.device
-    rows, tile_seq, real = _query_tiles(q_lens, per_tile, dev)
-    n_tiles = rows.shape[0]
-    if n_tiles == 0:
+    if num_q == 0:
         return q.new_zeros(q.shape, dtype=torch.float32)
+    lay = _layout(q_lens, kv_lens, per_tile, q.device)
+    width = lay.tiles * per_tile * group  # a sequence's rows: its tiles one after another
     blocks = -(-max(kv_lens) // KEY_BLOCK)
     if length < blocks * KEY_BLOCK:  # whole blocks (zeros past L: masked)
         pad = (0, 0, 0, blocks * KEY_BLOCK - length)
         keys, values = torch.nn.functional.pad(keys, pad), torch.nn.functional.pad(values, pad)
-    first_pos = torch.tensor([kv - n for kv, n in zip(kv_lens, q_lens)], device=dev)
-    q_start = torch.tensor([0] + q_lens, device=dev).cumsum(0)[:-1]
-    pos = first_pos[tile_seq][:, None] + rows - q_start[tile_seq][:, None]  # [NT, per_tile]
-    pos = pos[:, None, :, None].expand(n_tiles, 1, per_tile, group).reshape(n_tiles, 1, -1)  # [NT, 1, R]
-    limit = torch.tensor(kv_lens, device=dev)[tile_seq]  # [NT]
-    width = per_tile * group
-    tiles = (q.float()[rows].view(n_tiles, per_tile, num_kv_heads, group, head_dim)
-             .permute(0, 2, 1, 3, 4).reshape(n_tiles, num_kv_heads, width, head_dim))  # [NT, Hk, R, D]
-    one_tile_each = n_tiles == batch  # every sequence a single tile, in order: no gather of its keys
+    # [B, Hk, S * per_tile * G, D]: slot-major, then the group's heads
+    tiles = (q.float()[lay.rows].view(batch, -1, num_kv_heads, group, head_dim)
+             .permute(0, 2, 1, 3, 4).reshape(batch, num_kv_heads, width, head_dim))
+    pos = lay.pos[:, None, :, None].expand(-1, 1, -1, group).reshape(batch, 1, width)
+    limit, tile_seq = lay.limit, None
+    stacked = lay.tiles * batch <= 2 * lay.used and _attention_fold_ok(per_tile * group, head_dim, q.device)
+    if lay.tiles > 1 and not stacked:
+        # one product per tile (also when stacking would mostly compute padding: ragged lengths), each tile
+        # with its own copy of its sequence's keys
+        keep = lay.real.view(batch, lay.tiles, per_tile).any(-1).flatten()
+        tile_seq = torch.arange(batch, device=q.device).repeat_interleave(lay.tiles)[keep]
+        tiles = tiles.view(batch, num_kv_heads, lay.tiles, -1, head_dim).transpose(1, 2).flatten(0, 1)[keep]
+        pos = pos.view(batch, 1, lay.tiles, -1).transpose(1, 2).flatten(0, 1)[keep]
+        limit = limit[tile_seq]
     live = [(kv, n) for kv, n in zip(kv_lens, q_lens) if n > 0]
     unmasked = min(kv - n for kv, n in live) + 1  # keys before this are visible to every query
     shortest = min(kv for kv, _ in live)
-    m = torch.full((n_tiles, num_kv_heads, width), float("-inf"), device=dev)
-    denom = torch.zeros(n_tiles, num_kv_heads, width, device=dev)
-    acc = torch.zeros(n_tiles, num_kv_heads, width, head_dim, device=dev)
+    m = torch.full(tiles.shape[:3], float("-inf"), device=q.device)
+    denom = torch.zeros(tiles.shape[:3], device=q.device)
+    acc = torch.zeros(tiles.shape, device=q.device)
     for j in range(blocks):
         lo, hi = j * KEY_BLOCK, (j + 1) * KEY_BLOCK
         kb, vb = keys[:, :, lo:hi], values[:, :, lo:hi]
-        if not one_tile_each:
+        if tile_seq is not None:
             kb, vb = kb[tile_seq], vb[tile_seq]  # [NT, Hk, KB, D]
-        key_pos = torch.arange(lo, hi, device=dev)
+        key_pos = torch.arange(lo, hi, device=q.device)
         if hi > shortest:
-            in_seq = key_pos[None, :] < limit[:, None]  # [NT, KB]
+            in_seq = key_pos[None, :] < limit[:, None]
             vb = vb.masked_fill(~in_seq[:, None, :, None], 0.0)  # 0 * garbage stays 0
-        scores = torch.matmul(tiles, kb.transpose(-1, -2)) * scale  # [NT, Hk, R, KB]
+        scores = torch.matmul(tiles, kb.transpose(-1, -2)) * scale  # [., Hk, R, KB]
         if hi > unmasked:
-            visible = (key_pos <= pos[..., None]) & (key_pos < limit[:, None, None, None])  # [NT, 1, R, KB]
+            visible = (key_pos <= pos[..., None]) & (key_pos < limit[:, None, None, None])
             scores = scores.masked_fill(~visible, float("-inf"))
         m_new = torch.maximum(m, scores.amax(-1))
         m_use = torch.where(m_new == float("-inf"), torch.zeros_like(m_new), m_new)
@@ -168,9 +212,14 @@ def block_attention_forward(q: torch.Tensor, keys: torch.Tensor, values: torch.T
         denom = denom * corr + p.sum(-1)
         acc = acc * corr[..., None] + torch.matmul(p, vb)
         m = m_new
-    out = (acc / denom[..., None]).view(n_tiles, num_kv_heads, per_tile, group, head_dim)
-    out = out.permute(0, 2, 1, 3, 4).reshape(n_tiles, per_tile, num_q_heads, head_dim)
-    return out[real]  # [T, Hq, D]: tiles and their rows in token order
+    out = acc / denom[..., None]
+    if tile_seq is not None:  # back to [B, Hk, S * per_tile * G, D], dropped tiles as zeros
+        full = out.new_zeros(batch * lay.tiles, *out.shape[1:])
+        full[keep] = out
+        out = full.view(batch, lay.tiles, num_kv_heads, -1, head_dim).transpose(1, 2).reshape(
+            batch, num_kv_heads, width, head_dim)
+    out = out.view(batch, num_kv_heads, -1, group, head_dim).permute(0, 2, 1, 3, 4)
+    return out.reshape(-1, num_q_heads, head_dim)[lay.real.flatten()]  # [T, Hq, D] in token order
 
 
 def padded_per_sequence(x: torch.Tensor, lens: list[int]) -> torch.Tensor:
@@ -185,7 +234,8 @@ def padded_per_sequence(x: torch.Tensor, lens: list[int]) -> torch.Tensor:
 
 def gather_paged_kv(kv_layer: torch.Tensor, meta: attention_ref.AttentionMetadata) -> tuple[torch.Tensor, ...]:
     """Each sequence's K and V [B, Hk, L, D] in float32 from the paged cache, L whole KEY_BLOCKs (what lies past
-    a sequence's length, stale page tails and padding pages, is masked by block_attention_forward)."""
+    a sequence's length, stale page tails and padding pages, is masked by block_attention_forward). Gathered
+    per (page, kv head), which lands them in [B, Hk, L, D] order in one copy."""
     _, _, num_kv_heads, page_size, head_dim = kv_layer.shape
     tables = meta.block_tables.long()
     batch, max_pages = tables.shape
@@ -193,9 +243,11 @@ def gather_paged_kv(kv_layer: torch.Tensor, meta: attention_ref.AttentionMetadat
     if max_pages % per_block:  # the reserved page 0 as padding: whole blocks without a second copy
         tables = torch.nn.functional.pad(tables, (0, per_block - max_pages % per_block))
         max_pages = tables.shape[1]
-    kv = kv_layer.index_select(0, tables.flatten()).view(batch, max_pages, 2, num_kv_heads, page_size, head_dim)
-    kv = kv.permute(2, 0, 3, 1, 4, 5).reshape(2, batch, num_kv_heads, max_pages * page_size, head_dim).float()
-    return kv[0], kv[1]
+    pieces = kv_layer.view(-1, page_size, head_dim)  # [pages * 2 * Hk, page_size, D]
+    heads = torch.arange(num_kv_heads, device=kv_layer.device)
+    k_piece = tables[:, None, :] * (2 * num_kv_heads) + heads[None, :, None]  # [B, Hk, P]
+    shape = (batch, num_kv_heads, max_pages * page_size, head_dim)
+    return pieces[k_piece].view(shape).float(), pieces[k_piece + num_kv_heads].view(shape).float()
 
 
 class InvariantOps(TorchOps):
