@@ -1,6 +1,8 @@
 """Batch-invariant mode: a sequence's tokens and log-prob bytes do not depend on its batch mates, on how its
 prompt was prefilled (alone, chunked, shared, from the prefix cache) or on a preemption and recompute, and
 the learner's InvariantForward recomputes the same bytes (EngineConfig.batch_invariant)."""
+from unittest.mock import patch
+
 import numpy as np
 import pytest
 import torch
@@ -242,14 +244,11 @@ def test_attention_gives_the_same_bits_on_either_path_and_matches_the_reference(
     q = torch.randn(sum(q_lens), hq, 16)
     keys, values = torch.randn(4, hk, 130, 16), torch.randn(4, hk, 130, 16)
     keys[1, :, 4:] = values[1, :, 4:] = float("nan")  # past a sequence's length: anything
-    key = (max(1, invariant.ROW_TILE // (hq // hk)) * (hq // hk), 16, "cpu")
     got = invariant.block_attention_forward(q, keys, values, q_lens, kv_lens, 0.25)
-    stacked = invariant._attention_fold_checked[key]
-    try:  # (where the check refused stacking, both runs take the per-tile path)
-        invariant._attention_fold_checked[key] = False
+    queries, _ = invariant._queries_per_tile(hq // hk, 16, torch.device("cpu"))
+    # the same tiles, one product each (where the check refused stacking, both runs take that path)
+    with patch.object(invariant, "_queries_per_tile", lambda *_: (queries, False)):
         assert torch.equal(invariant.block_attention_forward(q, keys, values, q_lens, kv_lens, 0.25), got)
-    finally:
-        invariant._attention_fold_checked[key] = stacked
     alone = invariant.block_attention_forward(q[17:47], keys[2:3], values[2:3], [30], [70], 0.25)
     assert torch.equal(alone, got[17:47])
     start, ref = 0, []

@@ -21,7 +21,8 @@ its forward and differentiates the plain torch reference math. The CUDA version 
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from functools import partial
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -127,25 +128,57 @@ def _layout(q_lens: list[int], kv_lens: list[int], per_tile: int, device: torch.
     return _layouts[key]
 
 
+def _scores(tiles: torch.Tensor, keys: torch.Tensor, wide: bool) -> torch.Tensor:
+    """tiles [N, Hk, M, D] x keys [N, Hk, L, D] transposed: [N, Hk, M, L], by definition one product per key
+    block; `wide`: one product over all the blocks (where the check showed the same bits)."""
+    if wide:
+        return torch.matmul(tiles, keys.transpose(-1, -2))
+    return torch.cat([torch.matmul(tiles, keys[:, :, j:j + KEY_BLOCK].transpose(-1, -2))
+                      for j in range(0, keys.shape[2], KEY_BLOCK)], -1)
+
+
+def _block_products(p: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """[N, Hk, L / KEY_BLOCK, M, D]: each key block's weights p [N, Hk, M, L] times its values [N, Hk, L, D]."""
+    n, hk, m, length = p.shape
+    blocks = length // KEY_BLOCK
+    return torch.matmul(p.view(n, hk, m, blocks, KEY_BLOCK).transpose(2, 3),
+                        values.view(n, hk, blocks, KEY_BLOCK, -1))
+
+
 _attention_fold_checked: dict[tuple, bool] = {}
 
 
 def _attention_fold_ok(rows: int, head_dim: int, device: torch.device) -> bool:
-    """Whether attention's two products ([R, D] x [D, KEY_BLOCK], [R, KEY_BLOCK] x [KEY_BLOCK, D]) give a row the
-    same bits when a sequence's tiles are stacked into one product of k * R rows as in R-row products (k up to
-    64, batched as attention batches them). Then a sequence's keys are read in place, not copied per tile."""
+    """Whether attention's products give a row the bits of R-row tile products per key block when a sequence's
+    tiles are stacked into one product of k * R rows (k up to 64) and the scores span up to 16 key blocks,
+    batched as attention batches them. Then a sequence's keys are read in place, not copied per tile, and the
+    scores are one product. Checked once per shape on random data: a BLAS picks its kernel by shape."""
     key = (rows, head_dim, device.type)
     if key not in _attention_fold_checked:
         g = torch.Generator().manual_seed(0)
-        ok = True
-        for k, n in ((head_dim, KEY_BLOCK), (KEY_BLOCK, head_dim)):
-            x = torch.randn(3, 64 * rows, k, generator=g).to(device)
-            w = torch.randn(3, k, n, generator=g).to(device)
-            tiles = torch.cat([torch.matmul(x[:, i:i + rows], w) for i in range(0, x.shape[1], rows)], 1)
-            ok &= all(torch.equal(torch.matmul(x[:b, :m * rows], w[:b]), tiles[:b, :m * rows])
-                      for m in (2, 3, 16, 64) for b in (1, 3))
-        _attention_fold_checked[key] = ok
+        x, keys, values = (torch.randn(3, 2, n, head_dim, generator=g).to(device)
+                           for n in (64 * rows, 16 * KEY_BLOCK, 16 * KEY_BLOCK))
+        p = torch.rand(3, 2, 64 * rows, 16 * KEY_BLOCK, generator=g).to(device)
+        tile_rows = range(0, 64 * rows, rows)
+        scores = torch.cat([_scores(x[:, :, i:i + rows], keys, False) for i in tile_rows], 2)
+        parts = torch.cat([_block_products(p[:, :, i:i + rows], values) for i in tile_rows], 3)
+        _attention_fold_checked[key] = all(
+            torch.equal(_scores(x[:b, :, :m * rows], keys[:b, :, :n * KEY_BLOCK], True),
+                        scores[:b, :, :m * rows, :n * KEY_BLOCK]) and
+            torch.equal(_block_products(p[:b, :, :m * rows, :n * KEY_BLOCK], values[:b, :, :n * KEY_BLOCK]),
+                        parts[:b, :, :n, :m * rows])
+            for m in (1, 2, 3, 16, 64) for n in (1, 3, 16) for b in (1, 3))
     return _attention_fold_checked[key]
+
+
+def _queries_per_tile(group: int, head_dim: int, device: torch.device) -> tuple[int, bool]:
+    """(queries per tile, whether a sequence's tiles stack): the fewest queries whose rows (x the G heads) make a
+    tile that stacks, as a decode query is padded to a whole tile; else ROW_TILE // G, one product per tile."""
+    most = max(1, ROW_TILE // group)
+    for queries in range(1, most + 1):
+        if _attention_fold_ok(queries * group, head_dim, device):
+            return queries, True
+    return most, False
 
 
 def block_attention_forward(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, q_lens: list[int],
@@ -153,73 +186,87 @@ def block_attention_forward(q: torch.Tensor, keys: torch.Tensor, values: torch.T
     """Causal attention of q [T, Hq, D] (sequence b's rows are its last q_lens[b] positions) over each
     sequence's keys / values [B, Hk, L, D] (anything, even NaN, past kv_lens[b]: masked here); float32.
 
-    A tile is ROW_TILE // G queries of one sequence times the G query heads of a kv head (GQA), its rows in a
-    fixed order; it walks key blocks [j * KEY_BLOCK, (j + 1) * KEY_BLOCK) with products of one fixed shape
-    ([R, D] x [D, KEY_BLOCK], [R, KEY_BLOCK] x [KEY_BLOCK, D]), or, where that gives each row the same bits
-    (`_attention_fold_ok`), a sequence's tiles stacked into one product over its keys in place. A block
-    wholly after a query's position leaves its state bit for bit unchanged (scores -inf, weights exactly 0,
-    the rescale exp(0) = 1), so neither tile mates nor the number of blocks change a query's numbers. Masks
-    are skipped where nothing is masked (an all-false mask changes no bit)."""
+    A tile is a fixed number of queries of one sequence times the G query heads of a kv head (GQA), its rows
+    in a fixed order. Its numbers are those of products of one fixed shape per key block [j * KEY_BLOCK,
+    (j + 1) * KEY_BLOCK) ([R, D] x [D, KEY_BLOCK] scores, [R, KEY_BLOCK] x [KEY_BLOCK, D] weighted values), or,
+    where a check shows the same bits (`_attention_fold_ok`), of a sequence's tiles stacked into one product over
+    all its keys, read in place; then a tile is the fewest queries that stack (a decode query pads to a tile),
+    else ROW_TILE // G queries. The softmax takes the exact maximum over the visible keys, sums each block's
+    weights and weighted values, and adds the blocks in order: a block wholly after a query's position adds
+    exact zeros, so neither tile mates nor the number of blocks change a query's numbers. Masks are skipped
+    where nothing is masked (an all-false mask changes no bit)."""
     num_q, num_q_heads, head_dim = q.shape
     batch, num_kv_heads, length = keys.shape[:3]
     group = num_q_heads // num_kv_heads
-    per_tile = max(1, ROW_TILE // group)
+    per_tile, stackable = _queries_per_tile(group, head_dim, q.device)
     if num_q == 0:
         return q.new_zeros(q.shape, dtype=torch.float32)
     lay = _layout(q_lens, kv_lens, per_tile, q.device)
     width = lay.tiles * per_tile * group  # a sequence's rows: its tiles one after another
-    blocks = -(-max(kv_lens) // KEY_BLOCK)
-    if length < blocks * KEY_BLOCK:  # whole blocks (zeros past L: masked)
-        pad = (0, 0, 0, blocks * KEY_BLOCK - length)
-        keys, values = torch.nn.functional.pad(keys, pad), torch.nn.functional.pad(values, pad)
+    span = -(-max(kv_lens) // KEY_BLOCK) * KEY_BLOCK  # whole blocks (zeros past L: masked)
+    keys, values = (torch.nn.functional.pad(t, (0, 0, 0, span - length)) if length < span else t[:, :, :span]
+                    for t in (keys, values))
     # [B, Hk, S * per_tile * G, D]: slot-major, then the group's heads
     tiles = (q.float()[lay.rows].view(batch, -1, num_kv_heads, group, head_dim)
              .permute(0, 2, 1, 3, 4).reshape(batch, num_kv_heads, width, head_dim))
     pos = lay.pos[:, None, :, None].expand(-1, 1, -1, group).reshape(batch, 1, width)
-    limit, tile_seq = lay.limit, None
-    stacked = lay.tiles * batch <= 2 * lay.used and _attention_fold_ok(per_tile * group, head_dim, q.device)
-    if lay.tiles > 1 and not stacked:
-        # one product per tile (also when stacking would mostly compute padding: ragged lengths), each tile
-        # with its own copy of its sequence's keys
-        keep = lay.real.view(batch, lay.tiles, per_tile).any(-1).flatten()
-        tile_seq = torch.arange(batch, device=q.device).repeat_interleave(lay.tiles)[keep]
-        tiles = tiles.view(batch, num_kv_heads, lay.tiles, -1, head_dim).transpose(1, 2).flatten(0, 1)[keep]
-        pos = pos.view(batch, 1, lay.tiles, -1).transpose(1, 2).flatten(0, 1)[keep]
-        limit = limit[tile_seq]
     live = [(kv, n) for kv, n in zip(kv_lens, q_lens) if n > 0]
-    unmasked = min(kv - n for kv, n in live) + 1  # keys before this are visible to every query
-    shortest = min(kv for kv, _ in live)
-    m = torch.full(tiles.shape[:3], float("-inf"), device=q.device)
-    denom = torch.zeros(tiles.shape[:3], device=q.device)
-    acc = torch.zeros(tiles.shape, device=q.device)
-    for j in range(blocks):
-        lo, hi = j * KEY_BLOCK, (j + 1) * KEY_BLOCK
-        kb, vb = keys[:, :, lo:hi], values[:, :, lo:hi]
-        if tile_seq is not None:
-            kb, vb = kb[tile_seq], vb[tile_seq]  # [NT, Hk, KB, D]
-        key_pos = torch.arange(lo, hi, device=q.device)
-        if hi > shortest:
-            in_seq = key_pos[None, :] < limit[:, None]
-            vb = vb.masked_fill(~in_seq[:, None, :, None], 0.0)  # 0 * garbage stays 0
-        scores = torch.matmul(tiles, kb.transpose(-1, -2)) * scale  # [., Hk, R, KB]
-        if hi > unmasked:
-            visible = (key_pos <= pos[..., None]) & (key_pos < limit[:, None, None, None])
-            scores = scores.masked_fill(~visible, float("-inf"))
-        m_new = torch.maximum(m, scores.amax(-1))
-        m_use = torch.where(m_new == float("-inf"), torch.zeros_like(m_new), m_new)
-        corr = torch.exp(m - m_use)
-        p = torch.exp(scores - m_use[..., None])
-        denom = denom * corr + p.sum(-1)
-        acc = acc * corr[..., None] + torch.matmul(p, vb)
-        m = m_new
-    out = acc / denom[..., None]
-    if tile_seq is not None:  # back to [B, Hk, S * per_tile * G, D], dropped tiles as zeros
-        full = out.new_zeros(batch * lay.tiles, *out.shape[1:])
-        full[keep] = out
-        out = full.view(batch, lay.tiles, num_kv_heads, -1, head_dim).transpose(1, 2).reshape(
-            batch, num_kv_heads, width, head_dim)
+    masks = (span > min(kv - n for kv, n in live) + 1,  # a key some query may not see
+             span > min(kv for kv, _ in live))  # a key past some sequence's end
+    attend = partial(_attend, scale=scale, wide=stackable, masks=masks)
+    if lay.tiles == 1 or (stackable and lay.tiles * batch <= 2 * lay.used):
+        step = max(1, _CHUNK_FLOATS // (batch * num_kv_heads * span * per_tile * group)) * per_tile * group
+        out = torch.cat([attend(tiles[:, :, r:r + step], keys, values, pos[:, :, r:r + step], lay.limit)
+                         for r in range(0, width, step)], 2)
+    else:
+        out = _attend_per_tile(tiles, keys, values, pos, lay, attend)
     out = out.view(batch, num_kv_heads, -1, group, head_dim).permute(0, 2, 1, 3, 4)
     return out.reshape(-1, num_q_heads, head_dim)[lay.real.flatten()]  # [T, Hq, D] in token order
+
+
+_CHUNK_FLOATS = 1 << 24  # scores (or a per-tile path's copied keys) held at once
+
+
+def _attend_per_tile(tiles: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor,
+                     lay: _Layout, attend: Callable) -> torch.Tensor:
+    """One product per tile (no stacking, or ragged lengths where stacking would mostly compute padding), each
+    tile with its own copy of its sequence's keys; back in [B, Hk, S * R, D] order, dropped tiles zeros."""
+    batch, num_kv_heads, width, head_dim = tiles.shape
+    keep = lay.real.view(batch, lay.tiles, -1).any(-1).flatten()
+    tile_seq = torch.arange(batch, device=tiles.device).repeat_interleave(lay.tiles)[keep]
+    tiles = tiles.view(batch, num_kv_heads, lay.tiles, -1, head_dim).transpose(1, 2).flatten(0, 1)[keep]
+    pos = pos.view(batch, 1, lay.tiles, -1).transpose(1, 2).flatten(0, 1)[keep]
+    step = max(1, _CHUNK_FLOATS // (num_kv_heads * keys.shape[2] * max(head_dim, tiles.shape[2])))
+    parts = []
+    for t in range(0, tiles.shape[0], step):
+        seq = tile_seq[t:t + step]
+        parts.append(attend(tiles[t:t + step], keys[seq], values[seq], pos[t:t + step], lay.limit[seq]))
+    full = tiles.new_zeros(batch * lay.tiles, *tiles.shape[1:])
+    full[keep] = torch.cat(parts)
+    return full.view(batch, lay.tiles, num_kv_heads, -1, head_dim).transpose(1, 2).reshape(
+        batch, num_kv_heads, width, head_dim)
+
+
+def _attend(tiles: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor, limit: torch.Tensor,
+            scale: float, wide: bool, masks: tuple[bool, bool]) -> torch.Tensor:
+    """Softmax attention of rows tiles [N, Hk, M, D] (at positions pos [N, 1, M]) over keys / values
+    [N, Hk, L, D] (L whole blocks, limit [N] real): [N, Hk, M, D]."""
+    mask_scores, mask_values = masks
+    key_pos = torch.arange(keys.shape[2], device=keys.device)
+    scores = _scores(tiles, keys, wide) * scale
+    if mask_scores:
+        visible = (key_pos <= pos[..., None]) & (key_pos < limit[:, None, None, None])
+        scores = scores.masked_fill(~visible, float("-inf"))
+    if mask_values:  # 0 * garbage stays 0
+        values = values.masked_fill((key_pos >= limit[:, None])[:, None, :, None], 0.0)
+    top = scores.amax(-1, keepdim=True)  # exact, in any order
+    p = torch.exp(scores - torch.where(top == float("-inf"), torch.zeros_like(top), top))
+    sums = p.view(*p.shape[:3], -1, KEY_BLOCK).sum(-1)  # [N, Hk, M, blocks]
+    parts = _block_products(p, values)  # [N, Hk, blocks, M, D]
+    denom, acc = sums[..., 0], parts[:, :, 0]
+    for j in range(1, sums.shape[-1]):  # blocks in order
+        denom, acc = denom + sums[..., j], acc + parts[:, :, j]
+    return acc / denom[..., None]
 
 
 def padded_per_sequence(x: torch.Tensor, lens: list[int]) -> torch.Tensor:
