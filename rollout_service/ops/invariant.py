@@ -2,17 +2,18 @@
 
 Where an ordinary forward is not batch invariant: a GEMM's kernel (and with it the summation order of each
 output) is chosen by the shape, so the same row gets other roundings at M = 1 than at M = 64 (on this CPU
-build, rows of M = 1, 2, 3, 5, 7 take other paths than M = 4, 8 or any multiple of 16), and attention over a batch padded to its longest sequence reduces
-over a length that the batch mates decide. Here:
+build, rows of M = 1, 2, 3, 5, 7 take other paths than M = 4, 8 or any multiple of 16), and attention over a
+batch padded to its longest sequence reduces over a length that the batch mates decide. Here:
 
 - every matrix product has its rows zero-padded to a multiple of ROW_TILE, which keeps the BLAS off its
   small-M paths, and runs as one product where that gives each row the bits of a ROW_TILE-row product of it
   (checked once per shape on 16 to 1024 random rows, `_fold_ok`), else as one ROW_TILE-row product per tile:
   the same reduction order for every row, whatever the batch, the step (prefill or decode) or the row's place;
-- attention walks each query's keys in fixed blocks of KEY_BLOCK absolute positions with an online softmax
-  merged in block order, in tiles of a fixed row count (queries x the GQA group's heads), so prefill, decode
-  and a recompute after preemption give a query the same bits; a sequence's tiles go in one product over its
-  keys where that gives each row a tile product's bits (checked once per shape, `_attention_fold_ok`).
+- attention reduces over each query's keys in fixed blocks of KEY_BLOCK absolute positions (the exact maximum
+  over all of them, then per-block sums added in block order), with products of tiles of a fixed row count
+  (queries x the GQA group's heads), so prefill, decode and a recompute after preemption give a query the same
+  bits; a sequence's tiles go in one product over its keys where that gives each row a tile product's bits
+  (checked once per shape, `_attention_fold_ok`).
 
 The sampler's normaliser is a row-tile product too (logsumexp: torch splits a lone row's sum across threads).
 Norms (rows of at most a few thousand), RoPE and SiLU are row-local already (tests/test_batch_invariant.py checks
@@ -184,7 +185,8 @@ def _queries_per_tile(group: int, head_dim: int, device: torch.device) -> tuple[
 def block_attention_forward(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, q_lens: list[int],
                             kv_lens: list[int], scale: float) -> torch.Tensor:
     """Causal attention of q [T, Hq, D] (sequence b's rows are its last q_lens[b] positions) over each
-    sequence's keys / values [B, Hk, L, D] (anything, even NaN, past kv_lens[b]: masked here); float32.
+    sequence's keys / values [B, Hk, L, D] (anything, even NaN, past kv_lens[b]: masked here, and values zeroed
+    there in place: pass a copy); float32.
 
     A tile is a fixed number of queries of one sequence times the G query heads of a kv head (GQA), its rows
     in a fixed order. Its numbers are those of products of one fixed shape per key block [j * KEY_BLOCK,
@@ -211,9 +213,8 @@ def block_attention_forward(q: torch.Tensor, keys: torch.Tensor, values: torch.T
              .permute(0, 2, 1, 3, 4).reshape(batch, num_kv_heads, width, head_dim))
     pos = lay.pos[:, None, :, None].expand(-1, 1, -1, group).reshape(batch, 1, width)
     live = [(kv, n) for kv, n in zip(kv_lens, q_lens) if n > 0]
-    masks = (span > min(kv - n for kv, n in live) + 1,  # a key some query may not see
-             span > min(kv for kv, _ in live))  # a key past some sequence's end
-    attend = partial(_attend, scale=scale, wide=stackable, masks=masks)
+    _zero_past_ends(values, lay.limit, min(kv for kv, _ in live))
+    attend = partial(_attend, scale=scale, wide=stackable, masked=span > min(kv - n for kv, n in live) + 1)
     if lay.tiles == 1 or (stackable and lay.tiles * batch <= 2 * lay.used):
         step = max(1, _CHUNK_FLOATS // (batch * num_kv_heads * span * per_tile * group)) * per_tile * group
         out = torch.cat([attend(tiles[:, :, r:r + step], keys, values, pos[:, :, r:r + step], lay.limit)
@@ -247,18 +248,25 @@ def _attend_per_tile(tiles: torch.Tensor, keys: torch.Tensor, values: torch.Tens
         batch, num_kv_heads, width, head_dim)
 
 
+def _zero_past_ends(values: torch.Tensor, limit: torch.Tensor, shortest: int) -> None:
+    """Zero values [B, Hk, L, D] past each sequence's end, in place (the caller's own copy; only the blocks
+    from the shortest sequence's end on): their weights are exactly 0, and 0 * garbage (even NaN) must stay 0."""
+    start = shortest // KEY_BLOCK * KEY_BLOCK
+    if start < values.shape[2]:
+        key_pos = torch.arange(start, values.shape[2], device=values.device)
+        values[:, :, start:].masked_fill_((key_pos >= limit[:, None])[:, None, :, None], 0.0)
+
+
 def _attend(tiles: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor, limit: torch.Tensor,
-            scale: float, wide: bool, masks: tuple[bool, bool]) -> torch.Tensor:
+            scale: float, wide: bool, masked: bool) -> torch.Tensor:
     """Softmax attention of rows tiles [N, Hk, M, D] (at positions pos [N, 1, M]) over keys / values
-    [N, Hk, L, D] (L whole blocks, limit [N] real): [N, Hk, M, D]."""
-    mask_scores, mask_values = masks
-    key_pos = torch.arange(keys.shape[2], device=keys.device)
+    [N, Hk, L, D] (L whole blocks, limit [N] real, values zero past it): [N, Hk, M, D]. masked: whether some
+    row may not see some key."""
     scores = _scores(tiles, keys, wide) * scale
-    if mask_scores:
+    if masked:
+        key_pos = torch.arange(keys.shape[2], device=keys.device)
         visible = (key_pos <= pos[..., None]) & (key_pos < limit[:, None, None, None])
         scores = scores.masked_fill(~visible, float("-inf"))
-    if mask_values:  # 0 * garbage stays 0
-        values = values.masked_fill((key_pos >= limit[:, None])[:, None, :, None], 0.0)
     top = scores.amax(-1, keepdim=True)  # exact, in any order
     p = torch.exp(scores - torch.where(top == float("-inf"), torch.zeros_like(top), top))
     sums = p.view(*p.shape[:3], -1, KEY_BLOCK).sum(-1)  # [N, Hk, M, blocks]
