@@ -151,9 +151,10 @@ _attention_fold_checked: dict[tuple, bool] = {}
 
 def _attention_fold_ok(rows: int, head_dim: int, device: torch.device) -> bool:
     """Whether attention's products give a row the bits of R-row tile products per key block when a sequence's
-    tiles are stacked into one product of k * R rows (k up to 64) and the scores span up to 16 key blocks,
-    batched as attention batches them. Then a sequence's keys are read in place, not copied per tile, and the
-    scores are one product. Checked once per shape on random data: a BLAS picks its kernel by shape."""
+    tiles are stacked into one product of k * R rows (k = 1, 2, 3, 16, 64: attention stacks at most 64) and the
+    scores span 1, 3 or 16 key blocks (trusted for longer spans), batched as attention batches them. Then a
+    sequence's keys are read in place, not copied per tile, and the scores are one product. Checked once per
+    shape on random data: a BLAS picks its kernel by shape, not data."""
     key = (rows, head_dim, device.type)
     if key not in _attention_fold_checked:
         g = torch.Generator().manual_seed(0)
@@ -216,7 +217,9 @@ def block_attention_forward(q: torch.Tensor, keys: torch.Tensor, values: torch.T
     _zero_past_ends(values, lay.limit, min(kv for kv, _ in live))
     attend = partial(_attend, scale=scale, wide=stackable, masked=span > min(kv - n for kv, n in live) + 1)
     if lay.tiles == 1 or (stackable and lay.tiles * batch <= 2 * lay.used):
-        step = max(1, _CHUNK_FLOATS // (batch * num_kv_heads * span * per_tile * group)) * per_tile * group
+        # at most 64 tiles a product (what the check covers), fewer where the scores would not fit
+        tile_rows = per_tile * group
+        step = max(1, min(64, _CHUNK_FLOATS // (batch * num_kv_heads * span * tile_rows))) * tile_rows
         out = torch.cat([attend(tiles[:, :, r:r + step], keys, values, pos[:, :, r:r + step], lay.limit)
                          for r in range(0, width, step)], 2)
     else:
