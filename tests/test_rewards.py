@@ -8,6 +8,7 @@ import time
 import pytest
 import ray
 
+from ray_fixtures import wait_for
 from rollout_service.client import RolloutClient
 from rollout_service.config import ServiceConfig
 from rollout_service.rewards import resolve, score
@@ -162,16 +163,11 @@ def test_ray_slow_reward_does_not_hold_up_the_engine(service):
     _check_slow_reward_does_not_hold_up_generation(service)
 
 
-def _wait_for_restart(actor, old_pid: int, timeout_s: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if ray.get(actor.__ray_call__.remote(lambda a: __import__("os").getpid()), timeout=10) != old_pid:
-                return
-        except ray.exceptions.RayError:
-            pass  # still dead or restarting
-        time.sleep(0.2)
-    raise AssertionError(f"the reward actor was not restarted within {timeout_s} s")
+def _restarted(actor, old_pid: int) -> bool:
+    try:
+        return ray.get(actor.__ray_call__.remote(lambda a: __import__("os").getpid()), timeout=10) != old_pid
+    except ray.exceptions.RayError:
+        return False  # still dead or restarting
 
 
 @pytest.mark.ray
@@ -193,7 +189,7 @@ def test_ray_reward_actors(ray_cluster, service_config):
         assert len(got[0].token_ids) == 3 and got[0].finish_reason == "length"
         # Ray restarts the actor; a call sent before it has noticed the death fails like the one in flight (seen
         # on a loaded 2-core machine), so the next batch goes once the new process answers
-        _wait_for_restart(actor, pid)
+        wait_for(lambda: _restarted(actor, pid), "the reward actor restarted", 120)
         got = c.generate([[1, 2, 3]], SP, reward=f"{EX}:length_reward")
         assert [r.reward for r in got] == [6.0, 6.0]
         assert c.info()["reward_workers"] == 1

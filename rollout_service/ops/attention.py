@@ -62,21 +62,28 @@ def paged_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMeta
     return _decode_attention(q, kv_layer, meta, scale, compute_dtype)
 
 
+def gather_pages_by_head(kv_layer: torch.Tensor, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's pages of K and V as [B, Hk, P * page_size, D] in the cache's dtype. Gathered per (page, head)
+    tile, which lands them directly in that order: one copy, no transpose."""
+    _, _, num_kv_heads, page_size, head_dim = kv_layer.shape
+    batch, max_pages = block_tables.shape
+    tiles = kv_layer.view(-1, page_size, head_dim)  # [num_pages * 2 * Hk, ps, D]
+    heads = torch.arange(num_kv_heads, device=kv_layer.device)
+    k_tile = block_tables.long()[:, None, :] * (2 * num_kv_heads) + heads[None, :, None]  # [B, Hk, P]
+    shape = (batch, num_kv_heads, max_pages * page_size, head_dim)
+    return tiles[k_tile].view(shape), tiles[k_tile + num_kv_heads].view(shape)
+
+
 def _decode_attention(
     q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float, compute_dtype: torch.dtype
 ) -> torch.Tensor:
-    # One query per sequence; no host syncs, so this path can be captured in a CUDA graph. Pages are
-    # gathered per (page, head) tile, which lands them directly in [B, Hk, L, D] order (one copy, no
-    # transpose), and the q heads of a kv head attend as one [group, L] matmul (GQA without repeating K/V).
-    batch, max_pages = meta.block_tables.shape
-    _, _, num_kv_heads, page_size, head_dim = kv_layer.shape
+    # One query per sequence; no host syncs, so this path can be captured in a CUDA graph. The q heads of a
+    # kv head attend as one [group, L] matmul (GQA without repeating K/V).
+    batch = meta.block_tables.shape[0]
+    num_kv_heads, head_dim = kv_layer.shape[2], kv_layer.shape[4]
     num_q_heads = q.shape[1]
-    length = max_pages * page_size
-    tiles = kv_layer.view(-1, page_size, head_dim)  # [num_pages * 2 * Hk, ps, D]
-    heads = torch.arange(num_kv_heads, device=q.device)
-    k_tile = meta.block_tables.long()[:, None, :] * (2 * num_kv_heads) + heads[None, :, None]  # [B, Hk, P]
-    k = tiles[k_tile].view(batch, num_kv_heads, length, head_dim).to(compute_dtype)
-    v = tiles[k_tile + num_kv_heads].view(batch, num_kv_heads, length, head_dim).to(compute_dtype)
+    k, v = (t.to(compute_dtype) for t in gather_pages_by_head(kv_layer, meta.block_tables))
+    length = k.shape[2]
     valid = torch.arange(length, device=q.device)[None, :] < meta.kv_lens[:, None]  # [B, L]
     qg = q.to(compute_dtype).view(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
     scores = torch.matmul(qg, k.transpose(-1, -2)).mul_(scale)  # [B, Hk, group, L]

@@ -294,18 +294,12 @@ def gather_paged_kv(kv_layer: torch.Tensor, meta: attention_ref.AttentionMetadat
     """Each sequence's K and V [B, Hk, L, D] in float32 from the paged cache, L whole KEY_BLOCKs (what lies past
     a sequence's length, stale page tails and padding pages, is masked by block_attention_forward). Gathered
     per (page, kv head), which lands them in [B, Hk, L, D] order in one copy."""
-    _, _, num_kv_heads, page_size, head_dim = kv_layer.shape
-    tables = meta.block_tables.long()
-    batch, max_pages = tables.shape
-    per_block = max(1, KEY_BLOCK // page_size)
+    tables = meta.block_tables
+    max_pages, per_block = tables.shape[1], max(1, KEY_BLOCK // kv_layer.shape[3])
     if max_pages % per_block:  # the reserved page 0 as padding: whole blocks without a second copy
         tables = torch.nn.functional.pad(tables, (0, per_block - max_pages % per_block))
-        max_pages = tables.shape[1]
-    pieces = kv_layer.view(-1, page_size, head_dim)  # [pages * 2 * Hk, page_size, D]
-    heads = torch.arange(num_kv_heads, device=kv_layer.device)
-    k_piece = tables[:, None, :] * (2 * num_kv_heads) + heads[None, :, None]  # [B, Hk, P]
-    shape = (batch, num_kv_heads, max_pages * page_size, head_dim)
-    return pieces[k_piece].view(shape).float(), pieces[k_piece + num_kv_heads].view(shape).float()
+    keys, values = attention_ref.gather_pages_by_head(kv_layer, tables)
+    return keys.float(), values.float()
 
 
 class InvariantOps(TorchOps):
