@@ -68,7 +68,8 @@ def token_logprobs(model: torch.nn.Module, results: Sequence[RolloutResult], tem
     out = []
     for i, r in enumerate(results):
         start, n = len(r.prompt_token_ids) - 1 - first, len(r.token_ids)
-        rows = logits[i, start:start + n].float()
+        rows = logits[i, start:start + n]
+        rows = rows.to(torch.promote_types(rows.dtype, torch.float32))  # bf16 up to fp32; a float64 check stays so
         if temperature != 1.0:
             rows = rows / temperature
         target = torch.tensor(r.token_ids, dtype=torch.long, device=device)

@@ -1,9 +1,10 @@
 """The bitwise learner's gradients: GRPO's loss through InvariantForward's log-probs has the gradient of the same
-loss through the transformers forward (mismatch.token_logprobs), to float32 rounding, on the rollouts of a
-batch-invariant engine."""
+loss through the transformers forward (mismatch.token_logprobs), as close to a float64 computation as that
+reference's own float32 error (tests/numerics.py), on the rollouts of a batch-invariant engine."""
 import numpy as np
 import pytest
 import torch
+from numerics import assert_as_close_as_the_reference, float64_copy
 from tiny_models import tiny_hf_model
 
 from actors.grpo import grpo_token_loss
@@ -39,8 +40,8 @@ def test_grpo_loss_gradient_matches_the_reference_forward(arch, temperature):
     results = _rollouts(policy, temperature)
     ours = _loss_grads(policy, results, InvariantForward(policy).logprobs(results, temperature))
     ref = _loss_grads(policy, results, token_logprobs(policy, results, temperature))
-    for (name, _), a, b in zip(policy.named_parameters(), ours, ref):
+    exact_policy = float64_copy(policy)
+    exact = _loss_grads(exact_policy, results, token_logprobs(exact_policy, results, temperature))
+    for (name, _), a, b, e in zip(policy.named_parameters(), ours, ref, exact):
         assert b.abs().max() > 0, f"{name}: no gradient"
-        # Both sides are float32 roundings of one gradient (each a few 1e-6 from a float64 forward's, in norm): a
-        # fixed atol would be below the rounding of the largest entries, so atol follows the parameter's scale.
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5 * float(b.abs().max()), msg=lambda m: f"{name}: {m}")
+        assert_as_close_as_the_reference(a, b, e, name)
