@@ -8,11 +8,13 @@ an object unpickled in another process, was never checked: every boundary (clien
 from __future__ import annotations
 
 import math
+import os
+import reprlib
 import uuid
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any, Iterable, Union
+from typing import Any, Iterable, Iterator, Union
 
 import msgpack
 import numpy as np
@@ -199,7 +201,6 @@ def _checked_messages(messages: list | tuple) -> list[ChatMessage]:
 
 _REQUEST_KEYS = {"prompt", "sampling", "request_id", "metadata", "apply_chat_template", "reward"}
 
-
 def check_reward_name(name: Any, what: str = "reward") -> str | None:
     """None, or a reward function's importable name "package.module:function" (not imported here)."""
     if name is None:
@@ -339,39 +340,39 @@ class RolloutResult:
             raise ValueError(f"RolloutResult.error={self.error!r}: must be None, or a str on an \"abort\" result")
 
     def to_dict(self) -> dict:
-        top = None
-        if self.top_logprobs is not None:
-            top = [[list(d.keys()), [float(v) for v in d.values()]] for d in self.top_logprobs]
-        return {
-            "request_id": self.request_id, "sample_index": self.sample_index,
-            "prompt_token_ids": _i32(self.prompt_token_ids), "token_ids": _i32(self.token_ids),
-            "logprobs": self.logprobs.astype("<f4").tobytes(), "token_versions": _i32(self.token_versions),
-            "finish_reason": self.finish_reason, "text": self.text, "top_logprobs": top, "reward": self.reward,
-            "metadata": self.metadata, "timings": dict(self.timings), "error": self.error,
-            "reward_error": self.reward_error, "loss_mask": None if self.loss_mask is None else bytes(self.loss_mask),
-            "turns": self.turns,
-        }
+        """The wire form (arrays as little-endian bytes). ValueError naming a field that cannot be converted."""
+        d = {}
+        for name, convert in _TO_WIRE.items():
+            try:
+                d[name] = convert(getattr(self, name))
+            except Exception as e:  # whatever a wrong type raises inside the conversion
+                raise ValueError(f"RolloutResult.{name}: cannot be encoded ({type(e).__name__}: {e})") from None
+        return d
 
     @classmethod
-    def from_dict(cls, d: dict) -> "RolloutResult":
-        try:
-            top = d["top_logprobs"]
-            return cls(
-                request_id=d["request_id"], sample_index=int(d["sample_index"]),
-                prompt_token_ids=_from_i32(d["prompt_token_ids"]), token_ids=_from_i32(d["token_ids"]),
-                logprobs=np.frombuffer(d["logprobs"], dtype="<f4").astype(np.float32),
-                token_versions=_from_i32(d["token_versions"]), finish_reason=d["finish_reason"],
-                text=d["text"], top_logprobs=None if top is None else [dict(zip(k, v)) for k, v in top],
-                reward=d["reward"], metadata=d["metadata"], timings=dict(d["timings"]),
-                # absent from records written before they existed
-                error=d.get("error"), reward_error=d.get("reward_error"),
-                loss_mask=None if d.get("loss_mask") is None else list(d["loss_mask"]), turns=d.get("turns"),
-            )
-        except (KeyError, TypeError) as e:
-            raise ValueError(f"malformed result record ({type(e).__name__}: {e})") from None
+    def from_dict(cls, d: Any) -> "RolloutResult":
+        """A result from its wire form, every field's type and range checked: ValueError naming the field."""
+        _check_wire_result(d)
+        top = d["top_logprobs"]
+        return cls(
+            request_id=d["request_id"], sample_index=d["sample_index"],
+            prompt_token_ids=_from_i32(d["prompt_token_ids"]), token_ids=_from_i32(d["token_ids"]),
+            logprobs=np.frombuffer(d["logprobs"], dtype="<f4").astype(np.float32),
+            token_versions=_from_i32(d["token_versions"]), finish_reason=d["finish_reason"], text=d["text"],
+            top_logprobs=None if top is None else [dict(zip(k, v)) for k, v in top],
+            reward=d["reward"], metadata=d["metadata"], timings=dict(d["timings"]),
+            # absent from records written before they existed
+            error=d.get("error"), reward_error=d.get("reward_error"),
+            loss_mask=None if d.get("loss_mask") is None else list(d["loss_mask"]),
+            turns=None if d.get("turns") is None else [dict(t) for t in d["turns"]],
+        )
 
     def to_msgpack(self) -> bytes:
-        return msgpack.packb({"schema": WIRE_SCHEMA_VERSION, "kind": "result", **self.to_dict()})
+        """One msgpack record. ValueError naming the field if a value would not load back (a wrong type,
+        a reward that is not a finite number, metadata msgpack cannot encode, ...)."""
+        d = self.to_dict()
+        _check_wire_result(d)
+        return _packb({"schema": WIRE_SCHEMA_VERSION, "kind": "result", **d}, "RolloutResult.")
 
     @classmethod
     def from_msgpack(cls, data: bytes) -> "RolloutResult":
@@ -389,9 +390,148 @@ def _i32(xs: Iterable[int]) -> bytes:
 
 
 def _from_i32(b: bytes) -> list[int]:
-    if not isinstance(b, (bytes, bytearray)) or len(b) % 4:
-        raise ValueError("RolloutResult: int32 array field is not a whole number of 4-byte values")
     return np.frombuffer(b, dtype="<i4").tolist()
+
+
+def _plain(v: Any) -> Any:
+    """numpy scalars as the Python numbers msgpack packs."""
+    return v.item() if isinstance(v, (np.integer, np.floating)) else v
+
+
+def _encodable(text: Any) -> Any:
+    """An error text as UTF-8 can carry it: exception messages may hold lone surrogates (from bytes decoded
+    with surrogateescape, say), which msgpack refuses; they are written as backslash escapes."""
+    if not isinstance(text, str):
+        return text
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _top_to_wire(top: Any) -> Any:
+    if top is None:
+        return None
+    return [[[_plain(t) for t in d.keys()], [float(v) for v in d.values()]] for d in top]
+
+
+_TO_WIRE = {
+    "request_id": lambda v: v, "sample_index": _plain,
+    "prompt_token_ids": _i32, "token_ids": _i32,
+    "logprobs": lambda v: np.asarray(v).astype("<f4").tobytes(), "token_versions": _i32,
+    "finish_reason": lambda v: v, "text": lambda v: v, "top_logprobs": _top_to_wire, "reward": _plain,
+    "metadata": lambda v: v, "timings": lambda v: {k: _plain(x) for k, x in dict(v).items()},
+    "error": _encodable, "reward_error": _encodable,
+    "loss_mask": lambda v: None if v is None else bytes(v),
+    "turns": lambda v: None if v is None else [{k: _plain(x) for k, x in t.items()} for t in v],
+}
+# absent from records written before they existed
+_RESULT_OPTIONAL = {"error", "reward_error", "loss_mask", "turns"}
+_RESULT_REQUIRED = set(_TO_WIRE) - _RESULT_OPTIONAL
+_SHORT = reprlib.Repr()
+_SHORT.maxstring = _SHORT.maxother = 80
+
+
+_UNSHOWN = object()
+
+
+def _need(ok: bool, name: str, why: str, value: Any = _UNSHOWN) -> None:
+    if not ok:
+        shown = "" if value is _UNSHOWN else f"={_SHORT.repr(value)}"
+        raise ValueError(f"RolloutResult.{name}{shown}: {why}")
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _check_ids(d: Mapping, name: str) -> int:
+    """Number of values of a little-endian int32 array field, each checked to be >= 0."""
+    b = d[name]
+    _need(isinstance(b, (bytes, bytearray)) and len(b) % 4 == 0, name,
+          "must be int32 bytes (a whole number of 4-byte little-endian values)", b)
+    values = np.frombuffer(b, dtype="<i4")
+    if len(values) and values.min() < 0:
+        raise ValueError(f"RolloutResult.{name}: value {int(values.min())} is negative")
+    return len(values)
+
+
+def _check_top(top: Any, n: int) -> None:
+    _need(isinstance(top, list) and len(top) == n, "top_logprobs",
+          f"must be None or a list of one [token ids, log-probs] pair per token ({n})", top)
+    for i, entry in enumerate(top):
+        ok = (isinstance(entry, (list, tuple)) and len(entry) == 2 and all(isinstance(x, list) for x in entry)
+              and len(entry[0]) == len(entry[1]))
+        _need(ok, f"top_logprobs[{i}]", "must be [token ids, log-probs], two lists of equal length", entry)
+        _need(all(_is_int(t) and 0 <= t <= MAX_INT32 for t in entry[0]), f"top_logprobs[{i}]",
+              "token ids must be ints in [0, 2**31)", entry[0])
+        _need(all(_is_number(v) for v in entry[1]), f"top_logprobs[{i}]", "log-probs must be numbers", entry[1])
+
+
+def _check_turns(turns: Any, n: int) -> None:
+    _need(isinstance(turns, list), "turns", "must be None or a list of dicts, one per model turn", turns)
+    for i, t in enumerate(turns):
+        what = f"turns[{i}]"
+        _need(isinstance(t, dict) and {"start", "end", "version"} <= t.keys(), what,
+              "must be a dict with int 'start', 'end' and 'version'", t)
+        _need(all(_is_int(t[k]) for k in ("start", "end", "version")) and 0 <= t["start"] <= t["end"] <= n
+              and 0 <= t["version"] <= MAX_INT32, what,
+              f"'start' <= 'end' must span token_ids ({n} tokens), 'version' an int in [0, 2**31)", t)
+        _need(isinstance(t.get("finish_reason", ""), str), f"{what}['finish_reason']", "must be a str",
+              t.get("finish_reason"))
+        _need(t.get("reward") is None or _is_number(t["reward"]), f"{what}['reward']", "must be None or a number",
+              t.get("reward"))
+
+
+def _check_wire_result(d: Any) -> None:
+    """ValueError naming the first field of a result record (wire form) whose type or range is wrong."""
+    if not isinstance(d, Mapping):
+        raise ValueError(f"RolloutResult: expected a dict of fields, got {type(d).__name__}")
+    missing = sorted(_RESULT_REQUIRED - d.keys())
+    if missing:
+        raise ValueError(f"RolloutResult: the result record lacks field(s) {missing}")
+    _reject_unknown(d, set(_TO_WIRE) | {"schema", "kind"}, "RolloutResult")
+    _need(isinstance(d["request_id"], str), "request_id", "must be a str", d["request_id"])
+    _need(_is_int(d["sample_index"]) and 0 <= d["sample_index"] <= MAX_INT32, "sample_index",
+          "must be an int in [0, 2**31)", d["sample_index"])
+    _check_ids(d, "prompt_token_ids")
+    n = _check_ids(d, "token_ids")
+    _need(_check_ids(d, "token_versions") == n, "token_versions", f"must have one entry per token ({n})")
+    lp = d["logprobs"]
+    _need(isinstance(lp, (bytes, bytearray)) and len(lp) == 4 * n, "logprobs",
+          f"must be float32 bytes, one 4-byte little-endian value per token ({n})", lp)
+    reason = d["finish_reason"]
+    _need(isinstance(reason, str) and reason in FINISH_REASONS, "finish_reason", f"must be one of {FINISH_REASONS}",
+          reason)
+    _need(isinstance(d["text"], str), "text", "must be a str", d["text"])
+    if d["top_logprobs"] is not None:
+        _check_top(d["top_logprobs"], n)
+    _need(d["reward"] is None or _is_real(d["reward"]), "reward", "must be None or a finite number", d["reward"])
+    t = d["timings"]
+    _need(isinstance(t, dict) and all(isinstance(k, str) and _is_number(v) for k, v in t.items()), "timings",
+          "must be a dict of str -> number (seconds)", t)
+    for name in ("error", "reward_error"):
+        _need(d.get(name) is None or isinstance(d[name], str), name, "must be None or a str", d.get(name))
+    mask = d.get("loss_mask")
+    if mask is not None:
+        _need(isinstance(mask, (bytes, bytearray)) and len(mask) == n and set(mask) <= {0, 1}, "loss_mask",
+              f"must be None or one 0/1 byte per token ({n})", mask)
+    if d.get("turns") is not None:
+        _check_turns(d["turns"], n)
+
+
+def _packb(record: dict, what: str = "record field ") -> bytes:
+    """msgpack bytes of a record; ValueError naming (after `what`) the field that msgpack cannot encode."""
+    try:
+        return msgpack.packb(record)
+    except Exception:  # TypeError (an object msgpack knows nothing of), UnicodeEncodeError, OverflowError, ...
+        for name, value in record.items():
+            try:
+                msgpack.packb(value)
+            except Exception as e:
+                raise ValueError(f"{what}{name}: cannot be encoded as msgpack ({type(e).__name__}: {e})") from None
+        raise
 
 
 def _unpack(data: bytes, kind: str) -> dict:
@@ -412,24 +552,118 @@ def _check_record(d: Any, kind: str) -> dict:
     return d
 
 
+# -- results files ------------------------------------------------------------------------------------
+# A header record, one record per result, and an end record with the count: a file cut short anywhere,
+# even between two records, is then an error rather than fewer results. Files written before the header
+# existed (results only) still load; one of those cut between two records cannot be told from a shorter one.
+FILE_HEADER = {"schema": WIRE_SCHEMA_VERSION, "kind": "results_file"}
+READ_SIZE = 1 << 20  # bytes read from a results file at a time
+
+
 def save_results(path: str | Path, results: Iterable[RolloutResult]) -> int:
-    """Write results as a stream of msgpack records (one per result); returns how many were written."""
-    n = 0
-    with open(path, "wb") as f:
-        for r in results:
-            f.write(r.to_msgpack())
-            n += 1
-    return n
+    """Write `results` (any iterable: they are encoded one at a time) to `path`; returns how many. The file
+    is written next to `path` under a temporary name and renamed over it once complete, so an error (a
+    result that would not load back: ValueError naming it and the field; or one raised by `results`)
+    leaves `path` as it was, and no reader ever sees half a file."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.tmp")
+    count = 0
+    try:
+        with open(tmp, "xb") as f:
+            f.write(_packb(FILE_HEADER))
+            for r in results:
+                f.write(_result_record(r, count))
+                count += 1
+            f.write(_packb({"schema": WIRE_SCHEMA_VERSION, "kind": "end", "count": count}))
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return count
+
+
+def _result_record(r: Any, index: int) -> bytes:
+    if not isinstance(r, RolloutResult):
+        raise ValueError(f"save_results: item {index} is a {type(r).__name__}, not a RolloutResult")
+    try:
+        return r.to_msgpack()
+    except ValueError as e:
+        raise ValueError(f"save_results: result {index} (request {r.request_id!r}): {e}") from None
 
 
 def load_results(path: str | Path) -> list[RolloutResult]:
-    data = Path(path).read_bytes()
-    unpacker = msgpack.Unpacker(raw=False, strict_map_key=False)
-    unpacker.feed(data)
-    try:
-        records = list(unpacker)
-    except Exception as e:  # msgpack raises several unrelated types on garbage
-        raise ValueError(f"{path}: corrupt msgpack stream: {type(e).__name__}: {e}") from None
-    if unpacker.tell() != len(data):
-        raise ValueError(f"{path}: truncated msgpack stream ({len(data) - unpacker.tell()} trailing bytes)")
-    return [RolloutResult.from_dict(_check_record(r, "result")) for r in records]
+    """Every result saved in `path` (see iter_results)."""
+    return list(iter_results(path))
+
+
+def iter_results(path: str | Path) -> Iterator[RolloutResult]:
+    """The results saved in `path`, one at a time. The file is read in chunks, never whole: memory holds
+    one record at a time, whatever the file's size. A file that is truncated or corrupt is a ValueError
+    naming the byte offset where it goes wrong, and a record whose fields have the wrong types one naming
+    the result's index, its offset and the field (the results before it have been yielded)."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size == 0:
+            raise ValueError(f"{path}: empty file, not a results file (save_results writes a header and an end "
+                             "record even when there are no results)")
+        # No valid record is larger than its file: bounding the buffer (and with it the lengths a record's
+        # header may claim) by the file's size keeps a corrupt length from asking for more memory.
+        unpacker = msgpack.Unpacker(f, raw=False, strict_map_key=False, read_size=min(READ_SIZE, size),
+                                    max_buffer_size=size)
+        yield from _file_results(_records(unpacker, path), size, path)
+
+
+_EOF = object()
+
+
+def _records(unpacker: msgpack.Unpacker, path: Any) -> Iterator[tuple[int, Any]]:
+    """(byte offset, record) of every whole record, then (offset after the last one, _EOF). The unpacker's
+    own tell() is no guide to a truncated file: it counts the bytes of an unfinished record too."""
+    offset = 0
+    while True:
+        try:
+            record = next(unpacker)
+        except StopIteration:
+            yield offset, _EOF
+            return
+        except Exception as e:  # msgpack raises several unrelated types on garbage
+            raise ValueError(f"{path}: corrupt at byte offset {offset}: not msgpack ({type(e).__name__}: {e})") from None
+        yield offset, record
+        offset = unpacker.tell()
+
+
+def _kind(record: Any) -> Any:
+    return record.get("kind") if isinstance(record, dict) else None
+
+
+def _file_results(records: Iterator[tuple[int, Any]], size: int, path: Any) -> Iterator[RolloutResult]:
+    offset, record = next(records)
+    legacy = _kind(record) == "result"  # a file written before the header existed
+    if not legacy and record is not _EOF:
+        if _kind(record) != FILE_HEADER["kind"] or record.get("schema") != WIRE_SCHEMA_VERSION:
+            raise ValueError(f"{path}: not a results file: the record at byte offset 0 is neither a results-file "
+                             f"header (schema {WIRE_SCHEMA_VERSION}) nor a result")
+        offset, record = next(records)
+    index = 0
+    while record is not _EOF and not (_kind(record) == "end" and not legacy):
+        try:
+            result = RolloutResult.from_dict(_check_record(record, "result"))
+        except ValueError as e:
+            raise ValueError(f"{path}: result {index} at byte offset {offset}: {e}") from None
+        yield result
+        index += 1
+        offset, record = next(records)
+    if record is _EOF:
+        if offset < size:
+            raise ValueError(f"{path}: truncated: the record at byte offset {offset} is cut short by the end of "
+                             f"the file ({size} bytes), after {index} whole results")
+        if not legacy:
+            raise ValueError(f"{path}: truncated at byte offset {offset}: the file ends after {index} results "
+                             "without the end record save_results writes last")
+        return
+    if record.get("count") != index:
+        raise ValueError(f"{path}: the end record at byte offset {offset} counts {record.get('count')!r} results, "
+                         f"but the file holds {index}")
+    offset, record = next(records)
+    if record is not _EOF or offset != size:
+        raise ValueError(f"{path}: data after the end record, at byte offset {offset} (of {size} bytes)")
