@@ -335,8 +335,16 @@ class RolloutClient:
         the groups that pass `keep` ("nonconstant": rewards not all equal; or keep(group) -> bool) until
         `target_groups` are kept, drawing prompts from `prompts` (a list or any iterator of prompts or
         RolloutRequests; `metadata`: a list or iterator alongside) as needed, never more than
-        ceil(max_oversample * target_groups) groups. Groups still in flight then are aborted. Returns the
-        kept groups and counts (rollout_service/dynamic_sampling.py)."""
+        ceil(max_oversample * target_groups) groups, nor more than 1024 samples per worker in flight at a time
+        (prompts are drawn in bounded chunks). Groups still in flight then are aborted. Returns the kept groups
+        and counts (rollout_service/dynamic_sampling.py).
+
+        Raises (ValueError for bad input) only before any group is submitted. After that, nothing gathered is
+        lost: a prompt source that fails (raises, runs short of metadata, yields a prompt that is refused)
+        ends the drawing and the groups in flight are still judged; a `keep` that fails (raises, or returns
+        anything but a bool) or a stream that fails ends the call. The GroupsResult then comes back with
+        complete=False (unless the target was reached anyway), `reason` naming the error and `error` the
+        exception."""
         from rollout_service.dynamic_sampling import generate_groups
         return generate_groups(self, prompts, sampling, keep, target_groups=target_groups,
                                max_oversample=max_oversample, reward=reward,

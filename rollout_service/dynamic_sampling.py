@@ -4,8 +4,15 @@ those whose rewards are not all equal (a constant group gives GRPO no advantage 
 Groups stream back as their n samples finish and are judged at once. Prompts are drawn from the source (a
 list or any iterator) only as they are needed, but enough groups are kept in flight that the engine stays
 busy: as many as are expected to give the groups still missing at the keep rate seen so far, with a
-margin; never more than ceil(max_oversample * target_groups) in all. Once enough are kept, the groups still
-in flight are aborted, and their tokens counted.
+margin; never more than ceil(max_oversample * target_groups) in all, nor more than IN_FLIGHT_PER_WORKER
+samples per worker at a time (so a huge target draws prompts in bounded chunks). Once enough are kept, the
+groups still in flight are aborted, and their tokens counted.
+
+Failures never lose what was paid for. Before any group is submitted, an error is raised (nothing ran).
+After that, a source that fails (the prompt or metadata iterator raises or runs short, a drawn prompt is
+refused) ends the drawing, and the groups in flight still finish and are judged; a `keep` that fails (raises,
+or returns anything but a bool) or a stream that fails ends the call at once, the groups in flight aborted.
+Either way the GroupsResult comes back with what was gathered, `error` the exception and `reason` naming it.
 
 Works over any RolloutClient (in-process or Ray) through its own stream() and abort(): every submission is
 one stream, read by a thread of its own into one queue.
@@ -21,12 +28,19 @@ from collections.abc import Iterable, Iterator, Mapping, Sized
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import numpy as np
+
 from rollout_service.types import RolloutRequest, RolloutResult, SamplingParams
 
 Group = list[RolloutResult]
 
 MARGIN = 1.25          # groups kept in flight, over those expected to give the groups still missing
 DRAIN_TIMEOUT_S = 60.0  # after an abort, how long the aborted groups' streams may take to end
+# Samples in flight per worker at most: a few times what an engine runs at once (max_num_seqs, 256 by
+# default), so its queue never runs dry, while a target of millions of groups is drawn and submitted in
+# chunks of a few hundred groups rather than all at once.
+IN_FLIGHT_PER_WORKER = 1024
+NO_LIMIT = 2**62       # a count of groups no run reaches
 
 
 def nonconstant(group: Group) -> bool:
@@ -49,7 +63,12 @@ class GroupsResult:
     ended otherwise). Tokens: every result's (generated_tokens), and those of the dropped, failed and
     aborted groups (an aborted group's tokens so far). `aborted_requests`: the requests of the aborted
     groups, never judged (a learner may submit them again later). `complete`: target_groups were kept;
-    otherwise `reason` says why not."""
+    otherwise `reason` says why not.
+
+    `error`: the exception that ended the drawing of prompts or the call (None if none did; `reason` names
+    it when the call ended incomplete). `unsubmitted`: the (prompt, metadata) pairs drawn from the source
+    but never submitted, because the chunk they were drawn in was refused. `unjudged`: the group `keep`
+    failed on (counted as failed)."""
 
     groups: list[Group] = field(default_factory=list)
     target_groups: int = 0
@@ -66,6 +85,9 @@ class GroupsResult:
     complete: bool = False
     reason: str | None = None
     aborted_requests: list[RolloutRequest] = field(default_factory=list)
+    error: BaseException | None = None
+    unsubmitted: list[tuple[Any, Any]] = field(default_factory=list)
+    unjudged: list[Group] = field(default_factory=list)
 
 
 def generate_groups(client: Any, prompts: Any, sampling: SamplingParams, keep: Any = "nonconstant", *,
@@ -73,14 +95,17 @@ def generate_groups(client: Any, prompts: Any, sampling: SamplingParams, keep: A
                     apply_chat_template: bool = True, metadata: Any = None) -> GroupsResult:
     """See RolloutClient.generate_groups. `prompts`: a list or an iterator of prompts or RolloutRequests
     (a RolloutRequest keeps its own sampling, n >= 2 too, and its own reward if it names one); `metadata`:
-    None, or a list or iterator with one entry per prompt."""
+    None, or a list or iterator with one entry per prompt. Raises (ValueError for bad input) only before any
+    group was submitted; after that, failures come back on the GroupsResult (module docstring)."""
     keep_fn = _keep_filter(keep)
     _check_counts(target_groups, max_oversample)
     if not isinstance(sampling, SamplingParams):
         raise ValueError(f"generate_groups: sampling must be a SamplingParams, got {type(sampling).__name__}")
     _check_group_size(sampling.n, "sampling")
     source = _source(prompts, metadata, target_groups)
-    default_reward = client.info().get("reward") if keep_fn is nonconstant else None
+    info = client.info()
+    default_reward = info.get("reward") if keep_fn is nonconstant else None
+    cap = max(2, int(info.get("num_workers") or 1) * IN_FLIGHT_PER_WORKER // sampling.n)
 
     def build(items: list[tuple[Any, Any]]) -> list[RolloutRequest]:
         reqs = client.requests([p for p, _ in items], sampling, apply_chat_template, [m for _, m in items], reward)
@@ -92,8 +117,15 @@ def generate_groups(client: Any, prompts: Any, sampling: SamplingParams, keep: A
                                  "reward (ServiceConfig.reward / RolloutClient.local(reward=...))")
         return reqs
 
-    budget = math.ceil(max_oversample * target_groups - 1e-9)  # (4.0 * 3 is 12, not 12.000000000000002)
-    return _Run(client, source, build, keep_fn, target_groups, budget).run()
+    return _Run(client, source, build, keep_fn, target_groups, _budget(max_oversample, target_groups), cap).run()
+
+
+def _budget(max_oversample: float, target_groups: int) -> int:
+    """ceil(max_oversample * target_groups): the groups a call may submit (NO_LIMIT past what a run reaches,
+    where the product would overflow a float)."""
+    if target_groups >= NO_LIMIT or max_oversample >= NO_LIMIT / target_groups:
+        return NO_LIMIT
+    return math.ceil(max_oversample * target_groups - 1e-9)  # (4.0 * 3 is 12, not 12.000000000000002)
 
 
 def _keep_filter(keep: Any) -> Callable[[Group], bool]:
@@ -109,7 +141,7 @@ def _check_counts(target_groups: Any, max_oversample: Any) -> None:
     if not isinstance(target_groups, int) or isinstance(target_groups, bool) or target_groups < 1:
         raise ValueError(f"generate_groups: target_groups={target_groups!r} must be an int >= 1")
     if (not isinstance(max_oversample, (int, float)) or isinstance(max_oversample, bool)
-            or not math.isfinite(max_oversample) or max_oversample < 1):
+            or (isinstance(max_oversample, float) and not math.isfinite(max_oversample)) or max_oversample < 1):
         raise ValueError(f"generate_groups: max_oversample={max_oversample!r} must be a number >= 1 (groups "
                          "submitted at most, per group wanted)")
 
@@ -169,62 +201,115 @@ class _End:
     error: BaseException | None = None
 
 
+class _Stop(Exception):
+    """Nothing more can be judged (keep failed, or a stream did): the call ends now."""
+
+    def __init__(self, why: str, error: BaseException):
+        super().__init__(why)
+        self.why, self.error = why, error
+
+
 class _Run:
     def __init__(self, client: Any, source: Iterator, build: Callable[[list], list[RolloutRequest]],
-                 keep: Callable[[Group], bool], target: int, budget: int):
+                 keep: Callable[[Group], bool], target: int, budget: int, cap: int):
         self.client, self.source, self.build, self.keep = client, source, build, keep
-        self.target, self.budget = target, budget
+        self.target, self.budget, self.cap = target, budget, cap
         self.out = GroupsResult(target_groups=target)
         self.in_flight: dict[str, _Group] = {}
         self.events: queue.Queue = queue.Queue()
         self.streams = 0        # streams whose reading thread has not ended yet
-        self.exhausted = False  # the source has no more prompts
+        self.exhausted = False  # the source has no more prompts (or failed)
+        self.drawn = 0          # prompts drawn from the source
+        self.why: str | None = None  # why the source failed, or the call ended early
 
     def run(self) -> GroupsResult:
         t0 = time.perf_counter()
         try:
-            while self.out.kept < self.target:
-                self._top_up()
-                if not self.in_flight:
-                    break
-                self._on_event(self.events.get())
-                # judge everything that has arrived before the next top-up: results come in bursts (a
-                # batch finishes together), and a keep rate from the first few groups of one is noise
-                while self.out.kept < self.target and not self.events.empty():
-                    self._on_event(self.events.get())
+            self._loop()
+        except _Stop as stop:
+            self._fail(stop.why, stop.error)
+            self._stop(quiet=True)  # (the service may be what failed: the abort must not hide why)
         except BaseException:
             self._stop(quiet=True)  # nothing of this call stays running
             raise
-        self._stop()
+        else:
+            self._stop()
         out = self.out
         out.seconds = time.perf_counter() - t0
         out.complete = out.kept >= self.target
         if not out.complete:
-            out.reason = (f"the prompts ran out after {out.submitted} groups" if self.exhausted else
-                          f"max_oversample allowed {self.budget} groups, all submitted")
+            out.reason = self.why or (f"the prompts ran out after {out.submitted} groups" if self.exhausted else
+                                      f"max_oversample allowed {self.budget} groups, all submitted")
         return out
+
+    def _loop(self) -> None:
+        while self.out.kept < self.target:
+            self._top_up()
+            if not self.in_flight:
+                break
+            self._on_event(self.events.get())
+            # judge everything that has arrived before the next top-up: results come in bursts (a batch
+            # finishes together), and a keep rate from the first few groups of one is noise
+            while self.out.kept < self.target and not self.events.empty():
+                self._on_event(self.events.get())
+
+    def _fail(self, why: str, error: BaseException) -> None:
+        if self.out.error is None:
+            self.out.error, self.why = error, why
 
     # -- submitting ---------------------------------------------------------------------------------
     def _wanted(self) -> int:
         """Groups to have in flight: those expected to give the ones still missing, at the keep rate so far
-        (Laplace's rule: one half before any group has finished), with a margin."""
+        (Laplace's rule: one half before any group has finished), with a margin; at most `cap`."""
         out = self.out
-        missing = self.target - out.kept
+        missing = min(self.target - out.kept, self.cap)
         rate = (out.kept + 1) / (out.kept + out.dropped + out.failed + 2)
-        return max(missing, math.ceil(missing / rate * MARGIN))
+        return min(max(missing, math.ceil(missing / rate * MARGIN)), self.cap)
 
     def _top_up(self) -> None:
         wanted = self._wanted()
         more = min(wanted - len(self.in_flight), self.budget - self.out.submitted)
         if more <= 0 or self.exhausted:
             return
-        # no dribbles of one group per submission while enough are in flight to finish
-        if more < max(1, wanted // 8) and len(self.in_flight) >= self.target - self.out.kept:
+        # no dribbles of one group per submission while enough are in flight to finish (or, capped, to keep
+        # the engine busy: then top up by an eighth of the cap at least)
+        busy = min(self.target - self.out.kept, wanted - wanted // 8)
+        if more < max(1, wanted // 8) and len(self.in_flight) >= busy:
             return
-        items = list(itertools.islice(self.source, more))
-        self.exhausted = len(items) < more
-        if not items:
-            return
+        items, error = self._draw(more)
+        if items:
+            try:
+                self._submit(items)
+            except Exception as e:
+                if not self.out.submitted:
+                    raise  # nothing ran yet: the call itself is refused
+                self.out.unsubmitted += items
+                self.exhausted = True
+                first = self.drawn - len(items)
+                return self._fail(f"prompts {first}..{self.drawn - 1} of the source, drawn as one chunk, were "
+                                  f"refused: {type(e).__name__}: {e}", e)
+        if error is not None:
+            if not self.out.submitted:
+                raise error
+            self.exhausted = True
+            self._fail(f"the prompt source failed after {self.drawn} prompts: {type(error).__name__}: {error}",
+                       error)
+
+    def _draw(self, k: int) -> tuple[list[tuple[Any, Any]], Exception | None]:
+        """Up to k (prompt, metadata) pairs, and the exception the source raised, if it did (the pairs drawn
+        before it are kept)."""
+        items: list[tuple[Any, Any]] = []
+        try:
+            for item in itertools.islice(self.source, k):
+                items.append(item)
+        except Exception as e:
+            self.drawn += len(items)
+            return items, e
+        self.drawn += len(items)
+        self.exhausted = len(items) < k
+        return items, None
+
+    def _submit(self, items: list[tuple[Any, Any]]) -> None:
         reqs = self.build(items)
         stream = self.client.stream(reqs)
         self.in_flight.update((r.request_id, _Group(r)) for r in reqs)
@@ -246,7 +331,7 @@ class _Run:
         if isinstance(ev, _End):
             self.streams -= 1
             if ev.error is not None:
-                raise ev.error
+                raise _Stop(f"a stream failed: {type(ev.error).__name__}: {ev.error}", ev.error)
             return
         g = self.in_flight.get(ev.request_id)
         if g is None:
@@ -262,12 +347,25 @@ class _Run:
         if any(r.finish_reason == "abort" or r.error is not None or r.reward_error is not None for r in group):
             out.failed += 1
             out.failed_tokens += tokens
-        elif self.keep(group):
+        elif self._keeps(group):
             out.kept += 1
             out.groups.append(group)
         else:
             out.dropped += 1
             out.dropped_tokens += tokens
+
+    def _keeps(self, group: Group) -> bool:
+        """keep(group), which must be a bool; a keep that fails ends the call (the group counted as failed)."""
+        try:
+            verdict = self.keep(group)
+            if not isinstance(verdict, (bool, np.bool_)):
+                raise ValueError(f"keep returned {verdict!r:.80} (a {type(verdict).__name__}), not a bool")
+        except Exception as e:
+            self.out.failed += 1
+            self.out.failed_tokens += sum(len(r.token_ids) for r in group)
+            self.out.unjudged.append(group)
+            raise _Stop(f"keep failed on request {group[0].request_id!r}: {type(e).__name__}: {e}", e) from e
+        return bool(verdict)
 
     # -- stopping -----------------------------------------------------------------------------------
     def _stop(self, quiet: bool = False) -> None:

@@ -3,10 +3,13 @@ Ray. The reward rollout_service.reward_examples:difficulty_reward makes "easy" a
 (always dropped by "nonconstant") and "medium" ones mixed (parity of the sampled tokens)."""
 from __future__ import annotations
 
+import itertools
+
+import numpy as np
 import pytest
 
 from rollout_service.client import RolloutClient
-from rollout_service.dynamic_sampling import GroupsResult
+from rollout_service.dynamic_sampling import IN_FLIGHT_PER_WORKER, GroupsResult
 from rollout_service.types import RolloutRequest, SamplingParams
 from tiny_models import tiny_hf_model
 
@@ -129,8 +132,109 @@ def _check_bad_input(client, default_reward: bool) -> None:
     assert client.info()["in_flight"] == 0  # nothing was left running
 
 
+class Boom(Exception):
+    pass
+
+
+def _counting(prompts, fail_at: int | None = None, error: Exception | None = None):
+    """A generator over prompts that records how many were drawn, and raises `error` at draw `fail_at`."""
+    drawn = []
+
+    def gen():
+        for i, p in enumerate(prompts):
+            if i == fail_at:
+                raise error
+            drawn.append(p)
+            yield p
+    return gen(), drawn
+
+
+def _check_keep_that_raises_returns_what_was_gathered(client) -> None:
+    calls = []
+
+    def keep(group):
+        calls.append(group)
+        if len(calls) == 3:
+            raise Boom("keep broke")
+        return True
+
+    prompts, meta = _prompts(40)
+    res = client.generate_groups(prompts, SP, keep=keep, target_groups=6, metadata=meta)
+    _check_counts(res, SP.n)
+    assert not res.complete and res.kept == 2 and len(res.groups) == 2
+    assert isinstance(res.error, Boom) and "keep failed" in res.reason and "Boom: keep broke" in res.reason
+    assert res.unjudged == [calls[2]] and res.failed >= 1
+    assert client.info()["in_flight"] == 0
+
+
+def _check_keep_must_return_a_bool(client) -> None:
+    for verdict in ("no", 0.5, float("nan"), 1, None):
+        prompts, meta = _prompts(8)
+        res = client.generate_groups(prompts, SP, keep=lambda g: verdict, target_groups=2, metadata=meta)
+        _check_counts(res, SP.n)
+        assert not res.complete and res.kept == 0 and isinstance(res.error, ValueError)
+        assert f"keep returned {verdict!r} (a {type(verdict).__name__}), not a bool" in res.reason
+    res = client.generate_groups(prompts, SP, keep=lambda g: np.bool_(True), target_groups=2, metadata=meta)
+    assert res.complete and res.error is None  # numpy's bool is a bool
+    assert client.info()["in_flight"] == 0
+
+
+def _check_failing_source_keeps_what_it_drew(client) -> None:
+    """The iterator raises after 10 prompts: those 10 groups still run and are judged."""
+    prompts, _ = _prompts(40)
+    source, drawn = _counting(prompts, fail_at=10, error=Boom("disk gone"))
+    res = client.generate_groups(source, SP, keep=lambda g: True, target_groups=12)
+    _check_counts(res, SP.n)
+    assert len(drawn) == res.submitted == res.kept == 10 and not res.complete
+    assert isinstance(res.error, Boom) and res.reason == "the prompt source failed after 10 prompts: Boom: disk gone"
+    # metadata running short of the prompts: the same
+    res = client.generate_groups(iter(prompts), SP, keep=lambda g: True, target_groups=12, metadata=iter(range(6)))
+    _check_counts(res, SP.n)
+    assert res.kept == 6 and sorted(g[0].metadata for g in res.groups) == list(range(6)) and not res.complete
+    assert isinstance(res.error, ValueError) and "metadata ran out before the prompts" in res.reason
+
+
+def _check_refused_chunk_comes_back_unsubmitted(client) -> None:
+    """A bad prompt in a later chunk: the chunk is refused and returned, the groups in flight are judged."""
+    prompts = [[1, i + 1] for i in range(60)]
+    prompts[30] = [1, -1]
+    source, drawn = _counting(prompts)
+    res = client.generate_groups(source, SP, keep=lambda g: False, target_groups=2, max_oversample=30)
+    _check_counts(res, SP.n)
+    assert not res.complete and isinstance(res.error, ValueError) and res.unsubmitted
+    assert "drawn as one chunk, were refused" in res.reason and "token id -1" in res.reason
+    assert ([1, -1], None) in res.unsubmitted and res.submitted + len(res.unsubmitted) == len(drawn)
+    assert res.dropped == res.submitted  # every group submitted was judged
+
+
+def _check_errors_before_anything_runs_are_raised(client) -> None:
+    source, _ = _counting([[1, 2]] * 8, fail_at=0, error=Boom("no data"))
+    with pytest.raises(Boom, match="no data"):
+        client.generate_groups(source, SP, keep=lambda g: True, target_groups=2)
+    assert client.info()["in_flight"] == 0
+
+
+def _check_huge_target_draws_in_bounded_chunks(client) -> None:
+    """target_groups=10**6 over an endless source: prompts are drawn a bounded chunk at a time."""
+    def endless():
+        for i in itertools.count():
+            assert i < 100_000, "drew 100,000 prompts at once"
+            yield [1, 2 + i % 200]
+    res = client.generate_groups(endless(), SP, keep=lambda g: (_ for _ in ()).throw(Boom("enough")),
+                                 target_groups=10**6)
+    cap = client.info()["num_workers"] * IN_FLIGHT_PER_WORKER // SP.n
+    assert isinstance(res.error, Boom) and 1 <= res.submitted <= cap and res.kept == 0
+    res = client.generate_groups(endless(), SP, keep=lambda g: True, target_groups=2, max_oversample=1e308)
+    assert res.complete and res.submitted <= 5
+    res = client.generate_groups(endless(), SP, keep=lambda g: True, target_groups=2, max_oversample=10**400)
+    assert res.complete
+
+
 CHECKS = [_check_nonconstant, _check_callable_filter_and_iterator, _check_abort_of_unneeded_groups,
-          _check_failed_groups, _check_incomplete]
+          _check_failed_groups, _check_incomplete, _check_keep_that_raises_returns_what_was_gathered,
+          _check_keep_must_return_a_bool, _check_failing_source_keeps_what_it_drew,
+          _check_refused_chunk_comes_back_unsubmitted, _check_errors_before_anything_runs_are_raised,
+          _check_huge_target_draws_in_bounded_chunks]
 
 
 @pytest.mark.parametrize("check", CHECKS, ids=lambda f: f.__name__[len("_check_"):])
