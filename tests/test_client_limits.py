@@ -1,0 +1,82 @@
+"""What a client can make the service keep is bounded, and what it sends is checked where it is sent:
+fidelity reports (keys, values, strings, and their log line), in-process and through Ray."""
+from __future__ import annotations
+
+import pytest
+import ray
+
+from rollout_service.client import (FIDELITY_LINE_MAX, FIDELITY_MAX_KEYS, FIDELITY_MAX_STR, FIDELITY_MAX_VALUES,
+                                    RolloutClient, check_fidelity, fidelity_line)
+from rollout_service.types import SamplingParams
+from tiny_models import tiny_hf_model
+
+pytest_plugins = ["ray_fixtures"]
+
+SP = SamplingParams(n=2, temperature=1.0, max_tokens=4, ignore_eos=True, seed=1)
+
+
+def _local() -> RolloutClient:
+    return RolloutClient.local(tiny_hf_model(), backend="torch", dtype="float32", device="cpu", num_pages=256,
+                               enable_cuda_graphs=False)
+
+
+@pytest.fixture(scope="module")
+def local():
+    c = _local()
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="module")
+def service(ray_cluster, service_config):
+    c = RolloutClient.launch(service_config(name="svc-client-limits", num_workers=1))
+    yield c
+    c.close()
+
+
+# -- fidelity reports -----------------------------------------------------------------------------------
+OVERSIZED_REPORTS = [
+    ({"per_token": [0.0] * 1_000_000}, f"takes the report past {FIDELITY_MAX_VALUES} values"),
+    ({f"k{i}": 1.0 for i in range(FIDELITY_MAX_KEYS + 1)}, f"{FIDELITY_MAX_KEYS + 1} keys, at most {FIDELITY_MAX_KEYS}"),
+    ({"note": "x" * (FIDELITY_MAX_STR + 1)}, f"string of {FIDELITY_MAX_STR + 1} characters"),
+    ({"x" * 1000: 1.0}, "report key 'x.*x' is a string of 1000 characters"),
+    ({"a": [1.0] * 200, "b": [1.0] * 57}, r"report\['b'\] takes the report past 256 values"),
+    ({"n": 10**30}, "an int outside"),
+    ({"note": "lone \ud800"}, "not valid Unicode"),
+]
+
+
+def _check_fidelity_bounds(client: RolloutClient) -> None:
+    before = client.info()["fidelity"]
+    for report, match in OVERSIZED_REPORTS:
+        with pytest.raises(ValueError, match=match) as e:
+            client.report_fidelity(1, report)
+        assert "the service keeps the last 256 reports" in str(e.value) or "int" in match or "Unicode" in match
+    with pytest.raises(ValueError, match=r"version=2147483648 must be an int >= 0 \(and < 2\*\*31\)"):
+        client.report_fidelity(2**31, {"kl": 0.0})
+    assert client.info()["fidelity"] == before  # nothing refused was kept
+    largest = {f"k{i}": [0.5] * (FIDELITY_MAX_VALUES // FIDELITY_MAX_KEYS) for i in range(FIDELITY_MAX_KEYS)}
+    client.report_fidelity(7, largest)
+    assert client.info()["fidelity"][-1] == {"version": 7, **largest}
+
+
+def test_fidelity_reports_are_bounded_locally(local):
+    _check_fidelity_bounds(local)
+
+
+@pytest.mark.ray
+def test_fidelity_reports_are_bounded_through_ray(service):
+    _check_fidelity_bounds(service)
+    router = service._backend.router
+    err = ray.get(router.report_fidelity.remote(3, {"per_token": [0.0] * 100_000}))  # the router checks too
+    assert err is not None and f"past {FIDELITY_MAX_VALUES} values" in err
+    assert service.info()["fidelity"][-1]["version"] == 7
+
+
+def test_the_fidelity_log_line_is_bounded():
+    widest = {f"{i:03d}" + "k" * (FIDELITY_MAX_STR - 3): ["v" * FIDELITY_MAX_STR] * (FIDELITY_MAX_VALUES // FIDELITY_MAX_KEYS)
+              for i in range(FIDELITY_MAX_KEYS)}
+    line = fidelity_line(check_fidelity(1, widest))
+    assert len(line) <= FIDELITY_LINE_MAX and line.startswith("fidelity of version 1: 000kkk") and line.endswith("...")
+    # one unchecked entry as the router might hold (a report from before the bounds): still one short line
+    assert len(fidelity_line({"version": 1, "per_token": [0.25] * 1_000_000})) <= FIDELITY_LINE_MAX
