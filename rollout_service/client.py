@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence as Seq
 from rollout_service.config import EngineConfig
 from rollout_service.rewards import RewardBook, RewardRunner, resolve
 from rollout_service.types import (MAX_INT32, EpisodeParams, Prompt, RolloutRequest, RolloutResult, SamplingParams,
-                                   _check_text, check_request_ids)
+                                   _check_text, check_metadata, check_request_ids)
 from rollout_service.weights.buckets import named_items
 from rollout_service.weights.sender import TRANSPORTS
 
@@ -272,6 +272,21 @@ def prompt_items(prompts: Any, what: str = "prompts") -> Iterable:
     return prompts
 
 
+def _checked_request(i: int, prompt: Any, sampling: SamplingParams, apply_chat_template: bool, metadata: Any,
+                     reward: str | None) -> RolloutRequest:
+    """Prompt i of a call as a checked RolloutRequest (one given as such: checked again); ValueError naming
+    its index. Its metadata must pickle within the bound here, in-process too: the same call then works
+    through Ray, where it travels pickled to the router and the workers."""
+    try:
+        if isinstance(prompt, RolloutRequest):
+            return prompt.validated()
+        return RolloutRequest(prompt=prompt, sampling=sampling, apply_chat_template=apply_chat_template,
+                              metadata=metadata, reward=reward)
+    except ValueError as e:
+        what = f"request {i} ({prompt.request_id!r})" if isinstance(prompt, RolloutRequest) else f"prompt {i}"
+        raise ValueError(f"{what}: {e}") from None
+
+
 class RolloutClient:
     """Every argument is checked here, in the caller's process: bad input is a ValueError naming it."""
 
@@ -332,10 +347,8 @@ class RolloutClient:
         sampling = (sampling or SamplingParams()).validated()
         if reward is not None:
             resolve(reward)
-        reqs = [p.validated() if isinstance(p, RolloutRequest) else
-                RolloutRequest(prompt=p, sampling=sampling, apply_chat_template=apply_chat_template,
-                               metadata=None if metadata is None else metadata[i], reward=reward)
-                for i, p in enumerate(prompts)]
+        reqs = [_checked_request(i, p, sampling, apply_chat_template, None if metadata is None else metadata[i],
+                                 reward) for i, p in enumerate(prompts)]
         for i, r in enumerate(reqs):
             if r.reward is None and reward is not None:
                 reqs[i] = r = replace(r, reward=reward)
@@ -413,6 +426,8 @@ class RolloutClient:
                              "reset(metadata) or step(assistant_text)")
         if metadata is not None and (not isinstance(metadata, (list, tuple)) or len(metadata) != len(envs)):
             raise ValueError(f"metadata: expected a list with one entry per environment ({len(envs)})")
+        for i, m in enumerate(metadata or ()):
+            check_metadata(m, f"metadata[{i}] (environment {i})")
         if sampling is not None and not isinstance(sampling, SamplingParams):
             raise ValueError(f"sampling: expected a SamplingParams, got {type(sampling).__name__}")
         sampling = (sampling or SamplingParams()).validated()

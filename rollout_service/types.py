@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import pickle
 import reprlib
 import uuid
 from collections.abc import Mapping
@@ -200,6 +201,50 @@ def _checked_messages(messages: list | tuple) -> list[ChatMessage]:
 
 
 _REQUEST_KEYS = {"prompt", "sampling", "request_id", "metadata", "apply_chat_template", "reward"}
+# One request's metadata, pickled: the service holds it for as long as the request is in flight (the router
+# and a worker each keep a copy) and copies it onto each of the request's n results.
+MAX_METADATA_BYTES = 1 << 20
+
+
+class _TooBig(Exception):
+    pass
+
+
+class _SizeBound:
+    """A file that only counts what a pickler writes to it, and stops the pickler past `limit` bytes (so an
+    enormous object costs no more than the bound to refuse)."""
+
+    def __init__(self, limit: int):
+        self.size, self.limit = 0, limit
+
+    def write(self, data: Any) -> None:
+        self.size += memoryview(data).nbytes
+        if self.size > self.limit:
+            raise _TooBig
+
+
+def check_metadata(metadata: Any, what: str = "RolloutRequest.metadata") -> None:
+    """ValueError unless `metadata` pickles (as Ray sends it to the workers: the plain pickler, else Ray's
+    cloudpickle, which also takes lambdas and local classes) into at most MAX_METADATA_BYTES."""
+    if metadata is None:
+        return
+    try:
+        try:
+            pickle.Pickler(_SizeBound(MAX_METADATA_BYTES), protocol=5).dump(metadata)
+        except _TooBig:
+            raise
+        except Exception:
+            from ray import cloudpickle
+            cloudpickle.CloudPickler(_SizeBound(MAX_METADATA_BYTES), protocol=5).dump(metadata)
+    except _TooBig:
+        raise ValueError(f"{what}: over {MAX_METADATA_BYTES} bytes (1 MiB) pickled, the bound on one request's metadata "
+                         "(the service holds it while the request is in flight and copies it onto each of its "
+                         "results): keep large task data elsewhere, e.g. looked up by an id in the reward "
+                         "function") from None
+    except Exception as e:  # whatever a __reduce__ raises: TypeError, PicklingError, AttributeError, ...
+        raise ValueError(f"{what}: cannot be pickled, as it must be to reach the rollout workers "
+                         f"({type(e).__name__}: {e})") from None
+
 
 def check_reward_name(name: Any, what: str = "reward") -> str | None:
     """None, or a reward function's importable name "package.module:function" (not imported here)."""
@@ -263,6 +308,7 @@ class RolloutRequest:
         _check_text(self.request_id, "RolloutRequest.request_id")
         if not isinstance(self.apply_chat_template, bool):
             raise ValueError(f"RolloutRequest.apply_chat_template={self.apply_chat_template!r}: must be a bool")
+        check_metadata(self.metadata)
 
     def validated(self) -> "RolloutRequest":
         """A checked copy of this request as it is now (every field again, the sampling params' too; the

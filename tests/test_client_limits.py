@@ -1,13 +1,16 @@
 """What a client can make the service keep is bounded, and what it sends is checked where it is sent:
-fidelity reports (keys, values, strings, and their log line), in-process and through Ray."""
+fidelity reports (keys, values, strings, and their log line), request metadata (it must pickle, within
+MAX_METADATA_BYTES), in-process and through Ray."""
 from __future__ import annotations
+
+import threading
 
 import pytest
 import ray
 
 from rollout_service.client import (FIDELITY_LINE_MAX, FIDELITY_MAX_KEYS, FIDELITY_MAX_STR, FIDELITY_MAX_VALUES,
                                     RolloutClient, check_fidelity, fidelity_line)
-from rollout_service.types import SamplingParams
+from rollout_service.types import MAX_METADATA_BYTES, RolloutRequest, SamplingParams
 from tiny_models import tiny_hf_model
 
 pytest_plugins = ["ray_fixtures"]
@@ -80,3 +83,47 @@ def test_the_fidelity_log_line_is_bounded():
     assert len(line) <= FIDELITY_LINE_MAX and line.startswith("fidelity of version 1: 000kkk") and line.endswith("...")
     # one unchecked entry as the router might hold (a report from before the bounds): still one short line
     assert len(fidelity_line({"version": 1, "per_token": [0.25] * 1_000_000})) <= FIDELITY_LINE_MAX
+
+
+# -- request metadata -----------------------------------------------------------------------------------
+class _Env:
+    def reset(self, metadata):
+        return [1, 2]
+
+    def step(self, text):
+        return [3], 0.0, True
+
+
+def _check_metadata(client: RolloutClient) -> None:
+    prompts = [[1, 2, 3], [4, 5], [6, 7]]
+    with pytest.raises(ValueError, match=r"prompt 1: RolloutRequest.metadata: cannot be pickled.*_thread.lock"):
+        client.generate(prompts, SP, metadata=[{}, {"lock": threading.Lock()}, {}])
+    big = "x" * MAX_METADATA_BYTES
+    with pytest.raises(ValueError, match=rf"prompt 2: RolloutRequest.metadata: over {MAX_METADATA_BYTES} bytes "
+                                         r"\(1 MiB\) pickled, the bound on one request's metadata \(the service holds"):
+        client.generate(prompts, SP, metadata=[{}, {}, big])
+    with pytest.raises(ValueError, match=r"request 0 \('mine'\): RolloutRequest.metadata: cannot be pickled"):
+        req = RolloutRequest([1, 2], SP, request_id="mine")
+        req.metadata = threading.Lock()  # (set after construction: checked again at the client)
+        client.generate([req])
+    with pytest.raises(ValueError, match=r"metadata\[0\] \(environment 0\): cannot be pickled"):
+        client.run_episodes([_Env()], SP, metadata=[threading.Lock()])
+    assert client.info()["in_flight"] == 0
+    # what does pickle is accepted, a lambda too (as Ray's cloudpickle takes it), up to the bound
+    results = client.generate(prompts, SP, metadata=[lambda x: x + 1, "y" * (MAX_METADATA_BYTES // 2), None])
+    assert len(results) == 6 and results[1].metadata(1) == 2 and len(results[3].metadata) == MAX_METADATA_BYTES // 2
+    assert results[5].metadata is None
+
+
+def test_metadata_is_checked_locally(local):
+    _check_metadata(local)
+
+
+@pytest.mark.ray
+def test_metadata_is_checked_through_ray(service):
+    _check_metadata(service)
+    # the router refuses what a client did not check (a request dict sent straight to it), keeping nothing
+    router = service._backend.router
+    reply = ray.get(router.submit.remote([{"prompt": [1, 2], "metadata": "z" * (2 * MAX_METADATA_BYTES)}]))
+    assert "errors" in reply and f"over {MAX_METADATA_BYTES} bytes" in reply["errors"][0][1]
+    assert service.info()["in_flight"] == 0 and len(service.generate([[1, 2]], SP)) == 2
