@@ -157,18 +157,25 @@ class LocalBackend:
                 remaining -= 1
                 yield res
             if remaining and not got:
-                self._advance(ids)
+                self._advance(ids, remaining)
 
-    def _advance(self, ids: set[str]) -> None:
-        """Step the engine, or wait while another thread steps it (or while rewards are computed)."""
-        self._unpaused.wait()
-        while self.engine.is_sleeping:  # another thread put the engine to sleep: wait for wake_up
+    def _advance(self, ids: set[str], remaining: int) -> None:
+        """Step the engine, or wait while another thread steps it (or while rewards are computed, or while
+        paused or asleep: in short waits, so that a close() from another thread is seen)."""
+        engine = self.engine  # (one reference for the whole step: close() may drop the backend's meanwhile)
+        if engine is None:
+            raise RuntimeError(f"the rollout client was closed while this stream was read: {remaining} of its "
+                               "results never came")
+        if not self._unpaused.wait(0.05):
+            return
+        if engine.is_sleeping:  # another thread put the engine to sleep: wait for wake_up
             time.sleep(0.01)
+            return
         if self._stepping.acquire(blocking=False):
             try:
-                idle = not self.engine.has_unfinished()
+                idle = not engine.has_unfinished()
                 if not idle:
-                    self._finished(self.engine.step())
+                    self._finished(engine.step())
             finally:
                 self._stepping.release()
             if not idle:
@@ -253,8 +260,12 @@ class LocalBackend:
         logging.getLogger(__name__).info(fidelity_line(entry))
 
     def close(self) -> None:
+        """Drop the engine. A stream another thread is reading ends with a RuntimeError saying so (at its
+        next step; a step under way finishes first), rather than looking complete with results missing."""
         self._rewards.close()
         self.engine = None
+        with self._cv:
+            self._cv.notify_all()
 
 
 def _is_single_prompt(p: Any) -> bool:

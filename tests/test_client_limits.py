@@ -1,9 +1,11 @@
 """What a client can make the service keep is bounded, and what it sends is checked where it is sent:
 fidelity reports (keys, values, strings, and their log line), request metadata (it must pickle, within
-MAX_METADATA_BYTES), in-process and through Ray."""
+MAX_METADATA_BYTES), in-process and through Ray; and a local client closed while another thread reads one
+of its streams ends that stream with an error saying so."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import ray
@@ -127,3 +129,51 @@ def test_metadata_is_checked_through_ray(service):
     reply = ray.get(router.submit.remote([{"prompt": [1, 2], "metadata": "z" * (2 * MAX_METADATA_BYTES)}]))
     assert "errors" in reply and f"over {MAX_METADATA_BYTES} bytes" in reply["errors"][0][1]
     assert service.info()["in_flight"] == 0 and len(service.generate([[1, 2]], SP)) == 2
+
+
+# -- closing a local client while another thread reads ----------------------------------------------------
+def _read_in_thread(stream, got_one: threading.Event) -> dict:
+    outcome: dict = {"results": 0}
+
+    def read():
+        try:
+            for _ in stream:
+                outcome["results"] += 1
+                got_one.set()
+        except BaseException as e:
+            outcome["error"] = e
+        got_one.set()
+    outcome["thread"] = threading.Thread(target=read, daemon=True)
+    outcome["thread"].start()
+    return outcome
+
+
+def test_close_while_another_thread_reads_a_stream_ends_it_with_a_clear_error():
+    client = _local()
+    short = SamplingParams(n=1, max_tokens=1, ignore_eos=True)
+    long = SamplingParams(n=2, max_tokens=400, ignore_eos=True)
+    stream = client.stream([RolloutRequest([1, 2], short), RolloutRequest([3, 4], long)])
+    got_one = threading.Event()
+    outcome = _read_in_thread(stream, got_one)
+    assert got_one.wait(60), "the reader got no result"
+    client.close()
+    outcome["thread"].join(30)
+    assert not outcome["thread"].is_alive(), "the reader still waits after close()"
+    error = outcome.get("error")
+    assert isinstance(error, RuntimeError), f"the reader saw {error!r}"
+    assert "the rollout client was closed while this stream was read: 2 of its results never came" in str(error)
+    assert outcome["results"] == 1
+
+
+def test_close_while_another_thread_waits_on_a_paused_client():
+    client = _local()
+    stream = client.stream([[1, 2]], SamplingParams(max_tokens=4, ignore_eos=True))
+    client.pause()
+    got_one = threading.Event()
+    outcome = _read_in_thread(stream, got_one)
+    time.sleep(0.3)  # the reader waits for resume()
+    assert not got_one.is_set()
+    client.close()
+    outcome["thread"].join(30)
+    assert not outcome["thread"].is_alive(), "the reader still waits after close()"
+    assert isinstance(outcome.get("error"), RuntimeError) and "was closed" in str(outcome["error"])
