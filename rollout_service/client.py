@@ -157,16 +157,16 @@ class LocalBackend:
                 remaining -= 1
                 yield res
             if remaining and not got:
-                self._advance(ids, remaining)
+                if self.engine is None:
+                    raise RuntimeError(f"the rollout client was closed while this stream was read: {remaining} "
+                                       "of its results never came")
+                self._advance(ids)
 
-    def _advance(self, ids: set[str], remaining: int) -> None:
+    def _advance(self, ids: set[str]) -> None:
         """Step the engine, or wait while another thread steps it (or while rewards are computed, or while
         paused or asleep: in short waits, so that a close() from another thread is seen)."""
         engine = self.engine  # (one reference for the whole step: close() may drop the backend's meanwhile)
-        if engine is None:
-            raise RuntimeError(f"the rollout client was closed while this stream was read: {remaining} of its "
-                               "results never came")
-        if not self._unpaused.wait(0.05):
+        if engine is None or not self._unpaused.wait(0.05):
             return
         if engine.is_sleeping:  # another thread put the engine to sleep: wait for wake_up
             time.sleep(0.01)
