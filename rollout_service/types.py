@@ -418,6 +418,9 @@ class RolloutResult:
         a reward that is not a finite number, metadata msgpack cannot encode, ...)."""
         d = self.to_dict()
         _check_wire_result(d)
+        key = _tuple_key(d["metadata"])
+        _need(key is None, "metadata", f"has the tuple {_SHORT.repr(key)} as a dict key: msgpack writes it as an "
+              "array, which cannot be a key when the record is read back")
         return _packb({"schema": WIRE_SCHEMA_VERSION, "kind": "result", **d}, "RolloutResult.")
 
     @classmethod
@@ -454,6 +457,21 @@ def _encodable(text: Any) -> Any:
         return text
     except UnicodeEncodeError:
         return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _tuple_key(value: Any) -> Any:
+    """A tuple used as a dict key anywhere in `value` (None if there is none)."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, dict):
+            for k, x in v.items():
+                if isinstance(k, tuple):
+                    return k
+                stack.append(x)
+        elif isinstance(v, (list, tuple)):
+            stack.extend(v)
+    return None
 
 
 def _top_to_wire(top: Any) -> Any:

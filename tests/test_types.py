@@ -248,6 +248,7 @@ def test_field_types_are_checked_on_load(tmp_path, field, value):
     ("timings", {"queued": None}, "RolloutResult.timings"),
     ("metadata", {"lock": threading.Lock()}, "RolloutResult.metadata: cannot be encoded as msgpack"),
     ("metadata", "lone \ud800", "RolloutResult.metadata: cannot be encoded as msgpack"),
+    ("metadata", {"ok": [{(1, 2): "a"}]}, r"RolloutResult.metadata: has the tuple \(1, 2\) as a dict key"),
 ])
 def test_a_result_that_would_not_load_back_is_not_saved(tmp_path, field, value, match):
     path = tmp_path / "out.msgpack"
