@@ -22,6 +22,7 @@ from rollout_service import launch
 from rollout_service.config import ServiceConfig
 
 console = Console()
+DEFAULT_NAME = DEFAULT_NAMESPACE = "rollout_service"  # ServiceConfig's defaults for `name` and `namespace`
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -116,15 +117,21 @@ def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def cmd_build_kernels(args: argparse.Namespace) -> int:
-    from rollout_service.ops._ext import build_kernels
-    build_kernels()
+    from rollout_service.ops._ext import CudaUnavailable, build_kernels
+    try:
+        build_kernels()
+    except CudaUnavailable as e:  # a fact about the machine: one line (a compiler failure keeps its traceback)
+        print_error(e)
+        return 1
+    console.print("CUDA kernels built (or found in the cache)")
     return 0
 
 
 def add_service_args(p: argparse.ArgumentParser) -> None:
     """Which running service: its name and namespace, on which Ray cluster."""
-    p.add_argument("--name", default="rollout_service")
-    p.add_argument("--namespace", default="rollout_service")
+    p.add_argument("--name", default=DEFAULT_NAME, help="the service's name (default: %(default)s)")
+    p.add_argument("--namespace", default=DEFAULT_NAMESPACE,
+                   help="the Ray namespace it was started in, the config's `namespace` (default: %(default)s)")
     p.add_argument("--address", default=None,
                    help="Ray cluster (default: $RAY_ADDRESS, else the one `ray start --head` runs on this machine)")
 
@@ -159,10 +166,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return COMMANDS[args.command](args)
     except (ValueError, ConnectionError) as e:
-        # soft_wrap: a path in the message must stay copyable, not be broken at the terminal width;
-        # escape: brackets in the message (shapes, lists) are text, not rich markup
-        console.print(f"[red]error:[/red] {escape(str(e))}", soft_wrap=True)
+        print_error(e)
         return 2 if isinstance(e, ValueError) else 1
+
+
+def print_error(e: BaseException) -> None:
+    # soft_wrap: a path in the message must stay copyable, not be broken at the terminal width;
+    # escape: brackets in the message (shapes, lists) are text, not rich markup
+    console.print(f"[red]error:[/red] {escape(str(e))}", soft_wrap=True)
 
 
 if __name__ == "__main__":

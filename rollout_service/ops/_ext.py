@@ -53,11 +53,23 @@ def cache_root() -> Path:
     return Path(os.environ.get(CACHE_ENV, default))
 
 
+class CudaUnavailable(RuntimeError):
+    """No CUDA build of torch or no visible CUDA device: a fact about the machine, which the command line
+    reports in one line (a compiler failure, by contrast, keeps its traceback and the compiler's output)."""
+
+
+def _why_no_cuda() -> str:
+    if torch.version.cuda is None:
+        return f"this torch ({torch.__version__}) is a CPU build"
+    return f"no CUDA device is visible (torch {torch.__version__}, CUDA {torch.version.cuda})"
+
+
 def build_kernels(verbose: bool = False, csrc: Path = CSRC) -> ModuleType:
     """Compile (or reuse the cached build of) the kernels for the current GPU and import the module.
     csrc: the source folder (another one only to time a modified copy, scripts/lab/decode_sweep.py --csrc)."""
     if not torch.cuda.is_available():
-        raise RuntimeError("building the CUDA kernels needs a CUDA device and a CUDA build of torch")
+        raise CudaUnavailable(f"building the CUDA kernels needs a CUDA device and a CUDA build of torch: "
+                              f"{_why_no_cuda()}")
     from torch.utils.cpp_extension import load
 
     arch_flags = _arch_flags()

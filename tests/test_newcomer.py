@@ -1,0 +1,69 @@
+"""What a newcomer meets first: commands on a machine without what they need (CUDA, a GPU, a custom resource,
+a token), the demo's bad arguments, the token file a local instance leaves behind and what that instance
+listens on. Every command runs in a fresh process, as a user would run it."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+pytest_plugins = ["ray_fixtures"]
+REPO = Path(__file__).resolve().parents[1]
+CLI = [sys.executable, "-m", "rollout_service.cli"]
+RAY = str(Path(sys.executable).with_name("ray"))
+
+
+@pytest.fixture
+def ray_tmp():
+    """A RAY_TMPDIR of our own (short: Ray's socket paths must fit in 107 bytes)."""
+    path = Path(tempfile.mkdtemp(prefix="rt-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _env(ray_tmp: Path, home: Path | None = None, **extra: str) -> dict:
+    """This checkout's environment for a fresh process: no Ray address or auth settings of ours leak in."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")}
+    env.update(RAY_TMPDIR=str(ray_tmp), PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]))
+    if home is not None:
+        env["HOME"] = str(home)
+    env.update(extra)
+    return env
+
+
+def _run(cmd: list[str], env: dict, cwd: Path = REPO, timeout: float = 120) -> tuple[int, list[str], float]:
+    """(exit status, the output's non-empty lines, seconds)."""
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
+    return proc.returncode, lines, time.monotonic() - t0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---- item 2: build-kernels without CUDA ------------------------------------------------------------------
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine can build the kernels")
+def test_build_kernels_without_cuda_is_one_line(ray_tmp):
+    rc, lines, _ = _run(CLI + ["build-kernels"], _env(ray_tmp))
+    assert rc == 1 and len(lines) == 1, lines
+    assert lines[0].startswith("error: building the CUDA kernels needs a CUDA device and a CUDA build of torch")
