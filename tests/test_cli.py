@@ -102,9 +102,16 @@ def test_a_bad_model_is_refused_before_ray_starts(tmp_path, ray_tmp, service_con
     bad.write_text(yaml.safe_dump(service_config(name="svc-bad", engine={"model": str(tmp_path / "no-such-model")})))
     proc = _cli(["run", "--config", str(bad)], tmp_path, ray_tmp)
     out = (proc.stdout + proc.stderr).strip().splitlines()
-    assert proc.returncode == 2 and out[-1].startswith("error: unknown model source"), out[-20:]
-    assert str(tmp_path / "no-such-model") in out[-1] and len(out) == 2  # "starting ..." and the error
+    assert proc.returncode == 2 and out[-1] == f"error: no such file or directory: {tmp_path / 'no-such-model'} " \
+                                               f"(the model path)", out[-20:]
+    assert len(out) == 2  # "starting ..." and the error
     assert not list(ray_tmp.iterdir())  # no Ray instance was started
+    relative = tmp_path / "relative.yaml"  # taken from the current directory, which the message names
+    relative.write_text(yaml.safe_dump(service_config(name="svc-rel", engine={"model": "missing/nope.gguf"})))
+    proc = _cli(["run", "--config", str(relative)], tmp_path, ray_tmp)
+    out = (proc.stdout + proc.stderr).strip().splitlines()
+    assert proc.returncode == 2 and out[-1] == f"error: no such file or directory: missing/nope.gguf (the model " \
+                                               f"path, relative to {tmp_path})", out[-20:]
     typo = tmp_path / "typo.yaml"
     typo.write_text(yaml.safe_dump(service_config(name="svc-typo", engine={"model": "smollm2-135"})))
     proc = _cli(["serve", "--config", str(typo), "--address", _no_port()], tmp_path, ray_tmp)

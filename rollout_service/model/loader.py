@@ -26,6 +26,7 @@ from rollout_service.model.weight_update import apply_named_tensors, validate_na
 from rollout_service.ops.backend import resolve_backend, select_ops
 
 EMBEDDED_MODELS = ("smollm2-135m",)
+_MODEL_FILE_SUFFIXES = (".gguf", ".safetensors", ".json")  # a name ending so is meant as a path
 LOAD_FORMATS = ("auto", "dummy")
 _DTYPES = {**{name: getattr(torch, name) for name in DTYPE_NAMES},
            **{alias: getattr(torch, name) for alias, name in DTYPE_ALIASES.items()}}
@@ -107,9 +108,30 @@ def check_source(source: Any) -> None:
         if not (path / "config.json").is_file():
             raise ValueError(f"model folder {str(path)!r} has no config.json")
         return
+    if path.is_file():
+        raise ValueError(f"model file {name!r} is not a .gguf file (a HF model is a folder with a config.json)")
+    cwd = "" if path.is_absolute() else f"relative to {os.getcwd()}"
+    if _hub_id_shaped(name):
+        raise ValueError(f"unknown model source {name!r}: no such file or directory ({cwd}), and a model hub id is "
+                         f"never downloaded; a model is one of {EMBEDDED_MODELS}, a HF folder or a .gguf file")
+    if _looks_like_path(name):
+        raise ValueError(f"no such file or directory: {name} (the model path{', ' + cwd if cwd else ''})")
     raise ValueError(
         f"unknown model source {name!r}: not one of {EMBEDDED_MODELS}, a HF folder or a .gguf file"
     )
+
+
+def _looks_like_path(name: str) -> bool:
+    """A source meant as a path (a typo of the embedded model's name is not one: it gets the list of names)."""
+    return (os.sep in name or "/" in name or name.startswith(("~", "."))
+            or name.lower().endswith(_MODEL_FILE_SUFFIXES))
+
+
+def _hub_id_shaped(name: str) -> bool:
+    """"org/model", which may be a missing folder or a model hub id (never fetched): the message covers both."""
+    org, sep, model = name.partition("/")
+    return bool(sep and org and model and "/" not in model and not name.startswith(("~", "."))
+                and not name.lower().endswith(_MODEL_FILE_SUFFIXES))
 
 
 def gguf_file(source: str | os.PathLike) -> Path | None:
