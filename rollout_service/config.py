@@ -24,8 +24,19 @@ def from_mapping(cls, d: dict, where: str):
     known = {f.name for f in fields(cls)}
     unknown = sorted(set(d) - known)
     if unknown:
-        raise ValueError(f"{where}: unknown key(s) {unknown}; allowed: {sorted(known)}")
+        raise ValueError(f"{where}: unknown key(s) {unknown}{did_you_mean(unknown, known)}; "
+                         f"allowed: {sorted(known)}")
     return cls(**d)
+
+
+def did_you_mean(unknown: list, known: set) -> str:
+    """' (did you mean 'x'?)' for the first unknown key with a close known one, else ''."""
+    import difflib
+    for key in unknown:
+        close = difflib.get_close_matches(str(key), sorted(known), n=1)
+        if close:
+            return f" (did you mean {close[0]!r}?)"
+    return ""
 
 
 @dataclass
@@ -285,7 +296,14 @@ class ServiceConfig:
             raise ValueError(f"service config {path!r}: cannot read ({e.strerror})") from None
         except yaml.YAMLError as e:
             raise ValueError(f"service config {path!r}: invalid YAML ({e})") from None
-        return from_mapping(cls, d if d is not None else {}, f"service config {path!r}")
+        where = f"service config {path!r}"
+        if d is None:  # most likely the wrong file: running on every default would hide that
+            raise ValueError(f"{where} is empty: write the settings you mean (cluster_configs/local-cpu.yaml "
+                             f"is an example)")
+        try:
+            return from_mapping(cls, d, where)
+        except ValueError as e:  # a nested section's error names the section, not the file
+            raise ValueError(str(e) if str(e).startswith(where) else f"{where}: {e}") from None
 
     @classmethod
     def load(cls, config: "str | dict | ServiceConfig | None" = None, **overrides: Any) -> "ServiceConfig":

@@ -88,6 +88,30 @@ def test_yaml_errors_name_the_file(tmp_path):
         ServiceConfig.from_yaml(str(tmp_path / "missing.yaml"))
 
 
+def test_every_error_in_a_file_names_the_file(tmp_path):
+    p = tmp_path / "svc.yaml"
+    for text, message in [
+        ("engine:\n  max_num_seq: 8\n", r"ServiceConfig.engine: unknown key\(s\) \['max_num_seq'\] \(did you mean "
+                                         r"'max_num_seqs'\?\)"),
+        ("resources:\n  num_cpus: -1\n", r"ServiceConfig.resources.num_cpus=-1"),
+        ("num_workers: 0\n", r"ServiceConfig.num_workers=0"),
+        ("sampling:\n  temperature: -1\n", r"ServiceConfig.sampling: SamplingParams.temperature"),
+    ]:
+        p.write_text(text)
+        with pytest.raises(ValueError, match=rf"^service config '{p}': {message}"):
+            ServiceConfig.from_yaml(str(p))
+        with pytest.raises(ValueError, match=rf"^service config '{p}': {message}"):
+            ServiceConfig.load(str(p))
+
+
+@pytest.mark.parametrize("text", ["", "\n\n", "# every line a comment\n# num_workers: 2\n"])
+def test_an_empty_file_is_refused_not_run_on_defaults(tmp_path, text):
+    p = tmp_path / "svc.yaml"
+    p.write_text(text)
+    with pytest.raises(ValueError, match=rf"^service config '{p}' is empty: write the settings you mean"):
+        ServiceConfig.load(str(p))
+
+
 def test_load_merges_overrides_key_by_key():
     cfg = ServiceConfig.load(str(CONFIGS / "local-cpu.yaml"), num_workers=3,
                              engine={"max_num_seqs": 8}, sampling={"max_tokens": 4})
