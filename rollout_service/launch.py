@@ -43,12 +43,39 @@ def load_prompts(path: str | None, limit: int | None = None) -> list[dict]:
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{n}: not JSON ({e.msg})") from None
             rec = {"prompt": rec} if not isinstance(rec, dict) else rec
-            if "prompt" not in rec:
-                raise ValueError(f"{path}:{n}: a prompt record needs a 'prompt' key")
+            _check_record(rec, f"{path}:{n}")
             records.append(rec)
         if not records:
             raise ValueError(f"prompts file {path!r} holds no prompts")
     return records[:limit] if limit else records
+
+
+PROMPT_KEYS = ("prompt", "metadata", "sampling", "request_id")
+
+
+def _check_record(rec: dict, where: str) -> None:
+    """Unknown keys are refused, not skipped: a misspelt 'sampling' would otherwise roll out on the defaults."""
+    from dataclasses import fields
+
+    from rollout_service.config import did_you_mean
+    from rollout_service.types import SamplingParams
+
+    if "prompt" not in rec:
+        raise ValueError(f"{where}: a prompt record needs a 'prompt' key")
+    unknown = sorted(set(rec) - set(PROMPT_KEYS))
+    if unknown:
+        raise ValueError(f"{where}: unknown key(s) {unknown}{did_you_mean(unknown, set(PROMPT_KEYS))}; "
+                         f"a record holds {list(PROMPT_KEYS)}")
+    sampling = rec.get("sampling")
+    if sampling is None:
+        return
+    if not isinstance(sampling, dict):
+        raise ValueError(f"{where}: 'sampling' must be an object of SamplingParams fields, got "
+                         f"{type(sampling).__name__}")
+    known = {f.name for f in fields(SamplingParams)}
+    unknown = sorted(set(sampling) - known)
+    if unknown:
+        raise ValueError(f"{where}: unknown sampling key(s) {unknown}{did_you_mean(unknown, known)}")
 
 
 def build_requests(config: ServiceConfig, records: list[dict]) -> list[RolloutRequest]:

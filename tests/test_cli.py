@@ -147,6 +147,30 @@ def test_bad_inputs_exit_2_with_the_reason(tmp_path, capsys):
     assert f"output {str(tmp_path)!r} is a folder" in capsys.readouterr().out
 
 
+def test_prompt_files_refuse_unknown_keys_by_file_and_line(tmp_path, ray_tmp, service_config):
+    """A misspelt key rolled out on the defaults (no sampling override, no metadata) without a word."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": [1, 2]}\n\n{"prompt": [3], "samplng": {"n": 4}}\n')
+    cfg = tmp_path / "svc.yaml"
+    cfg.write_text(yaml.safe_dump(service_config(name="svc-jsonl", prompts=str(prompts))))
+    proc = _cli(["run", "--config", str(cfg)], tmp_path, ray_tmp)
+    out = (proc.stdout + proc.stderr).strip().splitlines()
+    assert proc.returncode == 2 and out[-1] == (f"error: {prompts}:3: unknown key(s) ['samplng'] (did you mean "
+                                                f"'sampling'?); a record holds ['prompt', 'metadata', 'sampling', "
+                                                f"'request_id']"), out[-20:]
+    assert not list(ray_tmp.iterdir())  # refused before any Ray instance started
+    prompts.write_text('{"prompt": [3], "metdata": 1}\n')
+    with pytest.raises(ValueError, match=r"p.jsonl:1: unknown key\(s\) \['metdata'\] \(did you mean 'metadata'\?\)"):
+        launch.load_prompts(str(prompts))
+    prompts.write_text('{"prompt": [3]}\n{"prompt": [3], "sampling": {"max_token": 3}}\n')
+    with pytest.raises(ValueError, match=r"p.jsonl:2: unknown sampling key\(s\) \['max_token'\] \(did you mean "
+                                         r"'max_tokens'\?\)"):
+        launch.load_prompts(str(prompts))
+    prompts.write_text('{"prompt": [3], "sampling": 3}\n')
+    with pytest.raises(ValueError, match=r"p.jsonl:1: 'sampling' must be an object of SamplingParams fields"):
+        launch.load_prompts(str(prompts))
+
+
 def test_builtin_prompts_and_bench_delegation(capsys):
     recs = launch.load_prompts(None, limit=3)
     assert len(recs) == 3 and recs[0]["metadata"]["answer"] == "Paris"
