@@ -10,11 +10,13 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
 from rich.console import Console
 from rich.markup import escape
+from rich.measure import Measurement
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -36,7 +38,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         def on_result(r) -> None:
             bar.update(task, advance=1, tokens=bar.tasks[task].fields["tokens"] + len(r.token_ids))
 
-        console.print(f"starting {config.num_workers} worker(s) of {config.engine.model!s} ...", soft_wrap=True)
+        console.print(f"starting {_workers_text(config)} of {config.engine.model!s} ...", soft_wrap=True)
         summary = launch.run(config, on_result=on_result, on_start=lambda n: bar.update(task, total=n))
     console.print(summary_table(summary))
     if summary.get("example"):
@@ -45,17 +47,32 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _workers_text(config: ServiceConfig) -> str:
+    return "one worker per GPU" if config.num_workers == "auto" else f"{config.num_workers} worker(s)"
+
+
+SUMMARY_ROWS = (("prompts", "prompts"), ("samples", "samples"), ("prompt_tokens", "prompt tokens"),
+                ("output_tokens", "output tokens"), ("startup_s", "start-up (s)"), ("rollout_s", "rollout (s)"),
+                ("tokens_per_s", "output tokens/s"), ("workers", "workers"), ("policy_version", "policy version"),
+                ("resubmitted", "resubmitted requests"))
+
+
 def summary_table(s: dict) -> Table:
-    t = Table(title="rollout metrics", show_header=True)
+    # The two rates differ by design, so the caption says how each is measured: the total over the whole
+    # rollout's wall time, each worker's over its own recent busy steps (they sum to more than the total).
+    t = Table(title="rollout metrics", show_header=True,
+              caption="output tokens/s = output tokens / rollout (s): all workers, wall time from the workers "
+                      "being ready to the last result. A worker's tokens/s is its engine's rate over its last "
+                      "64 steps, while generating; idle time and start-up are not in it, so the workers' rates "
+                      "add up to more than the total.", caption_justify="left")
     t.add_column("metric")
     t.add_column("value", justify="right")
-    for k in ("prompts", "samples", "prompt_tokens", "output_tokens", "startup_s", "rollout_s", "tokens_per_s",
-              "workers", "policy_version", "resubmitted"):
-        t.add_row(k, str(s[k]))
-    t.add_row("finish_reasons", ", ".join(f"{k}={v}" for k, v in sorted(s["finish_reasons"].items())))
+    for k, label in SUMMARY_ROWS:
+        t.add_row(label, str(s[k]))
+    t.add_row("finish reasons", ", ".join(f"{k}={v}" for k, v in sorted(s["finish_reasons"].items())))
     for w in s.get("per_worker", []):
         tps = w.get("tokens_per_s")
-        t.add_row(f"worker {w['worker']} tokens/s", "dead" if tps is None else f"{tps:.1f}")
+        t.add_row(f"worker {w['worker']} tokens/s (last 64 steps)", "dead" if tps is None else f"{tps:.1f}")
     return t
 
 
@@ -70,11 +87,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = ServiceConfig.load(args.config, detached=True, **overrides)
     # the cluster started by hand on this machine (`ray start --head`) unless one is named
     address = config.address or os.environ.get("RAY_ADDRESS") or "auto"
-    console.print(f"starting {config.num_workers} worker(s) of {config.engine.model!s} ...", soft_wrap=True)
+    console.print(f"starting {_workers_text(config)} of {config.engine.model!s} ...", soft_wrap=True)
     RayBackend.launch(config, address=address)
     gcs = ray.get_runtime_context().gcs_address
-    flags, kwargs = f" --name {config.name}", ""
-    if config.namespace != "rollout_service":
+    flags, kwargs = "", ""
+    if config.name != DEFAULT_NAME:
+        flags = f" --name {config.name}"
+    if config.namespace != DEFAULT_NAMESPACE:
         flags, kwargs = f"{flags} --namespace {config.namespace}", f"{kwargs}, namespace={config.namespace!r}"
     if address != "auto":
         flags, kwargs = f"{flags} --address {gcs}", f"{kwargs}, address={gcs!r}"
@@ -86,21 +105,71 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+# (header, how to read it from one worker's stats): the default set fits an 80-column terminal
+STATS_COLUMNS = (
+    ("worker", lambda s: s.get("worker")),
+    ("alive", lambda s: s.get("alive")),
+    ("queued", lambda s: s.get("queued")),
+    ("running", lambda s: s.get("running")),
+    ("KV pages\nused/total", lambda s: _ratio(s.get("kv_pages_used"), s.get("kv_pages_total"))),
+    ("tok/s", lambda s: s.get("tokens_per_s")),
+    ("policy\nversion", lambda s: s.get("policy_version")),
+)
+WIDE_COLUMNS = (
+    ("sleep\nlevel", lambda s: s.get("sleep_level")),
+    ("device\nMiB", lambda s: _mib(s.get("device_memory_bytes"))),
+    ("generated\ntokens", lambda s: s.get("generated_tokens")),
+    ("prefilled\ntokens", lambda s: s.get("prefilled_tokens")),
+    ("prefix\nhit %", lambda s: _percent((s.get("prefix_cache") or {}).get("hit_rate"))),
+    ("preemptions", lambda s: s.get("preemptions")),
+    ("device", lambda s: s.get("device")),
+    ("backend", lambda s: s.get("backend")),
+    ("node", lambda s: (s.get("node_id") or "")[:8] or None),
+)
+
+
+def _ratio(used, total) -> str | None:
+    return None if used is None or total is None else f"{used}/{total}"
+
+
+def _mib(n) -> float | None:
+    return None if n is None else n / 2**20
+
+
+def _percent(rate) -> float | None:
+    return None if rate is None else 100 * rate
+
+
+def _cell(v) -> str:
+    if v is None:
+        return "-"
+    return f"{v:.1f}" if isinstance(v, float) else str(v)
+
+
 def cmd_stats(args: argparse.Namespace) -> int:
     from rollout_service.service import RayBackend
     backend = RayBackend.connect(args.name, namespace=args.namespace, address=args.address)
     stats, info = backend.stats(), backend.info()
+    if args.json:
+        # plain print: rich would highlight and wrap it, and a pipe wants the bytes as they are
+        print(json.dumps({"name": args.name, "namespace": args.namespace, "info": info, "workers": stats},
+                         default=str))
+        return 0
+    columns = STATS_COLUMNS + (WIDE_COLUMNS if args.wide else ())
     t = Table(title=f"service {args.name!r}: policy version {info['policy_version']}, "
-                    f"{info['in_flight']} request(s) in flight")
-    cols = ("worker", "alive", "queued", "running", "kv_pages_used", "kv_pages_total", "tokens_per_s",
-            "policy_version", "sleep_level", "device_MiB")
-    for c in cols:
-        t.add_column(c, justify="right")
+                    f"{info['in_flight']} in flight",
+              caption="tok/s: output tokens per second of each engine over its last 64 steps"
+                      + ("" if args.wide else "; --wide for memory, token counts, device; --json for all"),
+              caption_justify="left")
+    for header, _ in columns:
+        t.add_column(header, justify="right")
     for s in stats:
-        mem = s.get("device_memory_bytes")
-        s = {**s, "device_MiB": None if mem is None else mem / 2**20}
-        t.add_row(*(f"{v:.1f}" if isinstance(v, float) else str(v) for v in (s.get(c) for c in cols)))
-    console.print(t)
+        t.add_row(*(_cell(read(s)) for _, read in columns))
+    if args.wide:  # every column at full width, however narrow the terminal: the user asked for them
+        out = Console(width=max(console.width, Measurement.get(console, console.options.update_width(1000), t).maximum))
+        out.print(t)
+    else:
+        console.print(t)
     return 0
 
 
@@ -143,11 +212,16 @@ def parser() -> argparse.ArgumentParser:
     sv = sub.add_parser("serve", help="start a named service on a running Ray cluster (`ray start --head`); "
                                       "it outlives this command")
     sv.add_argument("--config", required=True, help="service YAML (see cluster_configs/)")
-    sv.add_argument("--name", help="override the config's service name")
-    sv.add_argument("--num-workers", type=int, help="override num_workers")
+    sv.add_argument("--name", help=f"the service's name (default: the config's `name`, else {DEFAULT_NAME})")
+    sv.add_argument("--num-workers", type=int, help="rollout workers (default: the config's `num_workers`)")
     sv.add_argument("--address", help="Ray cluster (default: the config's, else $RAY_ADDRESS, else the one "
                                       "`ray start --head` runs on this machine)")
-    add_service_args(sub.add_parser("stats", help="per-worker stats of a running service"))
+    st = sub.add_parser("stats", help="per-worker stats of a running service")
+    add_service_args(st)
+    shape = st.add_mutually_exclusive_group()
+    shape.add_argument("--wide", action="store_true", help="more columns: memory, token counts, prefix cache, "
+                                                            "device, node (wider than 80 columns)")
+    shape.add_argument("--json", action="store_true", help="every counter of the service and its workers, as JSON")
     add_service_args(sub.add_parser("stop", help="shut a running service down"))
     sub.add_parser("bench", help="benchmark harness (arguments are passed through)", add_help=False)
     sub.add_parser("build-kernels", help="compile the CUDA kernels into the cache")

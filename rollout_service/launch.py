@@ -181,9 +181,11 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts", help="JSONL prompts file (default: the config's, else the built-in sample set)")
     p.add_argument("--output", help=f"msgpack results file, relative to the current directory (default: the "
                                     f"config's, else {DEFAULT_OUTPUT}); its folder is made if missing")
-    p.add_argument("--num-prompts", type=int, help="roll out only the first N prompts")
-    p.add_argument("--num-workers", type=int, help="override num_workers")
-    p.add_argument("--max-tokens", type=int, help="override sampling.max_tokens")
+    p.add_argument("--num-prompts", type=int, help="roll out only the first N prompts (default: the config's "
+                                                   "`num_prompts`, else all)")
+    p.add_argument("--num-workers", type=int, help="rollout workers (default: the config's `num_workers`)")
+    p.add_argument("--max-tokens", type=int, help="new tokens per sample (default: the config's "
+                                                  "`sampling.max_tokens`)")
 
 
 def config_from_args(args: argparse.Namespace) -> ServiceConfig:

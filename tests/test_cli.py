@@ -38,6 +38,12 @@ def _cli(args: list[str], cwd: Path, ray_tmp: Path, timeout: float = 120) -> sub
     return subprocess.run(CLI + args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+def _without_token_warning(output: str) -> list[str]:
+    """The output's lines but the warning about this machine's own ~/.ray/auth_token, which these processes
+    share with the session's test cluster (tests/test_newcomer.py tests the warning)."""
+    return [line for line in output.strip().splitlines() if not line.startswith("warning: Ray's auth token")]
+
+
 def _no_port() -> str:
     """HOST:PORT where nothing listens."""
     with socket.socket() as s:
@@ -61,7 +67,11 @@ def test_run_rolls_out_writes_msgpack_and_prints_metrics(ray_cluster, tiny_yaml,
     monkeypatch.chdir(tmp_path)  # a relative --output is taken from here; its missing folders are made
     assert cli.main(["run", "--config", str(tiny_yaml), "--output", "runs/one/out.msgpack"]) == 0
     out = capsys.readouterr().out
-    assert "rollout metrics" in out and "output_tokens" in out and "tokens_per_s" in out
+    assert "rollout metrics" in out and "output tokens" in out and "output tokens/s" in out
+    # the two rates are measured differently, and the table says how (the caption may wrap: compare words)
+    words = " ".join(out.split())
+    assert "worker 0 tokens/s (last 64 steps)" in words and "worker 1 tokens/s (last 64 steps)" in words
+    assert "output tokens/s = output tokens / rollout (s)" in words and "add up to more than the total" in words
     assert f"results: {tmp_path / 'runs' / 'one' / 'out.msgpack'}" in out  # the absolute path, not the relative one
     results = load_results(tmp_path / "runs" / "one" / "out.msgpack")
     assert [(r.request_id, r.sample_index) for r in results] == [(f"prompt-{i}", j) for i in range(3) for j in (0, 1)]
@@ -82,15 +92,69 @@ def test_stats_of_a_running_service(ray_cluster, service_config, capsys):
                                "--address", ray_cluster.address], cwd=REPO, capture_output=True, text=True,
                               timeout=120)
         assert proc.returncode == 0 and "policy version 0" in proc.stdout, proc.stdout + proc.stderr[-2000:]
+        _stats_fit_80_columns_and_say_more_on_request(ray_cluster.address)
     finally:
         b.close()
     assert cli.main(["stats", "--name", "svc-stats"]) == 2
     assert "no rollout service named 'svc-stats'" in capsys.readouterr().out
 
 
+def _stats_fit_80_columns_and_say_more_on_request(address: str) -> None:
+    """In an 80-column terminal every header and value is whole; --wide and --json give the rest."""
+    def stats(*flags: str) -> str:
+        proc = subprocess.run(CLI + ["stats", "--name", "svc-stats", "--address", address, *flags], cwd=REPO,
+                              env={**os.environ, "COLUMNS": "80"}, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
+        return proc.stdout
+
+    table = stats()
+    assert "…" not in table and max(map(len, table.splitlines())) <= 80, table
+    for header in ("worker", "alive", "queued", "running", "KV pages", "used/total", "tok/s", "version"):
+        assert header in table, (header, table)
+    wide = stats("--wide")
+    assert "…" not in wide and all(h in wide for h in ("device", "MiB", "generated", "prefilled", "hit %")), wide
+    got = json.loads(stats("--json"))
+    assert [w["worker"] for w in got["workers"]] == [0, 1] and got["info"]["policy_version"] == 0
+    assert all("generated_tokens" in w and "prefix_cache" in w for w in got["workers"])
+
+
+def test_help_says_what_every_option_does_and_its_default(tmp_path, ray_tmp):
+    def help_of(command: str) -> str:
+        proc = _cli([command, "--help"], tmp_path, ray_tmp, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        return " ".join(proc.stdout.split())
+
+    for command in ("run", "serve"):
+        assert "--num-workers NUM_WORKERS rollout workers (default: the config's `num_workers`)" in help_of(command)
+    for command in ("stats", "stop"):
+        text = help_of(command)
+        assert "--name NAME the service's name (default: rollout_service)" in text
+        assert "--namespace NAMESPACE the Ray namespace it was started in" in text and \
+            "(default: rollout_service)" in text.split("--namespace NAMESPACE", 1)[1]
+    assert "--wide" in help_of("stats") and "--json" in help_of("stats")
+
+
+@pytest.mark.ray
+def test_serve_prints_only_the_flags_that_differ_from_the_defaults(ray_cluster, service_config, tmp_path, ray_tmp):
+    cfg = tmp_path / "svc.yaml"
+    config = service_config(namespace="svc-serve-flags")
+    del config["name"]  # the default name
+    cfg.write_text(yaml.safe_dump(config))
+    proc = _cli(["serve", "--config", str(cfg), "--num-workers", "1", "--address", ray_cluster.address], tmp_path,
+                ray_tmp, timeout=180)
+    try:
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == 0 and "rollout service 'rollout_service' is serving" in out, out[-3000:]
+        assert " --name " not in out  # the default name needs no flag
+        assert "rollout-service stats --namespace svc-serve-flags --address " in out
+    finally:
+        stop = _cli(["stop", "--namespace", "svc-serve-flags", "--address", ray_cluster.address], tmp_path, ray_tmp)
+    assert stop.returncode == 0 and "stopped rollout service 'rollout_service'" in stop.stdout, stop.stdout
+
+
 def test_stats_without_a_ray_cluster_is_one_line(tmp_path, ray_tmp):
     proc = _cli(["stats", "--address", _no_port()], tmp_path, ray_tmp, timeout=60)
-    out = (proc.stdout + proc.stderr).strip()
+    out = "\n".join(_without_token_warning(proc.stdout + proc.stderr))
     assert proc.returncode == 1 and len(out.splitlines()) == 1, out[-3000:]
     assert out.startswith("error: no Ray cluster at 127.0.0.1:") and "ray start --head" in out
 
