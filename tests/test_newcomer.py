@@ -92,3 +92,46 @@ def test_demo_says_how_many_tokens_its_tables_show(ray_tmp):
     assert rc == 0, lines[-20:]
     captions = [line.strip() for line in lines if line.strip().startswith("the first ")]
     assert len(captions) == 4 and all(c.startswith("the first 8 of ") and c.endswith(" tokens") for c in captions)
+
+
+# ---- item 4: a cluster that lacks a resource kind the config asks for ---------------------------------------
+
+@pytest.mark.ray
+def test_a_config_asking_for_a_resource_the_cluster_lacks_fails_at_once(ray_cluster, tiny_model_dir, ray_tmp,
+                                                                       tmp_path):
+    """local-gpu.yaml on the CPU-only test cluster, through the CLI: one line naming the missing kind, what the
+    cluster has and the config to use, in seconds (it waited out the placement timeout, autoscaler errors
+    streaming meanwhile)."""
+    cfg = _config_file(REPO / "cluster_configs" / "local-gpu.yaml", tmp_path / "gpu.yaml", name="svc-nogpu",
+                       address=ray_cluster.address, placement={"timeout_s": 30}, engine={"model": tiny_model_dir})
+    rc, lines, seconds = _run(CLI + ["run", "--config", str(cfg)], _env(ray_tmp), timeout=120)
+    # (this machine's own token may draw a warning: the shared cluster uses it, so HOME stays)
+    lines = [line for line in lines if not line.startswith("warning: Ray's auth token")]
+    assert rc == 2 and lines[-1].startswith("error: cannot place 1 rollout worker(s) of CPU 2, GPU 1"), lines[-20:]
+    assert "the Ray cluster has no GPU (it has CPU 4," in lines[-1] and "rollout_node 2" in lines[-1]
+    assert "use cluster_configs/local-cpu.yaml" in lines[-1]
+    assert len(lines) == 2 and seconds < 25, (seconds, lines)  # "starting ..." and the error
+
+
+@pytest.mark.ray
+def test_a_custom_resource_or_a_strategy_the_nodes_cannot_meet_fails_at_once(ray_cluster, tiny_model_dir):
+    from rollout_service.service import RayBackend
+    base = dict(engine={"model": tiny_model_dir}, placement={"timeout_s": 30})
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match=r"the Ray cluster has no gpu_node .*ray start .*--resources="):
+        RayBackend.launch(str(REPO / "cluster_configs" / "multi-node.yaml"), name="svc-nocustom",
+                          resources={"custom": {"gpu_node": 1}}, **base)
+    # two nodes have rollout_node, one each: STRICT_PACK (all on one node) can never be placed
+    with pytest.raises(ValueError, match=r"STRICT_PACK puts every worker on one node, and the most any node "
+                                         r"holds is 1"):
+        RayBackend.launch(str(REPO / "cluster_configs" / "multi-node.yaml"), name="svc-pack",
+                          placement={"strategy": "STRICT_PACK", "timeout_s": 30}, engine={"model": tiny_model_dir})
+    assert time.monotonic() - t0 < 20
+
+
+def _config_file(base: Path, out: Path, **overrides) -> Path:
+    """A copy of a shipped config with overrides merged in, key by key."""
+    from rollout_service.config import ServiceConfig
+    cfg = ServiceConfig.load(str(base), **overrides).to_dict()
+    out.write_text(yaml.safe_dump(cfg))
+    return out
