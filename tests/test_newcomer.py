@@ -135,3 +135,158 @@ def _config_file(base: Path, out: Path, **overrides) -> Path:
     cfg = ServiceConfig.load(str(base), **overrides).to_dict()
     out.write_text(yaml.safe_dump(cfg))
     return out
+
+
+# ---- items 7 and 15: what a new local instance leaves on disk and on the network -----------------------------
+
+PROBE = r"""
+import json, os, socket, sys, time
+import psutil, ray
+from rollout_service.service import ensure_ray
+
+ensure_ray()
+node = ray._private.worker.global_worker.node
+time.sleep(3)  # the agents' servers start after ray.init returns
+procs = [psutil.Process()] + psutil.Process().children(recursive=True)
+listening = {(c.laddr.ip, c.laddr.port) for p in procs for c in p.net_connections(kind="tcp")
+             if c.status == psutil.CONN_LISTEN}
+exposed = []
+for ip, port in sorted(listening):
+    if ip.startswith("127.") or ip == "::1":
+        continue
+    try:
+        with socket.create_connection((node.node_ip_address, port), timeout=2) as s:
+            s.settimeout(2)
+            s.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
+            body = b""
+            while len(body) < 1 << 16:
+                chunk = s.recv(1 << 14)
+                if not chunk:
+                    break
+                body += chunk
+    except OSError:
+        continue
+    if b"# TYPE " in body or b"# HELP " in body:
+        exposed.append(f"{ip}:{port}")
+token = os.path.expanduser("~/.ray/auth_token")
+print("PROBE " + json.dumps({"token_mode": oct(os.stat(token).st_mode & 0o777),
+                             "dir_mode": oct(os.stat(os.path.dirname(token)).st_mode & 0o777),
+                             "token_len": len(open(token).read()), "metrics_exposed": exposed,
+                             "auth_mode": os.environ.get("RAY_AUTH_MODE")}))
+ray.shutdown()
+"""
+
+
+@pytest.fixture(scope="module")
+def fresh_local_instance(tmp_path_factory):
+    """A new local Ray instance started by our code for a user with no ~/.ray, under umask 022."""
+    home = tmp_path_factory.mktemp("home")
+    ray_tmp = Path(tempfile.mkdtemp(prefix="rt-", dir="/tmp"))
+    try:
+        proc = subprocess.run([sys.executable, "-c", PROBE], cwd=REPO, env=_env(ray_tmp, home), capture_output=True,
+                              text=True, timeout=180, umask=0o022)
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    found = [line for line in proc.stdout.splitlines() if line.startswith("PROBE ")]
+    assert proc.returncode == 0 and found, (proc.stdout + proc.stderr)[-3000:]
+    return json.loads(found[0].removeprefix("PROBE "))
+
+
+def test_a_new_local_instance_makes_a_private_token(fresh_local_instance):
+    assert fresh_local_instance["auth_mode"] == "token"
+    assert fresh_local_instance["token_mode"] == oct(0o600)   # Ray alone: 0o644 under umask 022
+    assert fresh_local_instance["dir_mode"] == oct(0o700)
+    assert fresh_local_instance["token_len"] == 64             # Ray's format: 256 bits as hex
+
+
+def test_a_new_local_instance_serves_no_metrics_off_loopback(fresh_local_instance):
+    """Ray's metrics agent serves Prometheus text over plain HTTP, without a token, on every interface unless
+    told otherwise; the local instance of `run` / RolloutClient.launch has no use for it."""
+    assert fresh_local_instance["metrics_exposed"] == []
+
+
+def test_a_token_others_can_read_is_warned_about(tmp_path, ray_tmp):
+    token = tmp_path / ".ray" / "auth_token"
+    token.parent.mkdir()
+    token.write_text(secrets.token_hex(32))
+    token.chmod(0o644)
+    with socket.socket() as s:  # a port nobody listens on: the command fails after the warning
+        s.bind(("127.0.0.1", 0))
+        nowhere = f"127.0.0.1:{s.getsockname()[1]}"
+    rc, lines, _ = _run(CLI + ["stats", "--address", nowhere], _env(ray_tmp, tmp_path), timeout=60)
+    assert rc == 1 and len(lines) == 2, lines  # stdout's error line first, then stderr's warning
+    assert lines[0].startswith("error: no Ray cluster at")
+    assert lines[1] == f"warning: Ray's auth token {token} can be read by other users (mode 644): chmod 600 {token}"
+    token.chmod(0o600)
+    rc, lines, _ = _run(CLI + ["stats", "--address", nowhere], _env(ray_tmp, tmp_path), timeout=60)
+    assert len(lines) == 1 and lines[0].startswith("error: no Ray cluster at"), lines
+
+
+# ---- item 8: a cluster that wants a token this process lacks -------------------------------------------------
+
+@pytest.fixture(scope="module")
+def token_head(tmp_path_factory):
+    """A Ray head with token authentication and no dashboard, on loopback: (GCS address, its token file)."""
+    tmp = tmp_path_factory.mktemp("token_head")
+    token = tmp / "auth_token"
+    token.write_text(secrets.token_hex(32))
+    token.chmod(0o600)
+    ray_tmp = Path(tempfile.mkdtemp(prefix="rt-", dir="/tmp"))
+    gcs = _free_port()
+    # every port explicit: the session's test cluster already holds Ray's default ones on this machine
+    ports = [f"--{flag}={_free_port()}" for flag in ("dashboard-agent-listen-port", "dashboard-agent-grpc-port",
+                                                    "runtime-env-agent-port", "metrics-export-port",
+                                                    "ray-client-server-port")]
+    log = open(tmp / "head.log", "w")
+    head = subprocess.Popen([RAY, "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={gcs}",
+                             "--include-dashboard=false", "--num-cpus=1", "--disable-usage-stats", *ports],
+                            env=_env(ray_tmp, tmp, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token)),
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.time() + 90
+        while True:
+            assert head.poll() is None and time.time() < deadline, (tmp / "head.log").read_text()[-3000:]
+            try:
+                socket.create_connection(("127.0.0.1", gcs), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.5)
+        yield f"127.0.0.1:{gcs}", token
+    finally:
+        head.send_signal(signal.SIGTERM)
+        try:
+            head.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(head.pid, signal.SIGKILL)
+        log.close()
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("case, message", [
+    ("no token", "wants Ray's auth token; this machine has no token: copy the cluster's to ~/.ray/auth_token"),
+    ("wrong token", "refused the token in {wrong}: not the cluster's token"),
+    ("mode without token", "RAY_AUTH_MODE=token, but this machine has no token"),
+])
+def test_a_cluster_that_refuses_our_token_is_one_line(token_head, tmp_path, ray_tmp, case, message):
+    """Ray's client retried for ~20 s, a warning line a second, then advised starting a cluster (or raised
+    its AuthenticationError with a traceback)."""
+    address, _ = token_head
+    wrong = tmp_path / "wrong_token"
+    wrong.write_text(secrets.token_hex(32))
+    wrong.chmod(0o600)
+    extra = {"no token": {}, "wrong token": {"RAY_AUTH_TOKEN_PATH": str(wrong)},
+             "mode without token": {"RAY_AUTH_MODE": "token"}}[case]
+    rc, lines, seconds = _run(CLI + ["stats", "--address", address], _env(ray_tmp, tmp_path, **extra), timeout=120)
+    assert rc == 1 and len(lines) == 1, lines[-20:]
+    assert lines[0].startswith("error: ") and message.format(wrong=wrong) in lines[0], lines
+    assert seconds < 15
+
+
+@pytest.mark.ray
+def test_the_clusters_own_token_gets_through(token_head, tmp_path, ray_tmp):
+    address, token = token_head
+    rc, lines, _ = _run(CLI + ["stats", "--address", address], _env(ray_tmp, tmp_path, RAY_AUTH_TOKEN_PATH=str(token)),
+                        timeout=120)
+    assert rc == 2 and lines == [f"error: no rollout service named 'rollout_service' in namespace 'rollout_service' "
+                                 f"on this Ray cluster (start one with `rollout-service serve --config ...`)"], lines
