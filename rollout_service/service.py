@@ -5,6 +5,7 @@ instance) and `RolloutClient.connect(name)` attaches to a running one; both wrap
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -23,9 +24,36 @@ from rollout_service.weights.push import WeightPusher
 logger = logging.getLogger(__name__)
 
 
-# A local instance started here serves this process alone: no dashboard, and no Prometheus metrics endpoint
-# (Ray's metrics agent would serve one over plain HTTP, without authentication, on every interface).
-_LOCAL_INSTANCE_OPTIONS = {"include_dashboard": False, "_system_config": {"enable_metrics_collection": False}}
+def _local_instance_options() -> dict:
+    """A local instance started here serves this process alone: no dashboard, and no metrics agent exporting
+    to Prometheus (plain HTTP, no token). A new dict each time: ray.init may keep or amend what it is given."""
+    return {"include_dashboard": False, "_system_config": {"enable_metrics_collection": False}}
+
+
+@contextlib.contextmanager
+def _on_loopback() -> Iterator[None]:
+    """Start a local instance on 127.0.0.1, as Ray does on macOS and Windows: its GCS, raylet and workers then
+    listen on loopback, and so do the HTTP endpoints Ray binds to every interface for a routable node IP (the
+    autoscaler's and dashboard's Prometheus metrics, the runtime-env agent), none of which wants a token.
+    Ray reads the switch at import: the constant is set for the start and put back, so a later connection of
+    this process to a real cluster gets its routable IP again."""
+    from ray._private import ray_constants
+
+    if not hasattr(ray_constants, "ENABLE_RAY_CLUSTER"):  # a Ray without the switch: its own choice of address
+        yield
+        return
+    var = getattr(ray_constants, "ENABLE_RAY_CLUSTERS_ENV_VAR", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")
+    old, old_env = ray_constants.ENABLE_RAY_CLUSTER, os.environ.get(var)
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    os.environ[var] = "0"  # for the instance's own processes, which inherit this environment
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = old
+        if old_env is None:
+            os.environ.pop(var, None)
+        else:
+            os.environ[var] = old_env
 
 
 def ensure_ray(address: str | None = None, namespace: str | None = None) -> None:
@@ -42,8 +70,9 @@ def ensure_ray(address: str | None = None, namespace: str | None = None) -> None
     _check_token_accepted(address)
     try:
         # logging_level: Ray's INFO lines ("Started a local Ray instance", ...) are not this CLI's output
-        ray.init(address=address, namespace=namespace, log_to_driver=True, logging_level=logging.WARNING,
-                 **(_LOCAL_INSTANCE_OPTIONS if address == "local" else {}))
+        with _on_loopback() if address == "local" else contextlib.nullcontext():
+            ray.init(address=address, namespace=namespace, log_to_driver=True, logging_level=logging.WARNING,
+                     **(_local_instance_options() if address == "local" else {}))
     except ConnectionError as e:
         # Ray's first sentence says what failed; the advice after it is replaced by ours
         first = str(e).strip().splitlines()[0].split(". ")[0].rstrip(".")

@@ -150,9 +150,12 @@ time.sleep(3)  # the agents' servers start after ray.init returns
 procs = [psutil.Process()] + psutil.Process().children(recursive=True)
 listening = {(c.laddr.ip, c.laddr.port) for p in procs for c in p.net_connections(kind="tcp")
              if c.status == psutil.CONN_LISTEN}
+def loopback(ip):
+    return ip.startswith(("127.", "::ffff:127.")) or ip == "::1"
+off_loopback = sorted(f"{ip}:{port}" for ip, port in listening if not loopback(ip))
 exposed = []
 for ip, port in sorted(listening):
-    if ip.startswith("127.") or ip == "::1":
+    if loopback(ip):
         continue
     try:
         with socket.create_connection((node.node_ip_address, port), timeout=2) as s:
@@ -172,6 +175,7 @@ token = os.path.expanduser("~/.ray/auth_token")
 print("PROBE " + json.dumps({"token_mode": oct(os.stat(token).st_mode & 0o777),
                              "dir_mode": oct(os.stat(os.path.dirname(token)).st_mode & 0o777),
                              "token_len": len(open(token).read()), "metrics_exposed": exposed,
+                             "off_loopback": off_loopback, "node_ip": node.node_ip_address,
                              "auth_mode": os.environ.get("RAY_AUTH_MODE")}))
 ray.shutdown()
 """
@@ -199,10 +203,11 @@ def test_a_new_local_instance_makes_a_private_token(fresh_local_instance):
     assert fresh_local_instance["token_len"] == 64             # Ray's format: 256 bits as hex
 
 
-def test_a_new_local_instance_serves_no_metrics_off_loopback(fresh_local_instance):
-    """Ray's metrics agent serves Prometheus text over plain HTTP, without a token, on every interface unless
-    told otherwise; the local instance of `run` / RolloutClient.launch has no use for it."""
+def test_a_new_local_instance_listens_on_loopback_alone(fresh_local_instance):
+    """Ray binds its servers to every interface for a routable node IP, the Prometheus metrics endpoints (plain
+    HTTP, no token) among them; the local instance of `run` / RolloutClient.launch serves this machine alone."""
     assert fresh_local_instance["metrics_exposed"] == []
+    assert fresh_local_instance["node_ip"] == "127.0.0.1" and fresh_local_instance["off_loopback"] == []
 
 
 def test_a_token_others_can_read_is_warned_about(tmp_path, ray_tmp):
