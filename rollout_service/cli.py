@@ -2,8 +2,8 @@
 
     rollout-service run --config cluster_configs/local-cpu.yaml   # local Ray, roll out prompts, summary
     rollout-service serve --config cluster_configs/local-cpu.yaml # a named service that outlives the command
-    rollout-service stats [--name rollout_service]                # per-worker stats of a running service
-    rollout-service stop [--name rollout_service]                 # shut a running service down
+    rollout-service stats [--name N] [--wide | --json]            # per-worker stats of a running service
+    rollout-service stop [--name N]                               # shut a running service down
     rollout-service bench [...]                                   # the benchmark harness
     rollout-service build-kernels                                 # compile the CUDA kernels ahead of time
 """
