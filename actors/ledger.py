@@ -29,6 +29,7 @@ class Tracked:
     jobs: list[str] = field(default_factory=list)   # engine request ids of every dispatch, newest last
     worker: int | None = None                       # worker of the newest job (None: waiting for one)
     fresh_as_of: int = -1                           # policy version the newest job was dispatched at
+    strikes: int = 0                                # worker deaths while its user code ran (actors/quarantine.py)
 
     @property
     def missing(self) -> int:

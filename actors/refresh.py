@@ -100,6 +100,7 @@ class RefreshCoordinator:
         self._record(payload, version, partial)
         for i, _ in failed:  # its peers swapped: restart it, and the replay log brings it to their weights
             self.router._log(f"worker {i} failed to apply version {version}; restarting it to replay the refreshes")
+            self.router._killed[i] = self.router._incarnation[i]
             ray.kill(self.router.workers[i], no_restart=False)
         for i, out in outcomes:
             if isinstance(out, BaseException):

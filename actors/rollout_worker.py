@@ -24,6 +24,7 @@ from typing import Any
 
 import ray
 
+from actors.quarantine import UserCodeWatch, announce_exits
 from actors.remote_errors import error_text
 from actors.reward_pool import RewardPool
 from rollout_service.rewards import RewardBook, RewardRunner
@@ -59,11 +60,15 @@ class RolloutWorker:
         self._steps = 0
         self._wakeups = 0
         self._error: str | None = None
+        # user code (rewards in this process, environments) is announced to the router before it runs
+        self._watch = UserCodeWatch(self._cv)
+        self.engine.user_code = self._watch.running
+        announce_exits(self._watch)
         self._reward_of = RewardBook(reward)  # the service's default reward applies where a request names none
         if reward_actors:  # one batch of results per reward actor at a time
             self._rewards = RewardRunner(self._deliver, RewardPool(reward_actors).start, len(reward_actors))
         else:
-            self._rewards = RewardRunner(self._deliver)
+            self._rewards = RewardRunner(self._deliver, guard=self._watch.running)
         self._thread = threading.Thread(target=self._loop, name=f"engine-{worker_index}", daemon=True)
         self._thread.start()
 
@@ -85,7 +90,7 @@ class RolloutWorker:
                         continue
                     finished = self.engine.step()
                     self._steps += 1
-            except Exception as e:  # an engine bug must be visible, not a silent hang
+            except BaseException as e:  # an engine bug must be visible, not a silent hang
                 self._error = f"{type(e).__name__}: {e}"
                 raise
             if finished:
@@ -139,19 +144,26 @@ class RolloutWorker:
         self._wake()
         return errors
 
-    def poll(self, timeout: float = 1.0) -> tuple[str, list[RolloutResult]]:
-        """Wait up to `timeout` s for finished results; returns (incarnation, results) and clears them."""
+    def poll(self, timeout: float = 1.0, confirmed: tuple[str | None, int] | None = None
+             ) -> tuple[str, list[RolloutResult], dict]:
+        """Wait up to `timeout` s for finished results, or for user code to start or end; returns
+        (incarnation, results, the user code running: actors/quarantine.py) and clears the results.
+        `confirmed`: (incarnation, change) of the last user-code report the router has read."""
         deadline = time.monotonic() + timeout
         with self._cv:
-            while not self._outbox and not self._stop:
+            if confirmed is not None and confirmed[0] == self.incarnation:
+                self._watch.confirm(confirmed[1])
+            while not self._outbox and not self._stop and not self._watch.unreported:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
                 self._cv.wait(left)
             out, self._outbox = self._outbox, []
-        if self._error is not None:
-            raise RuntimeError(f"worker {self.worker_index} engine loop failed: {self._error}")
-        return self.incarnation, out
+            report = self._watch.report()
+        if self._error is not None or not (self._stop or self._thread.is_alive()):
+            # the router restarts the worker; the requests it held go to the others
+            raise RuntimeError(f"worker {self.worker_index} engine loop failed: {self._error or 'it ended'}")
+        return self.incarnation, out, report
 
     def abort(self, request_ids: list[str]) -> list[RolloutResult]:
         """Abort now; the partial results are returned here (not through poll)."""
@@ -259,6 +271,7 @@ class RolloutWorker:
         with self._cv:
             self._stop = True
         self._wake()
+        self._watch.close()
         self._thread.join(timeout=10)
         self._rewards.close()
         self.receiver.leave()

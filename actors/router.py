@@ -33,6 +33,7 @@ from ray.exceptions import ActorDiedError, RayTaskError
 
 from actors.ledger import Ledger, Tracked, decode_request
 from actors.placement import create_workers, learner_options
+from actors.quarantine import Quarantine
 from actors.refresh import RefreshCoordinator
 from actors.remote_errors import ACTOR_DOWN as _ACTOR_DOWN, error_text, is_down
 from actors.reward_pool import create_reward_actors, kill_reward_actors
@@ -54,22 +55,27 @@ class Router:
         self._gone = [False] * n           # dead for good (no restarts left)
         self._awaiting = [False] * n       # restarted, waiting for the learner's weights before it serves
         self._incarnation: list[str | None] = [None] * n
+        self._killed: list[str | None] = [None] * n  # the incarnation the router itself ended, per worker
         self._places: list[dict] = [{} for _ in range(n)]  # node_id and device, from health()
         self.ledger = Ledger()
         self.refresh = RefreshCoordinator(self)
+        self.quarantine = Quarantine(n)
         self._paused = False
         self._asleep = 0
         self._fail_if_asleep = False
         self._sleep_holder: str | None = None  # the client whose live process keeps the service asleep
         self._sleep_renewed = 0.0
         self._wake_after_refresh = False       # its holder is gone and sleep(2) dropped the weights: wake with them
+        # sleep, wake_up and refreshes one at a time: interleaved at the workers, two clients' sleep and wake
+        # could leave the workers asleep while the router thinks them awake
+        self._control = asyncio.Lock()
         self._closed = False
         self._tasks: list[asyncio.Task] = []
         # seconds without a renewal after which a client's streams are cancelled and its sleep ends
         self.stream_lease_s = self.sleep_lease_s = float(config.client_lease_s)
         self.fidelity: deque[dict] = deque(maxlen=FIDELITY_KEPT)
         self.counters = {"resubmitted": 0, "stale_regenerated": 0, "worker_deaths": 0, "streams_expired": 0,
-                         "sleep_expired": 0}
+                         "sleep_expired": 0, "quarantined": 0}
 
     # -- start-up ---------------------------------------------------------------------------------
     async def start(self) -> str | None:
@@ -186,20 +192,31 @@ class Router:
 
     async def _poll(self, i: int) -> None:
         try:
-            incarnation, results = await self.workers[i].poll.remote(0.5)
+            incarnation, results, running = await self.workers[i].poll.remote(
+                0.5, self.quarantine.confirmation(i, self._incarnation[i]))
         except _ACTOR_DOWN:
             return await self._worker_down(i)
         except RayTaskError as e:  # the engine loop crashed: restart the actor
-            self._log(f"worker {i} failed ({error_text(e)}); restarting it")
-            ray.kill(self.workers[i], no_restart=False)
-            return await self._worker_down(i)
+            return await self._restart(i, f"worker {i} failed ({error_text(e)}); restarting it")
         if incarnation != self._incarnation[i]:  # restarted between two polls
             return await self._worker_down(i)
+        self.quarantine.read(i, incarnation, running)
         for r in results:
             try:
                 self._on_result(r)
             except Exception as e:  # one bad result must not cost the others
                 self._log(f"worker {i}: a result could not be handled ({error_text(e)}); dropped")
+        late = self.quarantine.overdue(i, self.config.user_code_timeout_s)
+        if late:
+            rid, what, seconds, _ = late[0]
+            await self._restart(i, f"worker {i} is wedged: the {what} of request {rid} has run for {seconds:.0f} s "
+                                   f"(user_code_timeout_s={self.config.user_code_timeout_s:g}); restarting it")
+
+    async def _restart(self, i: int, why: str) -> None:
+        self._log(why)
+        self._killed[i] = self._incarnation[i]  # until it is gone, that process may still answer health()
+        ray.kill(self.workers[i], no_restart=False)
+        await self._worker_down(i)
 
     def _on_result(self, r: RolloutResult) -> None:
         t = self.ledger.is_new(r)
@@ -268,11 +285,25 @@ class Router:
         if self._alive[i] or self._awaiting[i]:
             self._alive[i] = self._awaiting[i] = False
             self.counters["worker_deaths"] += 1
+        self._quarantine_suspects(i)
         lost = self.ledger.on_worker(i)
         if lost:
             self.counters["resubmitted"] += len(lost)
             await self._dispatch(lost)
         await self._recover(i)
+
+    def _quarantine_suspects(self, i: int) -> None:
+        """Worker i went down while running user code: end the requests it was running for, or give them a
+        strike (actors/quarantine.py), before the others are resubmitted."""
+        for s in self.quarantine.on_death(i):
+            t = self.ledger.owner(s.request_id)
+            if t is None or t.worker != i or t.jobs[-1] != s.request_id:  # ended, or its job is elsewhere now
+                continue
+            t.strikes += 1
+            why = s.verdict(t.strikes)
+            if why is not None:
+                self.counters["quarantined"] += 1
+                self._fail(t.request.request_id, why)
 
     async def _recover(self, i: int) -> None:
         """Wait for Ray to restart worker i, give it the current weights and put it back in service; or give
@@ -318,26 +349,32 @@ class Router:
         """Bring worker i, whose health() is `h`, into service (or to wait for weights); False: not yet."""
         if h["startup_error"]:
             raise _CannotServe(f"its engine failed to start again: {h['startup_error']}")
-        if h["error"]:  # the incarnation whose engine loop failed: Ray has yet to replace it
+        if h["error"] or h["incarnation"] == self._killed[i]:  # the incarnation Ray has yet to replace
             await asyncio.sleep(0.05)
             return False
         self._on_health(i, h)
         has = h["policy_version"]
         while True:
             reached = await self.refresh.bring_up_to_date(i, has)
-            if self._paused:
-                await self.workers[i].pause.remote()
-            if self._asleep:
-                await self.workers[i].sleep.remote(self._asleep)
             await self.refresh.idle()  # a refresh in flight did not include this worker: wait for it, then
-            if reached == self.refresh.version:  # no await between this check and serving
-                await self.back_in_service(i)
-                return True
-            if reached is None and self.refresh.replay is None:
-                self._awaiting[i] = True
-                self._log(f"worker {i} restarted; it serves again once the learner pushes the full weights")
-                return True
+            async with self._control:  # no sleep, wake or refresh between this check and serving
+                if reached == self.refresh.version and not self.refresh.busy:
+                    await self._join_as_the_others_are(i)
+                    await self.back_in_service(i)
+                    return True
+                if reached is None and self.refresh.replay is None and not self.refresh.busy:
+                    await self._join_as_the_others_are(i)
+                    self._awaiting[i] = True
+                    self._log(f"worker {i} restarted; it serves again once the learner pushes the full weights")
+                    return True
             has = has if reached is None else reached  # a refresh landed meanwhile: catch up with it
+
+    async def _join_as_the_others_are(self, i: int) -> None:
+        """A restarted worker i, before it serves: paused and asleep if the service is."""
+        if self._paused:
+            await self.workers[i].pause.remote()
+        if self._asleep:
+            await self.workers[i].sleep.remote(self._asleep)
 
     def _give_up(self, i: int, reason: str) -> None:
         self._gone[i] = True
@@ -388,20 +425,23 @@ class Router:
     # -- weights (actors/refresh.py) ----------------------------------------------------------------
     async def update_weights(self, payload: dict, version: int, partial: bool = False) -> str | None:
         """Object store or CUDA IPC refresh; returns an error message or None."""
-        err = await self.refresh.update(payload, version, partial)
-        if err is None:
-            await self._wake_if_orphaned()
-        return err
+        async with self._control:
+            err = await self.refresh.update(payload, version, partial)
+            if err is None:
+                await self._wake_if_orphaned()
+            return err
 
     async def broadcast_begin(self, payload: dict, version: int, partial: bool = False, resend: bool = False,
                               timeout_s: float = 300.0) -> str | None:
-        return await self.refresh.broadcast_begin(payload, version, partial, resend, timeout_s)
+        async with self._control:
+            return await self.refresh.broadcast_begin(payload, version, partial, resend, timeout_s)
 
     async def broadcast_finish(self) -> str | None:
-        err = await self.refresh.broadcast_finish()
-        if err is None:
-            await self._wake_if_orphaned()
-        return err
+        async with self._control:
+            err = await self.refresh.broadcast_finish()
+            if err is None:
+                await self._wake_if_orphaned()
+            return err
 
     def weight_targets(self) -> list[dict]:
         """Workers a refresh goes to, with where they run (the learner picks the transport from this)."""
@@ -429,15 +469,20 @@ class Router:
         (renew_sleep); None: asleep until wake_up, whoever lives. A later sleep replaces the holder."""
         if level not in (1, 2):
             return f"sleep: level={level!r} must be 1 (weights kept in host memory) or 2 (dropped)"
-        self._asleep, self._fail_if_asleep = max(self._asleep, level), bool(fail_if_asleep)
-        self._sleep_holder, self._sleep_renewed = holder, time.monotonic()
-        self._wake_after_refresh = False
-        return await self._on_every_worker("sleep", level)
+        async with self._control:
+            self._asleep, self._fail_if_asleep = max(self._asleep, level), bool(fail_if_asleep)
+            self._sleep_holder, self._sleep_renewed = holder, time.monotonic()
+            self._wake_after_refresh = False
+            return await self._sleep_or_wake("sleep", level)
 
     async def wake_up(self) -> str | None:
-        err = await self._on_every_worker("wake_up")
+        async with self._control:
+            return await self._wake_up()
+
+    async def _wake_up(self) -> str | None:
+        err = await self._sleep_or_wake("wake_up")
         if err is None:
-            self._asleep, self._fail_if_asleep = 0, False
+            self._fail_if_asleep = False
             self._sleep_holder, self._wake_after_refresh = None, False
         return err
 
@@ -465,7 +510,7 @@ class Router:
     async def _wake_if_orphaned(self) -> None:
         if not self._wake_after_refresh:
             return
-        err = await self.wake_up()
+        err = await self._wake_up()  # (the caller holds self._control)
         self._log("the refresh brought the weights back: the workers are awake" if err is None else
                   f"the workers stay asleep after the refresh ({err}); they wake after the next full refresh")
 
@@ -492,13 +537,19 @@ class Router:
         self._log(fidelity_line(entry))
         return None
 
-    async def _on_every_worker(self, method: str, *args) -> str | None:
+    async def _sleep_or_wake(self, method: str, *args) -> str | None:
+        """Every worker's sleep or wake_up; the service's sleep level is then the deepest one a worker reports
+        (one that failed to wake still sleeps), so the router's view is the workers'. Hold self._control."""
         targets = self.refresh.targets()
         outcomes = await asyncio.gather(*[getattr(self.workers[i], method).remote(*args) for i in targets],
                                         return_exceptions=True)
-        errors = [f"worker {i}: {error_text(o)}" for i, o in zip(targets, outcomes)
-                  if isinstance(o, BaseException) and not is_down(o)]
-        return f"{method} failed on " + "; ".join(errors) if errors else None
+        failed = [(i, o) for i, o in zip(targets, outcomes) if isinstance(o, BaseException) and not is_down(o)]
+        stats = [o for o in outcomes if isinstance(o, dict)]
+        stats += await asyncio.gather(*[self.workers[i].stats.remote() for i, _ in failed], return_exceptions=True)
+        levels = [s["sleep_level"] for s in stats if isinstance(s, dict)]
+        if levels:
+            self._asleep = max(levels)
+        return f"{method} failed on " + "; ".join(f"worker {i}: {error_text(o)}" for i, o in failed) if failed else None
 
     async def pause(self) -> None:
         self._paused = True

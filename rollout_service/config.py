@@ -209,6 +209,9 @@ class ServiceConfig:
         config is loaded, so a name that cannot be imported fails at launch.
     reward_workers: 0 = rewards are computed in each rollout worker's own threads; k > 0 = in k Ray reward
         actors shared by the workers (for slow or CPU-heavy reward functions; they reserve no CPU).
+    user_code_timeout_s: a reward function or environment call that runs longer than this in a rollout worker
+        has wedged it: the worker is restarted and that request finishes with the error, never run again
+        (actors/quarantine.py). Rewards computed in reward actors are not timed.
     """
 
     name: str = "rollout_service"
@@ -231,6 +234,7 @@ class ServiceConfig:
     client_lease_s: float = 60.0
     reward: str | None = None
     reward_workers: int = 0
+    user_code_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         c = "ServiceConfig"
@@ -256,8 +260,9 @@ class ServiceConfig:
         for name in ("detached", "apply_chat_template", "colocate"):
             if not isinstance(getattr(self, name), bool):
                 _fail(c, name, getattr(self, name), "must be true or false")
-        if not _number(self.client_lease_s) or not self.client_lease_s > 0:
-            _fail(c, "client_lease_s", self.client_lease_s, "must be a number > 0")
+        for name in ("client_lease_s", "user_code_timeout_s"):
+            if not _number(getattr(self, name)) or not getattr(self, name) > 0:
+                _fail(c, name, getattr(self, name), "must be a number > 0")
         for name in ("address", "prompts", "output"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
                 _fail(c, name, getattr(self, name), "must be a string or null")

@@ -33,6 +33,7 @@ import numpy as np
 
 from rollout_service.engine.kv_cache import pages_for
 from rollout_service.types import EpisodeParams, RolloutRequest, RolloutResult, SamplingParams
+from rollout_service.user_code import Guard, describe_error
 
 if TYPE_CHECKING:
     from rollout_service.engine.engine import Engine
@@ -138,10 +139,11 @@ class EpisodeRunner:
             raise ValueError(f"EpisodeParams.max_total_tokens={params.max_total_tokens}: an episode may need "
                              f"{limit} tokens of KV but the whole cache holds {usable * ps}")
         try:
-            envs = [copy.deepcopy(params.environment) for _ in range(req.sampling.n)]
-        except Exception as e:  # whatever the object's __deepcopy__ / __reduce__ raise
+            with self.engine.user_code(req.request_id, f"environment {type(params.environment).__name__} copy"):
+                envs = [copy.deepcopy(params.environment) for _ in range(req.sampling.n)]
+        except BaseException as e:  # whatever the object's __deepcopy__ / __reduce__ raise
             raise ValueError(f"EpisodeParams.environment: {type(params.environment).__name__} cannot be copied "
-                             f"for each sample ({type(e).__name__}: {e})") from None
+                             f"for each sample ({describe_error(e)})") from None
         return EpisodeGroup(req, params, envs, seed)
 
     def start(self, group: EpisodeGroup) -> list[RolloutResult]:
@@ -151,7 +153,8 @@ class EpisodeRunner:
         out: list[RolloutResult] = []
         for ep in list(episodes):  # (an episode that ends leaves the list)
             try:
-                first = _observation(_call(ep, "reset", group.request.metadata), ep.where("reset"))
+                first = _call(self.engine.user_code, ep, "reset", group.request.metadata)
+                first = _observation(first, ep.where("reset"))
                 ep.prompt_ids = self._first_prompt(ep, first)
             except _EnvironmentFault as e:
                 out += self._end(ep, "abort", str(e))
@@ -173,7 +176,14 @@ class EpisodeRunner:
         out: list[RolloutResult] = []
         for r in results:
             ep = self._turns.pop(r.request_id, None)
-            out += [r] if ep is None else self._after_turn(ep, r)
+            if ep is None:
+                out.append(r)
+                continue
+            try:
+                out += self._after_turn(ep, r)
+            except Exception as e:  # a fault of this episode's own, not caught nearer: it alone ends
+                out += self._end(ep, "abort", f"the episode failed after turn {len(ep.turns) - 1}: "
+                                              f"{describe_error(e)}")
         return out
 
     def _limit(self, ep: _Episode) -> int:
@@ -209,7 +219,7 @@ class EpisodeRunner:
         eos = self.engine.eos_ids
         closed_by = r.token_ids[-1] if r.finish_reason == "stop" and r.token_ids and r.token_ids[-1] in eos else None
         try:
-            obs, reward, done = _step(ep, self.engine.prompts.decode(r.token_ids))
+            obs, reward, done = _step(self.engine.user_code, ep, self.engine.prompts.decode(r.token_ids))
             ep.turns[-1]["reward"] = ep.reward = reward
             if done:
                 return self._end(ep, "done")
@@ -266,21 +276,22 @@ class EpisodeRunner:
 
 
 # ---- talking to an environment -------------------------------------------------------------------------
-def _call(ep: _Episode, method: str, arg: Any) -> Any:
+def _call(guard: Guard, ep: _Episode, method: str, arg: Any) -> Any:
     try:
-        return getattr(ep.env, method)(arg)
-    except Exception as e:  # the environment's own failure: its episode ends, nothing else
-        raise _EnvironmentFault(f"{ep.where(method)} raised {type(e).__name__}: {e}") from None
+        with guard(ep.group.request_id, ep.where(method)):
+            return getattr(ep.env, method)(arg)
+    except BaseException as e:  # SystemExit too: the environment's own failure ends its episode, nothing else
+        raise _EnvironmentFault(f"{ep.where(method)} raised {describe_error(e)}") from None
 
 
-def _step(ep: _Episode, text: str) -> tuple[Observation, float, bool]:
-    out = _call(ep, "step", text)
+def _step(guard: Guard, ep: _Episode, text: str) -> tuple[Observation, float, bool]:
+    out = _call(guard, ep, "step", text)
     where = ep.where("step")
     if not isinstance(out, tuple) or len(out) != 3:
         raise _EnvironmentFault(f"{where} returned {_describe(out)}: expected a tuple (observation, reward, done)")
     obs, reward, done = out
-    if isinstance(reward, bool) or not isinstance(reward, numbers.Real) or not math.isfinite(reward):
-        raise _EnvironmentFault(f"{where} returned reward {reward!r:.80}: expected a finite number")
+    if not _finite_number(reward):
+        raise _EnvironmentFault(f"{where} returned reward {_describe(reward)}: expected a finite number")
     if not isinstance(done, (bool, np.bool_)):
         raise _EnvironmentFault(f"{where} returned done {done!r:.80}: expected a bool")
     return _observation(obs, where, allow_empty=True), float(reward), bool(done)
@@ -300,6 +311,19 @@ def _observation(value: Any, where: str, allow_empty: bool = False) -> Observati
                             "(dicts with str 'role' and 'content') or a list of token ids")
 
 
+def _finite_number(value: Any) -> bool:
+    """A real number that is finite as a float (an int too large for one, say 10**400, is not)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return False
+    try:
+        return math.isfinite(float(value))
+    except (OverflowError, ValueError, TypeError):
+        return False
+
+
 def _describe(value: Any) -> str:
-    text = repr(value)
+    try:
+        text = repr(value)
+    except BaseException:  # a broken __repr__, or an int of more digits than Python will print
+        text = "..."
     return f"{type(value).__name__} {text[:60]}{'...' if len(text) > 60 else ''}"

@@ -3,7 +3,9 @@ for the tests, the benchmark and as templates. A reward function takes a Rollout
 """
 from __future__ import annotations
 
+import builtins
 import os
+import signal
 import time
 
 from rollout_service.types import RolloutResult
@@ -50,10 +52,28 @@ def not_a_number_reward(result: RolloutResult) -> str:
 
 
 def exiting_reward(result: RolloutResult) -> float:
-    """Ends its process for results whose metadata says {"exit": True}: a reward actor that dies. Never use
-    it without reward actors (`reward_workers`): it would end the rollout worker (or the caller) instead."""
+    """Ends its process for results whose metadata says {"exit": True}: a reward actor that dies, or, without
+    reward actors, a rollout worker (its request is quarantined: actors/quarantine.py). In-process it ends
+    the caller."""
     if isinstance(result.metadata, dict) and result.metadata.get("exit"):
         os._exit(1)
+    return length_reward(result)
+
+
+def killing_reward(result: RolloutResult) -> float:
+    """Kills its own process (SIGKILL) for results whose metadata says {"kill": True}: what a crash in native
+    code or the OOM killer does to a rollout worker. Its request is quarantined after a second such death."""
+    if isinstance(result.metadata, dict) and result.metadata.get("kill"):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return length_reward(result)
+
+
+def raising_reward(result: RolloutResult) -> float:
+    """Raises the builtin exception that the metadata names ({"raise": "SystemExit"}, "KeyboardInterrupt",
+    ...), else the length reward: BaseExceptions mark only their own result."""
+    name = result.metadata.get("raise") if isinstance(result.metadata, dict) else None
+    if name:
+        raise getattr(builtins, name)(f"raised by sample {result.sample_index}")
     return length_reward(result)
 
 

@@ -18,6 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Iterable
 
 from rollout_service.types import RolloutResult, check_reward_name
+from rollout_service.user_code import Guard, describe_error, unguarded
 
 RewardFn = Callable[[RolloutResult], float]
 # start(name, results) -> a Future of one (reward, reward_error) per result
@@ -59,17 +60,20 @@ def _checked(value: object) -> float:
     return value
 
 
-def score(name: str, result: RolloutResult) -> tuple[float | None, str | None]:
-    """(reward, None), or (None, "Type: message") when the function cannot be had, raises or returns
-    something other than a finite number. Never raises."""
+def score(name: str, result: RolloutResult, guard: Guard = unguarded) -> tuple[float | None, str | None]:
+    """(reward, None), or (None, "Type: message") when the function cannot be had, raises (SystemExit and
+    KeyboardInterrupt too: it is the function's doing, not the caller's) or returns something other than a
+    finite number. Never raises. The call is entered through `guard` (rollout_service/user_code.py)."""
     try:
-        return _checked(resolve(name)(result)), None
-    except Exception as e:
-        return None, f"{type(e).__name__}: {e}"
+        with guard(result.request_id, f"reward {name}"):
+            return _checked(resolve(name)(result)), None
+    except BaseException as e:
+        return None, describe_error(e)
 
 
-def score_all(name: str, results: list[RolloutResult]) -> list[tuple[float | None, str | None]]:
-    return [score(name, r) for r in results]
+def score_all(name: str, results: list[RolloutResult],
+              guard: Guard = unguarded) -> list[tuple[float | None, str | None]]:
+    return [score(name, r, guard) for r in results]
 
 
 def wants_reward(result: RolloutResult) -> bool:
@@ -113,16 +117,17 @@ class RewardBook:
 class RewardRunner:
     """Computes rewards off the caller's thread and hands the results, their rewards set, to `on_ready`
     (from another thread). `start(name, results)` -> Future of one (reward, reward_error) per result;
-    default: this process's reward threads. Results that finish together are scored in up to `parts`
-    batches, not one by one: a handful of hand-offs per engine step instead of one per result. A result
-    whose request is aborted before its reward is computed comes back from `cancel` instead, marked, and
-    never reaches `on_ready`."""
+    default: this process's reward threads, each call entered through `guard`. Results that finish together
+    are scored in up to `parts` batches, not one by one: a handful of hand-offs per engine step instead of
+    one per result. A result whose request is aborted before its reward is computed comes back from `cancel`
+    instead, marked, and never reaches `on_ready`."""
 
     def __init__(self, on_ready: Callable[[list[RolloutResult]], None], start: Starter | None = None,
-                 parts: int = REWARD_THREADS):
+                 parts: int = REWARD_THREADS, guard: Guard = unguarded):
         self._on_ready = on_ready
         self._start = start or self._in_thread
         self._parts = parts
+        self._guard = guard  # around each reward call in this process's threads
         self._executor: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self._pending: dict[tuple[str, int], RolloutResult] = {}
@@ -163,7 +168,7 @@ class RewardRunner:
         with self._lock:
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(self._parts, thread_name_prefix="reward")
-        return self._executor.submit(score_all, name, results)
+        return self._executor.submit(score_all, name, results, self._guard)
 
     def _done(self, keys: list[tuple[str, int]], future: Future) -> None:
         try:

@@ -212,9 +212,9 @@ def test_environment_faults_end_their_own_episode_only(client):
     *bad, good, bad_reset = results
     assert good.finish_reason == "done" and good.reward == 1.0 and good.error is None
     expected = ["Raises.reset() raised RuntimeError: no task left", "Scripted.step() raised KeyError: 'tool crashed'",
-                "Scripted.step() returned dict", "Scripted.step() returned reward 'high': expected a finite number",
+                "Scripted.step() returned dict", "Scripted.step() returned reward str 'high': expected a finite number",
                 "Scripted.step() returned float 3.5: expected text", "Scripted.step() returned done 'yes'",
-                "Scripted.step() returned reward nan", "Scripted.reset() returned dict"]
+                "Scripted.step() returned reward float nan", "Scripted.reset() returned dict"]
     for r, want in zip(bad + [bad_reset], expected):
         assert r.finish_reason == "abort" and r.error.startswith(f"environment {want}"), (r.error, want)
     assert not client.engine.has_unfinished()

@@ -4,6 +4,7 @@ asleep, and the learner's fidelity reports. One 2-worker service with `colocate:
 lease; tests run in file order on it, the worker kill last."""
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -166,6 +167,30 @@ def test_an_orphaned_level2_sleep_waits_for_a_full_refresh_and_then_wakes(svc, l
     local.update_weights(state, version + 1)
     assert svc.weights_digests() == local.weights_digests() * 2
     assert all(r.token_versions == [version + 1] * 4 for r in svc.generate(PROMPTS, GREEDY))
+
+
+def test_racing_sleep_and_wake_from_two_clients_leave_the_router_and_the_workers_agreeing(svc):
+    """Two clients sleep and wake the service at the same moment, ten times: whichever lands last wins, and
+    the router's sleep level is always the workers' (before the fix 3 rounds in 10 ended with the router
+    awake and the workers asleep, and a generate then hung)."""
+    other = RolloutClient.connect(NAME, namespace=NAMESPACE)
+    try:
+        for k in range(10):
+            start = threading.Barrier(2)
+            calls = [lambda: svc.sleep(1), other.wake_up] if k % 2 else [other.wake_up, lambda: svc.sleep(1)]
+            threads = [threading.Thread(target=lambda f=f: (start.wait(), f())) for f in calls]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            levels = sleep_levels(svc)
+            assert len(set(levels)) == 1 and svc.info()["asleep"] == levels[0], f"round {k}: workers at {levels}, " \
+                                                                              f"router at {svc.info()['asleep']}"
+        other.wake_up()
+        assert sleep_levels(svc) == [0, 0] and svc.info()["asleep"] == 0
+        assert len(svc.generate(PROMPTS, GREEDY)) == len(PROMPTS)
+    finally:
+        other.close()
 
 
 # -- fidelity reports ----------------------------------------------------------------------------------

@@ -40,6 +40,7 @@ from rollout_service.model.weight_update import apply_named_tensors, validate_ma
 from rollout_service.ops.backend import resolve_backend
 from rollout_service.prompts import PromptProcessor
 from rollout_service.types import RolloutRequest, RolloutResult, check_policy_version, check_request_ids
+from rollout_service.user_code import Guard, unguarded
 from rollout_service.weights.buckets import named_items, reject_nonfinite
 
 log = logging.getLogger(__name__)
@@ -109,6 +110,8 @@ class Engine:
         self.counters = EngineCounters()
         self._requests: dict[str, _Request] = {}
         self.episodes = EpisodeRunner(self)  # multi-turn episode requests (rollout_service/episodes.py)
+        # how environment code is entered: a Ray worker tells its router first (actors/quarantine.py)
+        self.user_code: Guard = unguarded
         self._outbox: list[RolloutResult] = []
         self._in_flight: _Launched | None = None
         self._seed_rng = random.Random(config.seed)
