@@ -10,11 +10,16 @@ the engine: in a small thread pool, or wherever its `start` sends them (actors/r
 """
 from __future__ import annotations
 
+import ast
 import importlib
+import importlib.machinery
+import inspect
 import math
 import numbers
+import sys
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 from typing import Callable, Iterable
 
 from rollout_service.types import RolloutResult, check_reward_name
@@ -30,24 +35,66 @@ _resolved: dict[str, RewardFn] = {}
 
 
 def resolve(name: str, what: str = "reward") -> RewardFn:
-    """The function named "module:function", imported once per process. ValueError naming `what`, the
-    name and why: a malformed name, no such module (or it fails to import), no such attribute, not callable."""
+    """The function named "module:function", imported once per process. A reward function is a `def` in a
+    Python source module taking one argument (the result); a module not imported yet is checked by reading
+    its source first, so a name that is not one (`this:s`, `http.server:test`) is refused before the module
+    runs. ValueError naming `what`, the name and why."""
     check_reward_name(name, what)
     fn = _resolved.get(name)
     if fn is not None:
         return fn
     module_name, attr = name.split(":")
+    where = f"{what}={name!r}"
+    if module_name not in sys.modules:
+        _check_source(module_name, attr, where)
     try:
         module = importlib.import_module(module_name)
     except Exception as e:  # ImportError, or whatever the module raises while it is imported
-        raise ValueError(f"{what}={name!r}: cannot import module {module_name!r} ({type(e).__name__}: {e})") from None
+        raise ValueError(f"{where}: cannot import module {module_name!r} ({type(e).__name__}: {e})") from None
     if not hasattr(module, attr):
-        raise ValueError(f"{what}={name!r}: module {module_name!r} has no attribute {attr!r}")
+        raise ValueError(f"{where}: module {module_name!r} has no attribute {attr!r}")
     fn = getattr(module, attr)
-    if not callable(fn):
-        raise ValueError(f"{what}={name!r}: {attr!r} is a {type(fn).__name__}, not a callable fn(result) -> float")
+    if not callable(fn) or not inspect.isfunction(inspect.unwrap(fn)):
+        raise ValueError(f"{where}: {attr!r} is a {type(fn).__name__}, not a function fn(result) -> float "
+                         "defined with def in a Python module")
+    _check_one_argument(inspect.signature(fn).parameters.values(), attr, where)
     _resolved[name] = fn
     return fn
+
+
+def _check_source(module_name: str, attr: str, where: str) -> None:
+    """That `attr` is a top-level def of one argument in the module's source, found and read without running
+    the module or its packages."""
+    path = None
+    for i in range(module_name.count(".") + 1):
+        spec = importlib.machinery.PathFinder.find_spec(".".join(module_name.split(".")[:i + 1]), path)
+        path = spec.submodule_search_locations if spec is not None else None
+        if spec is None or (path is None and i < module_name.count(".")):
+            raise ValueError(f"{where}: cannot import module {module_name!r}: no such module on the Python path")
+    if not (spec.origin or "").endswith(".py"):
+        raise ValueError(f"{where}: module {module_name!r} is not Python source ({spec.origin}): a reward "
+                         "function is a def in a .py module")
+    try:
+        tree = ast.parse(Path(spec.origin).read_bytes(), spec.origin)
+    except (OSError, SyntaxError, ValueError) as e:
+        raise ValueError(f"{where}: cannot read module {module_name!r} ({type(e).__name__}: {e})") from None
+    defs = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == attr]
+    if not defs:
+        raise ValueError(f"{where}: module {module_name!r} has no attribute {attr!r} that is a function defined "
+                         f"with def at its top level ({spec.origin})")
+    a = defs[-1].args
+    positional = a.posonlyargs + a.args
+    required = len(positional) - len(a.defaults)
+    kw_required = sum(d is None for d in a.kw_defaults)
+    if required != 1 or kw_required:
+        raise ValueError(f"{where}: {attr}() must take one argument, the result; it needs "
+                         f"{required + kw_required}")
+
+
+def _check_one_argument(params: Iterable[inspect.Parameter], attr: str, where: str) -> None:
+    required = [p for p in params if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    if len(required) != 1 or required[0].kind is inspect.Parameter.KEYWORD_ONLY:
+        raise ValueError(f"{where}: {attr}() must take one argument, the result; it needs {len(required)}")
 
 
 def _checked(value: object) -> float:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import os
 import pickle
+import re
 import reprlib
 import uuid
 from collections.abc import Mapping
@@ -246,11 +247,14 @@ def check_metadata(metadata: Any, what: str = "RolloutRequest.metadata") -> None
                          f"({type(e).__name__}: {e})") from None
 
 
+_REWARD_NAME = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")  # dotted module path : function
+
+
 def check_reward_name(name: Any, what: str = "reward") -> str | None:
     """None, or a reward function's importable name "package.module:function" (not imported here)."""
     if name is None:
         return None
-    if not isinstance(name, str) or name.count(":") != 1 or not all(name.split(":")):
+    if not isinstance(name, str) or not _REWARD_NAME.fullmatch(name):
         raise ValueError(f"{what}={name!r}: must be an importable \"module:function\" name (or None)")
     return name
 

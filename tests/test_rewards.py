@@ -3,6 +3,8 @@ threads and in reward actors; a reward that raises marks only its results, a nam
 a ValueError at the client (and a request error at a worker), and the service keeps serving."""
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 
 import pytest
@@ -45,8 +47,14 @@ def _parity(r: RolloutResult) -> float:
 @pytest.mark.parametrize("name, why", [
     ("rollout_service.no_such_module:f", "cannot import module 'rollout_service.no_such_module'"),
     (f"{EX}:no_such_function", f"module '{EX}' has no attribute 'no_such_function'"),
-    (f"{EX}:NOT_CALLABLE", "'NOT_CALLABLE' is a float, not a callable"),
+    (f"{EX}:NOT_CALLABLE", "'NOT_CALLABLE' is a float, not a function"),
     ("no_colon", "must be an importable \"module:function\" name"),
+    ("os.path :join", "must be an importable \"module:function\" name"),
+    ("builtins:id", "'id' is a builtin_function_or_method, not a function fn(result) -> float defined with def"),
+    ("builtins:sorted", "not a function fn(result) -> float defined with def"),
+    ("shutil:copyfile", "copyfile() must take one argument, the result; it needs 2"),
+    ("this:s", "module 'this' has no attribute 's' that is a function defined with def"),
+    ("http.server:test", "test() must take one argument, the result; it needs 0"),
 ])
 def test_unimportable_names_are_value_errors_naming_why(local, name, why):
     with pytest.raises(ValueError, match="reward") as e:
@@ -61,6 +69,20 @@ def test_unimportable_names_are_value_errors_naming_why(local, name, why):
             call()
         assert why in str(e.value)
     assert local.info()["in_flight"] == 0  # nothing was queued
+
+
+def test_a_name_is_checked_before_its_module_runs():
+    """A module not yet imported is read, not run, to check the name: importing `this` prints the Zen of Python,
+    and http.server:test would open a listener on port 8000."""
+    code = ("import sys\nfrom rollout_service.rewards import resolve\n"
+            "for name in ('this:s', 'http.server:test', 'json.tool:main'):\n"
+            "    try:\n        resolve(name)\n    except ValueError as e:\n        print(e)\n"
+            "print(sorted(m for m in ('this', 'http.server', 'json.tool', 'json') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    lines = out.stdout.splitlines()
+    assert len(lines) == 4 and "Beautiful is better" not in out.stdout, out.stdout
+    assert "test() must take one argument" in lines[1] and "main() must take one argument" in lines[2]
+    assert lines[3] == "[]"  # not even the package json was run
 
 
 def test_score_marks_what_is_not_a_finite_float():
@@ -156,6 +178,19 @@ def test_ray_worker_answers_an_unimportable_reward_with_a_request_error(service)
         service._backend.submit([bad])
     assert [r.reward for r in service.generate([[1, 2]], SP)] == [6.0, 6.0]
     assert all(s["alive"] for s in service.stats())
+
+
+@pytest.mark.ray
+def test_ray_worker_refuses_a_name_that_is_not_a_reward_before_importing_it(service):
+    """A raw request record naming `this:s` (past the client's check): the worker refuses it having only read
+    the module's source; `this` never ran there."""
+    from ray_fixtures import workers
+    bad = {"prompt": [1, 2], "request_id": "zen", "reward": "this:s"}
+    with pytest.raises(ValueError, match=r"request 'zen': reward='this:s': module 'this' has no attribute 's'"):
+        service._backend.submit([bad])
+    assert not any(ray.get([w.__ray_call__.remote(lambda w: "this" in __import__("sys").modules)
+                            for w in workers(service)]))
+    assert [r.reward for r in service.generate([[1, 2]], SP)] == [6.0, 6.0]
 
 
 @pytest.mark.ray
