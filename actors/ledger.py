@@ -30,6 +30,7 @@ class Tracked:
     worker: int | None = None                       # worker of the newest job (None: waiting for one)
     fresh_as_of: int = -1                           # policy version the newest job was dispatched at
     strikes: int = 0                                # worker deaths while its user code ran (actors/quarantine.py)
+    regenerations: int = 0                          # times regenerated for staleness
 
     @property
     def missing(self) -> int:

@@ -43,6 +43,8 @@ from rollout_service.types import RolloutRequest, RolloutResult
 
 RESTART_TIMEOUT_S = 900.0  # a worker that Ray has not brought back by then is given up (a model load fits)
 STATS_TIMEOUT_S = 2.0      # a worker that does not answer stats() by then is reported without its counters
+# a request regenerated this often, because each time a refresh came before it finished, never would: it fails
+MAX_STALE_REGENERATIONS = 8
 
 
 class Router:
@@ -226,7 +228,11 @@ class Router:
         version = self.refresh.version
         if k is not None and r.token_versions and r.finish_reason != "abort" and version - min(r.token_versions) > k:
             if t.fresh_as_of < version:  # regenerate once per refresh, not once per stale sample
-                t.fresh_as_of = version
+                t.fresh_as_of, t.regenerations = version, t.regenerations + 1
+                if t.regenerations > MAX_STALE_REGENERATIONS:
+                    self._spawn(self._abort_jobs([t]))
+                    self._fail(t.request.request_id, _starved(t.regenerations - 1, k))
+                    return
                 self.counters["stale_regenerated"] += 1
                 self._spawn(self._regenerate(t))
             return
@@ -615,6 +621,12 @@ class Router:
     @staticmethod
     def _log(msg: str) -> None:
         print(f"[rollout_service.router] {msg}", flush=True)
+
+
+def _starved(regenerations: int, max_staleness: int) -> str:
+    return (f"stale: regenerated {regenerations} times with the current weights, and each time a weight refresh "
+            f"came before it finished (max_staleness={max_staleness}); refresh less often than a request takes, "
+            "or allow more staleness")
 
 
 class _CannotServe(Exception):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import json
+import threading
 
 import pytest
 import ray
@@ -74,6 +75,30 @@ def long_requests(k: int, prefix: str, max_tokens: int = 400) -> list[RolloutReq
 
 def running(backend: RayBackend, k: int) -> bool:
     return sum(s["running"] or 0 for s in backend.stats()) >= k
+
+
+@pytest.mark.timeout(300)
+def test_a_request_that_refreshes_keep_making_stale_fails_saying_so(ray_cluster, service_config):
+    """max_staleness 0 and a refresh every few milliseconds: no request can finish on one version. After
+    MAX_STALE_REGENERATIONS regenerations it fails with an error that says why, instead of never coming back."""
+    from actors.router import MAX_STALE_REGENERATIONS
+    from ray_fixtures import tiny_llama
+
+    client = RolloutClient.launch(service_config(name="svc-stale", num_workers=1, max_staleness=0))
+    try:
+        state, got = tiny_llama().state_dict(), []
+        reader = threading.Thread(target=lambda: got.extend(client.stream(long_requests(1, "stale", 400))))
+        reader.start()
+        version = 0
+        while reader.is_alive():
+            version += 1
+            client.update_weights(state, version)
+        assert [r.finish_reason for r in got] == ["abort", "abort"]
+        assert f"regenerated {MAX_STALE_REGENERATIONS} times" in got[0].error and "max_staleness=0" in got[0].error
+        assert client.info()["stale_regenerated"] == MAX_STALE_REGENERATIONS
+        wait_for(lambda: idle(client._backend), "the stale request's last job aborted on its worker")
+    finally:
+        client.close()
 
 
 # -- stats -------------------------------------------------------------------------------------------
