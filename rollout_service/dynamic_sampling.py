@@ -295,14 +295,16 @@ class _Run:
             self._fail(f"the prompt source failed after {self.drawn} prompts: {type(error).__name__}: {error}",
                        error)
 
-    def _draw(self, k: int) -> tuple[list[tuple[Any, Any]], Exception | None]:
+    def _draw(self, k: int) -> tuple[list[tuple[Any, Any]], BaseException | None]:
         """Up to k (prompt, metadata) pairs, and the exception the source raised, if it did (the pairs drawn
         before it are kept)."""
         items: list[tuple[Any, Any]] = []
         try:
             for item in itertools.islice(self.source, k):
                 items.append(item)
-        except Exception as e:
+        except KeyboardInterrupt:
+            raise
+        except BaseException as e:  # the source's own failure, SystemExit too
             self.drawn += len(items)
             return items, e
         self.drawn += len(items)
@@ -360,7 +362,9 @@ class _Run:
             verdict = self.keep(group)
             if not isinstance(verdict, (bool, np.bool_)):
                 raise ValueError(f"keep returned {verdict!r:.80} (a {type(verdict).__name__}), not a bool")
-        except Exception as e:
+        except KeyboardInterrupt:  # Ctrl-C in the caller's process: the caller's, not keep's
+            raise
+        except BaseException as e:  # SystemExit too: keep's own failure
             self.out.failed += 1
             self.out.failed_tokens += sum(len(r.token_ids) for r in group)
             self.out.unjudged.append(group)
