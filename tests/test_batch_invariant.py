@@ -3,7 +3,6 @@ prompt was prefilled (alone, chunked, shared, from the prefix cache) or on a pre
 the learner's InvariantForward recomputes the same bytes (EngineConfig.batch_invariant)."""
 from unittest.mock import patch
 
-import numpy as np
 import pytest
 import torch
 from engine_waves import serve_in_waves

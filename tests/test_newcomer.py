@@ -10,7 +10,6 @@ import secrets
 import shutil
 import signal
 import socket
-import stat
 import subprocess
 import sys
 import tempfile
@@ -294,4 +293,4 @@ def test_the_clusters_own_token_gets_through(token_head, tmp_path, ray_tmp):
     rc, lines, _ = _run(CLI + ["stats", "--address", address], _env(ray_tmp, tmp_path, RAY_AUTH_TOKEN_PATH=str(token)),
                         timeout=120)
     assert rc == 2 and lines == [f"error: no rollout service named 'rollout_service' in namespace 'rollout_service' "
-                                 f"on this Ray cluster (start one with `rollout-service serve --config ...`)"], lines
+                                 "on this Ray cluster (start one with `rollout-service serve --config ...`)"], lines

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rollout_service.types import load_results
+from rollout_service.results_file import load_results
 
 pytest_plugins = ["ray_fixtures"]
 pytestmark = [pytest.mark.ray, pytest.mark.slow]

@@ -1,4 +1,4 @@
-"""SamplingParams validation and the msgpack wire format."""
+"""SamplingParams validation, the msgpack wire format and results files."""
 import re
 import threading
 import tracemalloc
@@ -7,8 +7,8 @@ import msgpack
 import numpy as np
 import pytest
 
-from rollout_service.types import (RolloutRequest, RolloutResult, SamplingParams, iter_results, load_results,
-                                   save_results)
+from rollout_service.results_file import iter_results, load_results, save_results
+from rollout_service.types import RolloutRequest, RolloutResult, SamplingParams
 
 
 def _result(i: int = 0, top: bool = True) -> RolloutResult:
