@@ -292,5 +292,5 @@ def test_the_clusters_own_token_gets_through(token_head, tmp_path, ray_tmp):
     address, token = token_head
     rc, lines, _ = _run(CLI + ["stats", "--address", address], _env(ray_tmp, tmp_path, RAY_AUTH_TOKEN_PATH=str(token)),
                         timeout=120)
-    assert rc == 2 and lines == [f"error: no rollout service named 'rollout_service' in namespace 'rollout_service' "
+    assert rc == 2 and lines == ["error: no rollout service named 'rollout_service' in namespace 'rollout_service' "
                                  "on this Ray cluster (start one with `rollout-service serve --config ...`)"], lines
