@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from rollout_service.ops import attention, norm, rope, sampling
+from rollout_service.ops import attention, moe, norm, rope, sampling
 
 
 class TorchOps:
@@ -31,6 +31,17 @@ class TorchOps:
         """silu(gate) * up of a fused [T, 2I] gate_up projection (gate half first); silu rounds to the dtype."""
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+    def moe_route(self, x: torch.Tensor, weight: torch.Tensor, top_k: int,
+                  renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(expert ids int32 [T, k], weights float32 [T, k]) of x [T, H] under router weight [E, H] (ops/moe.py)."""
+        return moe.route(x, weight, top_k, renormalize)
+
+    def moe_experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+                    down: torch.Tensor) -> torch.Tensor:
+        """[T, H]: each token's k experts (stacked gate_up [E, 2I, H], down [E, H, I]) mixed by its weights
+        (ops/moe.py)."""
+        return moe.experts(x, ids, weights, gate_up, down)
 
     def rope(
         self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
