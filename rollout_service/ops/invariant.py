@@ -16,9 +16,12 @@ batch padded to its longest sequence reduces over a length that the batch mates 
   (checked once per shape, `_attention_fold_ok`).
 
 The sampler's normaliser is a row-tile product too (logsumexp: torch splits a lone row's sum across threads).
-Norms (rows of at most a few thousand), RoPE and SiLU are row-local already (tests/test_batch_invariant.py checks
-the whole engine). The learner's recompute (rollout_service.training.InvariantForward) calls the same ops in
-its forward and differentiates the plain torch reference math. The CUDA version is ops/invariant_cuda.py.
+Mixture-of-experts layers put the router's and each expert's products on row tiles (an expert's GEMM has as
+many rows as the batch routes to it); the softmax over the experts, the top-k and the weighted sum (explicit
+adds in slot order, ops/moe.py) are row-local. Norms (rows of at most a few thousand), RoPE and SiLU are
+row-local already (tests/test_batch_invariant.py and tests/test_moe_invariant.py check the whole engine).
+The learner's recompute (rollout_service.training.InvariantForward) calls the same ops in its forward and
+differentiates the plain torch reference math. The CUDA version is ops/invariant_cuda.py.
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from rollout_service.ops import attention as attention_ref
+from rollout_service.ops import moe
 from rollout_service.ops.torch_ops import TorchOps
 
 ROW_TILE = 16
@@ -315,6 +319,16 @@ class InvariantOps(TorchOps):
 
     def logsumexp(self, x: torch.Tensor) -> torch.Tensor:
         return logsumexp(x)
+
+    def moe_route(self, x: torch.Tensor, weight: torch.Tensor, top_k: int,
+                  renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The router's logits on row tiles; softmax and top-k are row-local."""
+        return moe.route(x, weight, top_k, renormalize, product=linear)
+
+    def moe_experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+                    down: torch.Tensor) -> torch.Tensor:
+        """Each expert's rows on row tiles: a row's bits do not depend on how many rows its expert got."""
+        return moe.experts(x, ids, weights, gate_up, down, product=linear)
 
     def attention(
         self, q: torch.Tensor, kv_layer: torch.Tensor, meta: attention_ref.AttentionMetadata, scale: float

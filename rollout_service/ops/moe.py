@@ -12,20 +12,41 @@ and `down` [E, H, I].
   then each token's k outputs times their weights summed in float32 in slot order and rounded once to the
   dtype. A token's result depends only on its own row: the grouping changes which GEMM computes a row, not
   the order of the sum over its experts.
+
+`product(x, w)` = x @ w.T is a parameter of both so the batch-invariant ops (ops/invariant.py) can put their
+row-tile products in; everything else here is row-local already.
 """
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
+Product = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
-def route(x: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+
+def route(x: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: bool,
+          product: Product = F.linear) -> tuple[torch.Tensor, torch.Tensor]:
     """(expert ids int32 [T, k], weights float32 [T, k]) of rows x [T, H] under router weight [E, H]."""
-    probs = torch.softmax(F.linear(x, weight).float(), dim=-1)
+    probs = torch.softmax(product(x, weight).float(), dim=-1)
     weights, ids = probs.topk(top_k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return ids.to(torch.int32), weights
+    return ids.to(torch.int32), _renormalized(weights) if renormalize else weights
+
+
+def route_weights(x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, renormalize: bool) -> torch.Tensor:
+    """float32 [T, k]: route's weights of the given experts ids [T, k], as plain differentiable torch (the
+    math a learner's backward differentiates; the same values as route's up to rounding)."""
+    probs = torch.softmax(F.linear(x, weight).float(), dim=-1).gather(1, ids.long())
+    return _renormalized(probs) if renormalize else probs
+
+
+def _renormalized(weights: torch.Tensor) -> torch.Tensor:
+    # the sum in slot order, by explicit adds: a reduction kernel may pick its order by the tensor's shape
+    total = weights[:, 0]
+    for s in range(1, weights.shape[1]):
+        total = total + weights[:, s]
+    return weights / total[:, None]
 
 
 def group_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -35,20 +56,36 @@ def group_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, 
     return flat.argsort(stable=True), torch.bincount(flat, minlength=num_experts)
 
 
-def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
-            down: torch.Tensor) -> torch.Tensor:
-    """[T, H] in x's dtype: sum over slots s of weights[t, s] * expert_{ids[t, s]}(x[t])."""
+def expert_outputs(x: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                   product: Product = F.linear) -> torch.Tensor:
+    """[T, k, H] in x's dtype: expert ids[t, s]'s gated MLP of x[t], unweighted."""
     tokens, k = ids.shape
     order, counts = group_by_expert(ids, gate_up.shape[0])
     rows = x[order // k]
     out = torch.empty(tokens * k, x.shape[1], dtype=x.dtype, device=x.device)
     start = 0
-    for e, n in enumerate(counts.tolist()):  # a loop over experts (not tokens): one GEMM pair each
+    # a loop over experts (not tokens): one GEMM pair each. counts on the host: a sync no CUDA graph captures
+    for e, n in enumerate(counts.tolist()):
         if n:
-            gate, up = F.linear(rows[start:start + n], gate_up[e]).chunk(2, dim=-1)
-            out[start:start + n] = F.linear(F.silu(gate) * up, down[e])
+            gate, up = product(rows[start:start + n], gate_up[e]).chunk(2, dim=-1)
+            out[start:start + n] = product(F.silu(gate) * up, down[e])
             start += n
     per_slot = torch.empty_like(out)
     per_slot[order] = out  # back to (token, slot) order
-    mixed = (per_slot.view(tokens, k, -1).float() * weights.float().unsqueeze(-1)).sum(dim=1)
-    return mixed.to(x.dtype)
+    return per_slot.view(tokens, k, -1)
+
+
+def mix(per_slot: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """[T, H]: sum over slots s of weights[:, s] * per_slot[:, s], in float32, added in slot order (explicit
+    adds: a reduction kernel may pick its order by shape), rounded once to per_slot's dtype."""
+    w = weights.float()
+    acc = per_slot[:, 0].float() * w[:, :1]
+    for s in range(1, per_slot.shape[1]):
+        acc = acc + per_slot[:, s].float() * w[:, s:s + 1]
+    return acc.to(per_slot.dtype)
+
+
+def experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+            down: torch.Tensor, product: Product = F.linear) -> torch.Tensor:
+    """[T, H] in x's dtype: sum over slots s of weights[t, s] * expert_{ids[t, s]}(x[t])."""
+    return mix(expert_outputs(x, ids, gate_up, down, product), weights)

@@ -10,6 +10,9 @@ from rollout_service.ops import attention, moe, norm, rope, sampling
 
 class TorchOps:
     name = "torch"
+    # moe_experts reads each expert's row count on the host (ops/moe.py): a decode step with MoE layers cannot
+    # be captured in a CUDA graph. A backend whose MoE ops stay on the device sets this True.
+    moe_graph_safe = False
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return norm.rms_norm(x, weight, eps)
