@@ -1,6 +1,10 @@
 """Tiny random transformers models for fast CPU tests (a module, not conftest: tests/gpu has its own)."""
 import torch
 
+# Mixture-of-experts sizes: 4 experts, 2 per token, each expert 32 wide.
+_MOE = {"qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16),
+        "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32)}
+
 
 def tiny_hf_model(model_type: str = "llama", seed: int = 0, **overrides):
     """A seeded, randomly initialised transformers CausalLM with a tiny config of the given architecture."""
@@ -10,6 +14,7 @@ def tiny_hf_model(model_type: str = "llama", seed: int = 0, **overrides):
                 initializer_range=0.25)  # peaked logits: greedy ties would make parity tests flaky
     if model_type == "qwen3":
         base["head_dim"] = 16
+    base.update(_MOE.get(model_type, {}))
     base.update(overrides)
     config = AutoConfig.for_model(model_type, **base)
     torch.manual_seed(seed)

@@ -1,4 +1,5 @@
-"""DecoderLM: Llama / Mistral / Qwen2 / Qwen3 decoder over the ops interface and a paged KV cache.
+"""DecoderLM: Llama / Mistral / Qwen2 / Qwen3 / Qwen3-MoE / Mixtral decoder over the ops interface and a paged
+KV cache (the MoE block: model/moe.py).
 
 Module and parameter names mirror HF transformers' *ForCausalLM, so `hf_model.state_dict()` maps 1:1.
 """
@@ -10,7 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rollout_service.model.registry import ArchFlags, arch_flags
+from rollout_service.model.moe import SparseMoeBlock
+from rollout_service.model.registry import ArchFlags, MoeSpec, arch_flags, moe_spec
 from rollout_service.ops.attention import AttentionMetadata
 from rollout_service.ops.backend import Ops, select_ops
 from rollout_service.ops.rope import build_cos_sin_cache, rope_head_dim
@@ -114,11 +116,15 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: Any, flags: ArchFlags, ops: Ops):
+    def __init__(self, config: Any, flags: ArchFlags, ops: Ops, moe_index: int | None = None,
+                 moe: MoeSpec | None = None):
         super().__init__()
         self.ops = ops
         self.self_attn = Attention(config, flags, ops)
-        self.mlp = MLP(config, flags, ops)
+        if moe_index is None:
+            self.mlp: MLP | SparseMoeBlock = MLP(config, flags, ops)
+        else:
+            self.mlp = SparseMoeBlock(config.hidden_size, moe, moe_index, ops)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -139,11 +145,12 @@ class DecoderLayer(nn.Module):
 
 
 class Backbone(nn.Module):
-    def __init__(self, config: Any, flags: ArchFlags, ops: Ops):
+    def __init__(self, config: Any, flags: ArchFlags, ops: Ops, moe: MoeSpec | None):
         super().__init__()
         self.ops = ops
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, flags, ops) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, flags, ops, moe.moe_index(i) if moe else None, moe)
+                                    for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
@@ -166,7 +173,8 @@ class DecoderLM(nn.Module):
         self.config = config
         self.ops = ops if ops is not None else select_ops("torch")
         self.max_positions = max_positions or config.max_position_embeddings
-        self.model = Backbone(config, flags, self.ops)
+        self.moe = moe_spec(config)  # None for a dense model
+        self.model = Backbone(config, flags, self.ops, self.moe)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_embeddings()
         # Not in the state dict (HF does not save it either); follows .to(dtype) like HF's cos/sin cast.
@@ -199,6 +207,21 @@ class DecoderLM(nn.Module):
         for layer in self.model.layers:
             layer.self_attn.fuse()
             layer.mlp.fuse()
+
+    def moe_layers(self) -> list[SparseMoeBlock]:
+        """The MoE blocks in layer order: moe_layers()[i].moe_index == i (empty for a dense model)."""
+        return [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, SparseMoeBlock)]
+
+    @property
+    def num_moe_layers(self) -> int:
+        return len(self.moe.sparse_layers) if self.moe else 0
+
+    def cuda_graph_blocker(self) -> str | None:
+        """Why decode steps of this model cannot be captured in a CUDA graph, or None if they can."""
+        if self.moe is not None and not self.ops.moe_graph_safe:
+            return (f"the {self.ops.name} ops' mixture-of-experts layers read the tokens per expert on the host, "
+                    "which a CUDA graph cannot capture")
+        return None
 
     def kv_cache_spec(self) -> tuple[int, int, int]:
         """(num_layers, num_kv_heads, head_dim) for allocating the paged KV cache."""

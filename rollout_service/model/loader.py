@@ -21,8 +21,9 @@ from torch import nn
 from rollout_service.config import DTYPE_ALIASES, DTYPE_NAMES
 from rollout_service.model.decoder import DecoderLM
 from rollout_service.model.gguf_cache import converted_folder, read_gguf
-from rollout_service.model.registry import arch_flags
-from rollout_service.model.weight_update import apply_named_tensors, validate_named_tensors
+from rollout_service.model.moe import check_moe_backend
+from rollout_service.model.registry import arch_flags, moe_spec
+from rollout_service.model.weight_update import apply_named_tensors, resolve_named_tensors
 from rollout_service.ops.backend import resolve_backend, select_ops
 
 EMBEDDED_MODELS = ("smollm2-135m",)
@@ -77,12 +78,14 @@ def load_model(
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format={load_format!r}; choose one of {LOAD_FORMATS}")
     torch_dtype = resolve_dtype(dtype, device)
-    ops = select_ops(resolve_backend(backend, device), exact_prefill_attention, batch_invariant)
+    backend = resolve_backend(backend, device)
+    ops = select_ops(backend, exact_prefill_attention, batch_invariant)
     if load_format == "dummy":
         config, state, found_tokenizer = _read_config_only(source)
     else:
         config, state, found_tokenizer = _read_source(source)
     arch_flags(config)  # unsupported architecture -> ValueError before any allocation
+    check_moe_backend(moe_spec(config), config.model_type, backend, batch_invariant)
     model = DecoderLM.empty(config, torch_dtype, device, ops)
     if state is None:
         _fill_random(model, config)
@@ -211,9 +214,7 @@ def _read_hf_folder(path: Path) -> tuple[Any, dict[str, torch.Tensor], Any | Non
 def _load_full_state(model: DecoderLM, state: dict[str, torch.Tensor]) -> None:
     # Old checkpoints may carry rope buffers; the model computes its own.
     state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
-    pairs = validate_named_tensors(model, state.items())
-    loaded = {id(param) for param, _ in pairs}
-    missing = [name for name, p in model.named_parameters() if id(p) not in loaded]
+    pairs, missing = resolve_named_tensors(model, state.items())
     if missing:
         raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {missing[:3]}")
     apply_named_tensors(pairs)

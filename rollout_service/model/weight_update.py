@@ -2,82 +2,141 @@
 
 Validation is complete before anything is written, so a bad refresh leaves the old weights untouched. A
 refresh's manifest (names, shapes, dtypes; no data) is checked by the same rules before its bytes move.
+A name is a parameter's, or one expert's projection inside a stacked MoE tensor (model/expert_names.py): it
+is copied into that slice, and a stacked tensor is complete once all its experts' parts were given.
 """
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from rollout_service.model.expert_names import ExpertPart, part_view, parts_of, resolve
 
-def _check(params: dict[str, nn.Parameter], name: str, shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:
-    param = params.get(name)
+
+@dataclass(frozen=True)
+class _Target:
+    param: nn.Parameter
+    part: ExpertPart | None  # None: the whole parameter
+    dest: torch.Tensor  # the parameter, or the part's view into it
+
+    @property
+    def key(self) -> tuple[int, ExpertPart | None]:
+        return id(self.param), self.part
+
+
+def _target(params: dict[str, nn.Parameter], name: str, shape: tuple[int, ...], dtype: torch.dtype) -> _Target:
+    resolved = resolve(name)
+    stacked = resolved.stacked if isinstance(resolved, ExpertPart) else resolved
+    param = params.get(stacked)
     if param is None:
         raise ValueError(f"unknown weight name {name!r} (expected HF state_dict names such as {next(iter(params))!r})")
-    if tuple(shape) != tuple(param.shape):
-        raise ValueError(f"weight {name!r} has shape {tuple(shape)}, expected {tuple(param.shape)}")
+    part = resolved if isinstance(resolved, ExpertPart) else None
+    dest = part_view(param, part) if part else param
+    if tuple(shape) != tuple(dest.shape):
+        raise ValueError(f"weight {name!r} has shape {tuple(shape)}, expected {tuple(dest.shape)}")
     if not dtype.is_floating_point:
         raise ValueError(f"weight {name!r} has dtype {dtype}, expected a floating point dtype")
-    return param
+    return _Target(param, part, dest)
 
 
-def _check_complete(model: nn.Module, covered: set[int]) -> None:
-    missing = [name for name, p in model.named_parameters() if id(p) not in covered]
+def _missing(model: nn.Module, covered: dict[int, set]) -> list[str]:
+    """Names of the weights nothing was given for: a parameter's, or the parts a stacked one still lacks."""
+    missing = []
+    for name, p in model.named_parameters():
+        got = covered.get(id(p))
+        if not got:
+            missing.append(name)
+        elif None not in got:
+            missing += [part.name for part in parts_of(name, p) if part not in got]
+    return missing
+
+
+def _check_complete(missing: list[str]) -> None:
     if missing:
         raise ValueError(f"update_weights: {len(missing)} weight(s) missing, e.g. {missing[:3]}; send every "
                          "weight, or pass partial=True to change only some")
 
 
-def validate_named_tensors(
+def _check_overlaps(given: dict[tuple, tuple[str, torch.Tensor]]) -> dict[int, set]:
+    """Which parts of each parameter were given ({id: {None}} for whole ones); ValueError if a stacked tensor
+    and one of its experts' parts were both given (which one would win is not the sender's to guess)."""
+    covered: dict[int, set] = {}
+    first: dict[int, str] = {}
+    for (pid, part), (name, _) in given.items():
+        covered.setdefault(pid, set()).add(part)
+        if None in covered[pid] and len(covered[pid]) > 1:
+            raise ValueError(f"weights {first[pid]!r} and {name!r} both set the same expert weights; send the "
+                             "stacked tensor or its per-expert parts, not both")
+        first.setdefault(pid, name)
+    return covered
+
+
+def resolve_named_tensors(
     model: nn.Module, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
-    partial: bool = True,
-) -> list[tuple[nn.Parameter, torch.Tensor]]:
-    """(parameter, new value) pairs; ValueError naming the first unknown name, wrong shape or non-float tensor,
-    or (partial=False) the weights left out. With tied embeddings both `model.embed_tokens.weight` and
-    `lm_head.weight` name the same parameter: sent together, they must hold the same values."""
+) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[str]]:
+    """((destination, new value) pairs, names of the weights left out); ValueError naming the first unknown
+    name, wrong shape, non-float tensor, or tied / overlapping names given different values."""
     params = dict(model.named_parameters(remove_duplicate=False))
     items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
-    given: dict[int, tuple[str, torch.Tensor]] = {}  # id(parameter) -> the first (name, value) for it
+    given: dict[tuple, tuple[str, torch.Tensor]] = {}  # target key -> the first (name, value) for it
+    dests: dict[tuple, torch.Tensor] = {}
     for name, tensor in items:
         if not isinstance(tensor, torch.Tensor):
             raise ValueError(f"weight {name!r} is a {type(tensor).__name__}, not a torch.Tensor")
-        param = _check(params, name, tuple(tensor.shape), tensor.dtype)
-        if id(param) in given:
-            _check_tied(*given[id(param)], name, tensor)
+        target = _target(params, name, tuple(tensor.shape), tensor.dtype)
+        if target.key in given:
+            _check_same(*given[target.key], name, tensor, target.part is None)
         else:
-            given[id(param)] = (name, tensor)
-    pairs = [(params[name], tensor) for name, tensor in given.values()]
+            given[target.key], dests[target.key] = (name, tensor), target.dest
+    covered = _check_overlaps(given)
+    return [(dests[key], tensor) for key, (_, tensor) in given.items()], _missing(model, covered)
+
+
+def validate_named_tensors(
+    model: nn.Module, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+    partial: bool = True,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(destination, new value) pairs (a destination is a parameter or an expert's slice of one); ValueError
+    naming the first unknown name, wrong shape or non-float tensor, or (partial=False) the weights left out.
+    With tied embeddings both `model.embed_tokens.weight` and `lm_head.weight` name the same parameter: sent
+    together, they must hold the same values."""
+    pairs, missing = resolve_named_tensors(model, named_tensors)
     if not partial:
-        _check_complete(model, set(given))
+        _check_complete(missing)
     return pairs
 
 
-def _check_tied(first: str, a: torch.Tensor, second: str, b: torch.Tensor) -> None:
-    """Two names of one (tied) parameter: one value is copied, so the other must not differ from it."""
+def _check_same(first: str, a: torch.Tensor, second: str, b: torch.Tensor, whole: bool) -> None:
+    """Two names of one weight (a tied parameter, or two names of one expert's projection): one value is
+    copied, so the other must not differ from it."""
     same_storage = (a.device == b.device and a.dtype == b.dtype and a.data_ptr() == b.data_ptr()
                     and a.stride() == b.stride())
     if not same_storage and not torch.equal(a, b.to(a.device, a.dtype)):
-        raise ValueError(f"weights {first!r} and {second!r} are tied in this model (one parameter) but were "
-                         "given different values; send one of them, or equal values")
+        what = "are tied in this model (one parameter)" if whole else "name the same expert weights"
+        raise ValueError(f"weights {first!r} and {second!r} {what} but were given different values; send one "
+                         "of them, or equal values")
 
 
 def validate_manifest(model: nn.Module, entries: Iterable, partial: bool = False) -> None:
     """The same checks on a refresh's manifest entries (name, shape, dtype name), before any bytes move."""
     params = dict(model.named_parameters(remove_duplicate=False))
-    covered = set()
+    given: dict[tuple, tuple[str, None]] = {}
     for e in entries:
         dtype = getattr(torch, e.dtype, None)
         if not isinstance(dtype, torch.dtype):
             raise ValueError(f"weight {e.name!r} has unknown dtype {e.dtype!r}")
-        covered.add(id(_check(params, e.name, e.shape, dtype)))
+        given.setdefault(_target(params, e.name, e.shape, dtype).key, (e.name, None))
+    covered = _check_overlaps(given)
     if not partial:
-        _check_complete(model, covered)
+        _check_complete(_missing(model, covered))
 
 
 @torch.no_grad()
-def apply_named_tensors(pairs: list[tuple[nn.Parameter, torch.Tensor]]) -> None:
+def apply_named_tensors(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     """Copy validated values in place (cast to the model's dtype and device), keeping parameter identity.
     Copies into GPU parameters are queued, not waited for: the caller synchronises once at the end."""
-    for param, tensor in pairs:
-        param.copy_(tensor, non_blocking=param.is_cuda)
+    for dest, tensor in pairs:
+        dest.copy_(tensor, non_blocking=dest.is_cuda)

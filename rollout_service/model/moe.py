@@ -1,0 +1,64 @@
+"""The mixture-of-experts block of Qwen3-MoE and Mixtral decoder layers, over the ops interface.
+
+Parameters are named and shaped as transformers (>= 5) holds them, so `hf_model.state_dict()` maps 1:1:
+`mlp.gate.weight` [E, H] (the router), `mlp.experts.gate_up_proj` [E, 2I, H] (each expert's gate rows, then
+its up rows) and `mlp.experts.down_proj` [E, H, I]. Per-expert checkpoint names are views into these
+(model/expert_names.py).
+
+Routing is computed in one place, `route`, and each block knows its place among the model's MoE layers
+(`moe_index`): the seam for recording which experts each token was sent to.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from rollout_service.model.registry import MoeSpec
+from rollout_service.ops.backend import Ops
+
+
+class Router(nn.Module):
+    def __init__(self, num_experts: int, hidden: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden))
+
+
+class Experts(nn.Module):
+    def __init__(self, num_experts: int, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+
+
+class SparseMoeBlock(nn.Module):
+    """forward(x [T, H]) -> [T, H]: each token through its top-k experts, mixed by the router's weights."""
+
+    def __init__(self, hidden: int, spec: MoeSpec, moe_index: int, ops: Ops):
+        super().__init__()
+        self.ops = ops
+        self.top_k = spec.top_k
+        self.renormalize = spec.renormalize
+        self.moe_index = moe_index  # 0 .. num_moe_layers - 1, in layer order
+        self.gate = Router(spec.num_experts, hidden)
+        self.experts = Experts(spec.num_experts, hidden, spec.expert_intermediate_size)
+
+    def fuse(self) -> None:
+        """Nothing to fuse: the experts' weights are stacked already."""
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(expert ids int32 [T, k], weights float32 [T, k]) of this layer for rows x."""
+        return self.ops.moe_route(x, self.gate.weight, self.top_k, self.renormalize)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids, weights = self.route(x)
+        return self.ops.moe_experts(x, ids, weights, self.experts.gate_up_proj, self.experts.down_proj)
+
+
+def check_moe_backend(spec: MoeSpec | None, model_type: str, backend: str, batch_invariant: bool) -> None:
+    """ValueError for batch_invariant on the cuda backend with MoE layers: that backend's MoE ops are the
+    torch reference's (ops/moe.py), whose per-expert GEMMs take as many rows as the batch routes to the
+    expert, so a token's bits would follow its batch mates; the torch backend's invariant MoE is exact."""
+    if spec is not None and batch_invariant and backend == "cuda":
+        raise ValueError(f"batch_invariant on the cuda backend does not cover mixture-of-experts models "
+                         f"({model_type}: {len(spec.sparse_layers)} MoE layers); use backend 'torch' (slower) "
+                         "or batch_invariant off")
