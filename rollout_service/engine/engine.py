@@ -102,6 +102,10 @@ class Engine:
         # Graphs fix every buffer at its largest shape; only the CUDA kernels read the pages through CSR
         # indices whose cost follows the real lengths (the torch reference gathers whole padded tables).
         use_graphs = config.enable_cuda_graphs and self.backend == "cuda"
+        blocker = self.model.cuda_graph_blocker()
+        if use_graphs and blocker:
+            log.warning("CUDA graphs off, decoding eagerly: %s", blocker)
+            use_graphs = False
         self.runner = ModelRunner(self.model, self.kv, self.device, self.max_model_len, config.max_num_seqs,
                                   use_graphs, config.cuda_graph_max_batch)
         self.sampler = Sampler(self.model.ops)
