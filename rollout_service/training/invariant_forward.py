@@ -9,8 +9,10 @@ log-probs are the rollout's, bit for bit, and the PPO ratio of the first minibat
 flow: every op is an autograd function whose forward is the engine's op and whose backward is the plain torch
 reference math (the products' explicit formulas; the rest by differentiating a recompute of the reference).
 
-The policy is any HF-named decoder (transformers' Llama / Mistral / Qwen2 / Qwen3 *ForCausalLM, or this
-package's DecoderLM), trained in place: its parameters are read at every call, never copied.
+The policy is any HF-named decoder (transformers' Llama / Mistral / Qwen2 / Qwen3 / Qwen3-MoE / Mixtral
+*ForCausalLM, or this package's DecoderLM), trained in place: its parameters are read at every call, never
+copied. In an MoE layer the experts each token is sent to are the engine's choice, recomputed the same way; the
+gradient flows through the chosen experts' weights and the router's softmax, not through the choice.
 """
 from __future__ import annotations
 
@@ -20,8 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rollout_service.model.registry import arch_flags
-from rollout_service.ops import norm
+from rollout_service.model.moe import check_moe_backend
+from rollout_service.model.registry import arch_flags, moe_spec
+from rollout_service.ops import moe, norm
 from rollout_service.ops.backend import resolve_backend, select_ops
 from rollout_service.ops.rope import apply_rope, build_cos_sin_cache, rope_head_dim
 from rollout_service.types import RolloutResult
@@ -106,6 +109,8 @@ class InvariantForward:
         self.head_dim = rope_head_dim(self.config)
         self.eps = self.config.rms_norm_eps
         self.backend = resolve_backend(backend, next(policy.parameters()).device)
+        self.moe = moe_spec(self.config)
+        check_moe_backend(self.moe, self.config.model_type, self.backend, batch_invariant=True)
         self.ops = select_ops(self.backend, batch_invariant=True)
         self._cos_sin: torch.Tensor | None = None
 
@@ -153,12 +158,26 @@ class InvariantForward:
                 x, residual = self._add_rms_norm(x, residual, layer.input_layernorm.weight)
             x = self._attention(layer.self_attn, x, lens, cos_sin)
             x, residual = self._add_rms_norm(x, residual, layer.post_attention_layernorm.weight)
-            mlp = layer.mlp
-            gate_up = self._linear(x, _cat(mlp.gate_proj.weight, mlp.up_proj.weight),
-                                   _cat(mlp.gate_proj.bias, mlp.up_proj.bias))
-            x = self._linear(self._silu_and_mul(gate_up), mlp.down_proj.weight, mlp.down_proj.bias)
+            x = self._moe(layer.mlp, x) if hasattr(layer.mlp, "experts") else self._mlp(layer.mlp, x)
         x, _ = self._add_rms_norm(x, residual, backbone.norm.weight)
         return x
+
+    def _mlp(self, mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self._linear(x, _cat(mlp.gate_proj.weight, mlp.up_proj.weight),
+                               _cat(mlp.gate_proj.bias, mlp.up_proj.bias))
+        return self._linear(self._silu_and_mul(gate_up), mlp.down_proj.weight, mlp.down_proj.bias)
+
+    def _moe(self, block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """The engine's routing (ids and weights), then its experts; the backward differentiates the plain
+        torch math of both with the experts held at the engine's choice."""
+        router, gate_up, down = block.gate.weight, block.experts.gate_up_proj, block.experts.down_proj
+        top_k, renormalize = self.moe.top_k, self.moe.renormalize
+        with torch.no_grad():
+            ids, chosen = self.ops.moe_route(x.detach(), router.detach(), top_k, renormalize)
+        weights = exact(lambda x, r: chosen.clone(), lambda x, r: moe.route_weights(x, r, ids, renormalize),
+                        x, router)
+        return exact(lambda x, w, gu, d: self.ops.moe_experts(x, ids, w, gu, d),
+                     lambda x, w, gu, d: moe.experts(x, ids, w, gu, d), x, weights, gate_up, down)
 
     def _attention(self, attn: nn.Module, x: torch.Tensor, lens: list[int], cos_sin: torch.Tensor) -> torch.Tensor:
         cfg, d, tokens = self.config, self.head_dim, x.shape[0]
