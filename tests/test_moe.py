@@ -176,6 +176,7 @@ def test_route_and_experts_follow_the_contract(ops, renormalize):
     experts = ops.moe_experts if ops else moe.experts
     got = experts(x, ids, weights, gate_up, down)
     torch.testing.assert_close(got.double(), per_token_reference(x, ids, weights, gate_up, down), rtol=1e-5, atol=1e-4)
+    assert experts(x[:0], ids[:0], weights[:0], gate_up, down).shape == (0, 24)  # a step without rows
 
 
 def test_invariant_experts_give_a_row_the_same_bits_whatever_its_batch():

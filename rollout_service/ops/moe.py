@@ -72,7 +72,7 @@ def expert_outputs(x: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor, do
             start += n
     per_slot = torch.empty_like(out)
     per_slot[order] = out  # back to (token, slot) order
-    return per_slot.view(tokens, k, -1)
+    return per_slot.view(tokens, k, x.shape[1])  # not -1: a step may have no rows
 
 
 def mix(per_slot: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
