@@ -116,11 +116,11 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: Any, flags: ArchFlags, ops: Ops, moe_index: int | None = None,
-                 moe: MoeSpec | None = None):
+    def __init__(self, config: Any, flags: ArchFlags, ops: Ops, layer_idx: int = 0, moe: MoeSpec | None = None):
         super().__init__()
         self.ops = ops
         self.self_attn = Attention(config, flags, ops)
+        moe_index = moe.moe_index(layer_idx) if moe else None
         if moe_index is None:
             self.mlp: MLP | SparseMoeBlock = MLP(config, flags, ops)
         else:
@@ -149,8 +149,7 @@ class Backbone(nn.Module):
         super().__init__()
         self.ops = ops
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, flags, ops, moe.moe_index(i) if moe else None, moe)
-                                    for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, flags, ops, i, moe) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
