@@ -49,6 +49,7 @@ from rollout_service.mismatch import (fp32_reference_report, learner_logprobs, l
                                      num_model_tokens, token_logprobs)
 from rollout_service.training import (OPTIMIZERS, InvariantForward, LearnerOutOfMemory, MasterWeights, StepClock,
                                       memory_figures)
+from rollout_service.training.loss import ppo_clip_loss
 from rollout_service.training.memory import describe, is_out_of_memory
 from rollout_service.types import EpisodeParams, RolloutRequest, RolloutResult, SamplingParams
 
@@ -122,15 +123,6 @@ class GRPOConfig:
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"GRPOConfig.device={self.device!r}: no CUDA device is visible to the learner")
         return device
-
-
-def grpo_token_loss(new_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, advantage: float,
-                    clip_eps: float, tis_cap: float) -> torch.Tensor:
-    """Summed loss over one sample's tokens (see the module docstring)."""
-    ratio = torch.exp(new_logprobs - rollout_logprobs)
-    surrogate = torch.minimum(ratio * advantage, torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * advantage)
-    truncation = torch.clamp(tis_cap / ratio.detach(), max=1.0)
-    return -(surrogate * truncation).sum()
 
 
 class GRPOLearner:
@@ -243,7 +235,7 @@ class GRPOLearner:
             keep = [torch.as_tensor(sampled[i], device=lp.device) for i, lp in zip(chunk, lps)]
             if j == 0:
                 first = _ratio_deviation(lps, old, keep)
-            loss = sum(grpo_token_loss(lp[k], o[k], float(adv[i]), c.clip_eps, c.tis_cap)
+            loss = sum(ppo_clip_loss(lp[k], o[k], float(adv[i]), c.clip_eps, c.tis_cap)
                        for i, lp, o, k in zip(chunk, lps, old, keep)) / n_tokens
             loss.backward()
             self.precision.accumulate()
@@ -389,7 +381,7 @@ class GRPOLearner:
 
 def _ratio_deviation(lps: Sequence[torch.Tensor], old: Sequence[torch.Tensor],
                      keep: Sequence[torch.Tensor]) -> tuple[float | None, int]:
-    """(max |ratio - 1|, tokens) over the kept tokens of one micro-batch, the ratio as grpo_token_loss forms it."""
+    """(max |ratio - 1|, tokens) over the kept tokens of one micro-batch, the ratio as ppo_clip_loss forms it."""
     with torch.no_grad():
         dev = [(torch.exp(lp[k] - o[k]) - 1).abs() for lp, o, k in zip(lps, old, keep)]
         flat = torch.cat(dev) if dev else torch.zeros(0)

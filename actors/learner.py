@@ -15,6 +15,7 @@ import ray
 import torch
 
 from rollout_service.mismatch import learner_logprobs, logprob_mismatch, token_logprobs
+from rollout_service.training.loss import ppo_clip_loss
 from rollout_service.types import RolloutResult, SamplingParams
 
 
@@ -88,10 +89,9 @@ class Learner:
         for r, lp, a in zip(results, self.token_logprobs(results, temperature), advantages):
             if not len(r.token_ids):
                 continue
-            ratio = torch.exp(lp - torch.from_numpy(r.logprobs))
-            clipped = torch.clamp(ratio, 1 - self.clip, 1 + self.clip)
-            losses.append(-torch.minimum(ratio * a, clipped * a).mean())
-            ratios.append(ratio.detach().mean())
+            old = torch.from_numpy(r.logprobs)
+            losses.append(ppo_clip_loss(lp, old, a, self.clip, reduction="mean"))
+            ratios.append(torch.exp(lp.detach() - old).mean())
         loss = torch.stack(losses).mean()
         loss.backward()
         self.optimizer.step()

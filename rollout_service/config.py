@@ -5,8 +5,8 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 # The one table of ops backends and dtype names (torch-free, so a command line can read it at once).
-OPS_BACKENDS = ("torch", "cuda")
-BACKENDS = ("auto", *OPS_BACKENDS)
+OPS_BACKENDS = ("torch", "cuda")  # the ops backends an engine runs on (ops/backend.py)
+ENGINE_BACKENDS = ("auto", *OPS_BACKENDS)  # what EngineConfig.backend takes: "auto" picks one at start
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 DTYPES = (None, *DTYPE_NAMES)
@@ -84,8 +84,8 @@ class EngineConfig:
         c = "EngineConfig"
         if self.load_format not in ("auto", "dummy"):
             _fail(c, "load_format", self.load_format, "must be 'auto' or 'dummy'")
-        if self.backend not in BACKENDS:
-            _fail(c, "backend", self.backend, f"must be one of {BACKENDS}")
+        if self.backend not in ENGINE_BACKENDS:
+            _fail(c, "backend", self.backend, f"must be one of {ENGINE_BACKENDS}")
         if self.dtype not in DTYPES:
             _fail(c, "dtype", self.dtype, f"must be one of {DTYPES}")
         if self.device is not None and not str(self.device).startswith(("cpu", "cuda")):

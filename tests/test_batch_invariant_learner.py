@@ -7,10 +7,10 @@ import torch
 from numerics import assert_as_close_as_the_reference, float64_copy
 from tiny_models import tiny_hf_model
 
-from actors.grpo import grpo_token_loss
 from rollout_service.engine.engine import Engine
 from rollout_service.mismatch import token_logprobs
 from rollout_service.training import InvariantForward
+from rollout_service.training.loss import ppo_clip_loss
 from rollout_service.types import RolloutRequest, SamplingParams
 
 PROMPTS = [[1, 5, 9, 33], list(range(40, 75)), [7]]  # 35 tokens: crosses a 16-row tile of the products
@@ -27,7 +27,7 @@ def _rollouts(policy, temperature: float) -> list:
 
 def _loss_grads(policy, results, logprobs) -> list[torch.Tensor]:
     policy.zero_grad()
-    loss = sum(grpo_token_loss(lp, torch.from_numpy(np.asarray(r.logprobs)), ADVANTAGES[r.sample_index], 0.2, 2.0)
+    loss = sum(ppo_clip_loss(lp, torch.from_numpy(np.asarray(r.logprobs)), ADVANTAGES[r.sample_index], 0.2, 2.0)
                for lp, r in zip(logprobs, results))
     loss.backward()
     return [p.grad.clone() for p in policy.parameters()]

@@ -13,8 +13,6 @@ logger = logging.getLogger(__name__)
 # The interface every backend provides; the CUDA backend subclasses it.
 Ops = TorchOps
 
-BACKENDS = OPS_BACKENDS
-
 
 def select_ops(backend: str, exact_prefill_attention: bool = False, batch_invariant: bool = False) -> Ops:
     """The Ops object for a concrete backend name. exact_prefill_attention: the CUDA prefill kernel keeps P
@@ -37,7 +35,7 @@ def select_ops(backend: str, exact_prefill_attention: bool = False, batch_invari
 
             return CudaInvariantOps()
         return CudaOps(exact_prefill_attention)
-    raise ValueError(f"unknown ops backend {backend!r}; choose one of {BACKENDS} (or 'auto' via resolve_backend)")
+    raise ValueError(f"unknown ops backend {backend!r}; choose one of {OPS_BACKENDS} (or 'auto' via resolve_backend)")
 
 
 def resolve_backend(backend: str, device: torch.device | str) -> str:
@@ -52,8 +50,8 @@ def resolve_backend(backend: str, device: torch.device | str) -> str:
             logger.warning("CUDA kernels unavailable, falling back to the torch backend: %s", exc)
             return "torch"
         return "cuda"
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown ops backend {backend!r}; choose one of {BACKENDS} or 'auto'")
+    if backend not in OPS_BACKENDS:
+        raise ValueError(f"unknown ops backend {backend!r}; choose one of {OPS_BACKENDS} or 'auto'")
     if backend == "cuda" and device_type != "cuda":
         raise ValueError(f"backend 'cuda' needs a CUDA device, got device {str(device)!r}")
     return backend

@@ -18,7 +18,7 @@ from typing import Sequence
 
 import torch
 
-BACKENDS = ("nccl", "gloo")
+COLLECTIVES = ("nccl", "gloo")  # torch.distributed backends a weight group runs on
 
 
 @dataclass(frozen=True)
@@ -45,8 +45,8 @@ class WeightGroup:
     def __init__(self, spec: GroupSpec, rank: int, device: torch.device | None = None):
         import torch.distributed as dist
 
-        if spec.backend not in BACKENDS:
-            raise ValueError(f"weight group backend {spec.backend!r}: choose one of {BACKENDS}")
+        if spec.backend not in COLLECTIVES:
+            raise ValueError(f"weight group backend {spec.backend!r}: choose one of {COLLECTIVES}")
         if spec.backend == "nccl" and not (torch.cuda.is_available() and dist.is_nccl_available()):
             raise ValueError("weight group backend 'nccl' needs CUDA and a torch built with NCCL; use 'gloo'")
         self.spec, self.rank = spec, rank

@@ -14,12 +14,12 @@ from typing import Any
 import ray
 import torch
 
-from rollout_service.types import check_policy_version
+from rollout_service.checks import check_policy_version
 from rollout_service.weights.buckets import Manifest, NamedTensors, named_items, reject_nonfinite
-from rollout_service.weights.group import GroupSpec, free_port
+from rollout_service.weights.group import COLLECTIVES, GroupSpec, free_port
 from rollout_service.weights.sender import REGROUP, WeightSender, WorkerPlace, choose_transport
 
-GROUP_BACKENDS = ("auto", "nccl", "gloo")
+GROUP_BACKENDS = ("auto", *COLLECTIVES)
 
 
 class WeightPusher:

@@ -1,0 +1,21 @@
+"""The PPO-clip policy loss against the behaviour policy's log-probs, for every learner of this project."""
+from __future__ import annotations
+
+import torch
+
+
+def ppo_clip_loss(new_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, advantage: float, clip_eps: float,
+                  tis_cap: float | None = None, reduction: str = "sum") -> torch.Tensor:
+    """One sample's loss over its tokens: -min(r A, clip(r, 1 - eps, 1 + eps) A) per token, r = exp(new - rollout)
+    the importance ratio to the behaviour policy. `tis_cap`: each token's term is also weighted by the truncated
+    importance weight min(1, tis_cap / r) (no gradient through it), which bounds what a token the learner finds
+    far likelier than the rollout did can contribute. `reduction`: "sum" or "mean" over the tokens."""
+    ratio = torch.exp(new_logprobs - rollout_logprobs)
+    losses = -torch.minimum(ratio * advantage, torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * advantage)
+    if tis_cap is not None:
+        losses = losses * torch.clamp(tis_cap / ratio.detach(), max=1.0)
+    if reduction == "sum":
+        return losses.sum()
+    if reduction == "mean":
+        return losses.mean()
+    raise ValueError(f"ppo_clip_loss: reduction={reduction!r}; choose 'sum' or 'mean'")
