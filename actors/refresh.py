@@ -23,11 +23,12 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 import ray
 
 from actors.remote_errors import error_text, is_down
+from actors.workers import WorkerTable
 from rollout_service.weights.sender import REGROUP
 
 
@@ -41,8 +42,12 @@ class Logged:
 
 
 class RefreshCoordinator:
-    def __init__(self, router: Any):
-        self.router = router
+    def __init__(self, workers: WorkerTable, log: Callable[[str], None],
+                 back_in_service: Callable[[int], Awaitable[None]]):
+        """`back_in_service(i)`: put a restarted worker that waited for the learner's weights back to work."""
+        self.workers = workers
+        self._log = log
+        self._back_in_service = back_in_service
         self.version = 0
         self.replay: list[Logged] | None = []  # None: the current weights cannot be rebuilt without the learner
         self.learner_holds: int | None = None  # version that the learner's last broadcast holds in full
@@ -53,8 +58,7 @@ class RefreshCoordinator:
     # -- helpers ----------------------------------------------------------------------------------
     def targets(self) -> list[int]:
         """Workers a refresh goes to: those serving and those waiting for weights to serve again."""
-        r = self.router
-        return [i for i in range(len(r.workers)) if r._alive[i] or r._awaiting[i]]
+        return self.workers.targets()
 
     @property
     def busy(self) -> bool:
@@ -80,8 +84,7 @@ class RefreshCoordinator:
         self._busy_until, self._pending = None, None
 
     async def _each(self, targets: list[int], method: str, *args: Any) -> list[tuple[int, Any]]:
-        calls = [getattr(self.router.workers[i], method).remote(*args) for i in targets]
-        return list(zip(targets, await asyncio.gather(*calls, return_exceptions=True)))
+        return await self.workers.each(targets, method, *args)
 
     async def _prepare(self, targets: list[int], payload: dict, partial: bool) -> str | None:
         for i, out in await self._each(targets, "weights_prepare", payload, partial):
@@ -99,14 +102,14 @@ class RefreshCoordinator:
         self.version = version
         self._record(payload, version, partial)
         for i, _ in failed:  # its peers swapped: restart it, and the replay log brings it to their weights
-            self.router._log(f"worker {i} failed to apply version {version}; restarting it to replay the refreshes")
-            self.router._killed[i] = self.router._incarnation[i]
-            ray.kill(self.router.workers[i], no_restart=False)
+            self._log(f"worker {i} failed to apply version {version}; restarting it to replay the refreshes")
+            self.workers.killed[i] = self.workers.incarnation[i]
+            ray.kill(self.workers.handles[i], no_restart=False)
         for i, out in outcomes:
             if isinstance(out, BaseException):
                 continue
-            if self.router._awaiting[i] and not partial:  # a restarted worker that waited for every weight
-                await self.router.back_in_service(i)
+            if self.workers.awaiting[i] and not partial:  # a restarted worker that waited for every weight
+                await self._back_in_service(i)
         return "; ".join(errors) or None
 
     def _logs(self, transport: str) -> bool:
@@ -180,7 +183,7 @@ class RefreshCoordinator:
 
     # -- the weight group -------------------------------------------------------------------------
     def _group_current(self, targets: list[int]) -> bool:
-        inc = self.router._incarnation
+        inc = self.workers.incarnation
         return self.group is not None and sorted(self.group["members"]) == targets and \
             all(self.group["members"][i] == inc[i] for i in targets)
 
@@ -190,11 +193,11 @@ class RefreshCoordinator:
             return "init_weight_group: the set of live workers changed meanwhile; call it again"
         await self._each(members, "leave_weight_group")
         self.group = None
-        calls = [self.router.workers[i].join_weight_group.remote(spec, rank + 1) for rank, i in enumerate(members)]
+        calls = [self.workers.handles[i].join_weight_group.remote(spec, rank + 1) for rank, i in enumerate(members)]
         for i, out in zip(members, await asyncio.gather(*calls, return_exceptions=True)):
             if isinstance(out, BaseException):
                 return f"init_weight_group: worker {i} could not join: {error_text(out)}"
-        self.group = {"id": spec.group_id, "members": {i: self.router._incarnation[i] for i in members}}
+        self.group = {"id": spec.group_id, "members": {i: self.workers.incarnation[i] for i in members}}
         return None
 
     # -- faults and memory ------------------------------------------------------------------------
@@ -205,7 +208,7 @@ class RefreshCoordinator:
             return has
         if self.replay is None:
             return None
-        w = self.router.workers[i]
+        w = self.workers.handles[i]
         try:
             for e in [e for e in self.replay if e.version > has]:
                 await w.weights_prepare.remote(e.payload, e.partial)
@@ -214,7 +217,7 @@ class RefreshCoordinator:
             if is_down(e):
                 raise
             # e.g. the learner that owned the object-store copies or the IPC buckets is gone
-            self.router._log(f"worker {i} could not replay the refreshes ({error_text(e)}); it waits for the "
+            self._log(f"worker {i} could not replay the refreshes ({error_text(e)}); it waits for the "
                              "next full refresh")
             self.replay = None
             return None

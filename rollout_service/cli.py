@@ -80,7 +80,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     """Launch a detached service on a Ray cluster that outlives this command, print how to use it, exit."""
     import ray
 
-    from rollout_service.service import RayBackend
+    from rollout_service.backends.ray import RayBackend
 
     overrides = {k: v for k, v in (("name", args.name), ("num_workers", args.num_workers),
                                    ("address", args.address)) if v is not None}
@@ -147,7 +147,7 @@ def _cell(v) -> str:
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
-    from rollout_service.service import RayBackend
+    from rollout_service.backends.ray import RayBackend
     backend = RayBackend.connect(args.name, namespace=args.namespace, address=args.address)
     stats, info = backend.stats(), backend.info()
     if args.json:
@@ -174,7 +174,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
-    from rollout_service.service import RayBackend
+    from rollout_service.backends.ray import RayBackend
     RayBackend.connect(args.name, namespace=args.namespace, address=args.address).shutdown()
     console.print(f"stopped rollout service {args.name!r}")
     return 0

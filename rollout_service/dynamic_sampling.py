@@ -30,6 +30,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from rollout_service.prompts import prompt_items
 from rollout_service.types import RolloutRequest, RolloutResult, SamplingParams
 
 Group = list[RolloutResult]
@@ -153,8 +154,6 @@ def _check_group_size(n: int, what: str) -> None:
 
 def _source(prompts: Any, metadata: Any, target_groups: int) -> Iterator[tuple[Any, Any]]:
     """(prompt, metadata) pairs, drawn lazily. A sized source is checked against target_groups now."""
-    from rollout_service.client import prompt_items
-
     prompts = prompt_items(prompts, "generate_groups: prompts")
     if isinstance(prompts, Sized) and len(prompts) < target_groups:
         raise ValueError(f"generate_groups: target_groups={target_groups} but only {len(prompts)} prompts")

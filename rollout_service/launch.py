@@ -97,7 +97,7 @@ def run(config: ServiceConfig, on_result: Callable[[RolloutResult], None] | None
     """Launch the service, roll out every prompt, write results, shut down; returns the summary."""
     import ray
 
-    from rollout_service.service import RayBackend
+    from rollout_service.backends.ray import RayBackend
 
     reqs = build_requests(config, load_prompts(config.prompts, config.num_prompts))
     output = output_path(config)

@@ -1,12 +1,29 @@
-"""Prompt -> token ids (chat template via transformers) and token ids -> text; the template's tokens between
-the turns of a multi-turn episode (`chat_delta`)."""
+"""Prompts: a call's prompts as a list of them (`prompt_items`); prompt -> token ids (chat template via
+transformers) and token ids -> text; the template's tokens between the turns of a multi-turn episode
+(`chat_delta`)."""
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from typing import Any
 
-from rollout_service.types import Prompt
+from rollout_service.types import Prompt, RolloutRequest
 
 _TURN = "\u2063assistant turn\u2063"  # stands for the model's text in chat_delta's renderings (found by rindex)
+
+
+def _is_single_prompt(p: Any) -> bool:
+    return isinstance(p, str) or (isinstance(p, list) and bool(p) and isinstance(p[0], (int, dict)))
+
+
+def prompt_items(prompts: Any, what: str = "prompts") -> Iterable:
+    """One prompt (or RolloutRequest) or many, as an iterable of them (not read yet: it may be an iterator);
+    ValueError naming `what` for anything else."""
+    if isinstance(prompts, RolloutRequest) or _is_single_prompt(prompts):
+        return [prompts]
+    if isinstance(prompts, (bytes, Mapping)) or not isinstance(prompts, Iterable):
+        raise ValueError(f"{what}: expected a prompt, a RolloutRequest or a list of them, got "
+                         f"{type(prompts).__name__}")
+    return prompts
 
 
 class PromptProcessor:

@@ -12,7 +12,8 @@ from typing import Any, Iterable, Iterator
 
 import msgpack
 
-from rollout_service.types import WIRE_SCHEMA_VERSION, RolloutResult, _check_record, _packb
+from rollout_service.types import RolloutResult
+from rollout_service.wire import WIRE_SCHEMA_VERSION, check_record, packb
 
 FILE_HEADER = {"schema": WIRE_SCHEMA_VERSION, "kind": "results_file"}
 READ_SIZE = 1 << 20  # bytes read from a results file at a time
@@ -28,11 +29,11 @@ def save_results(path: str | Path, results: Iterable[RolloutResult]) -> int:
     count = 0
     try:
         with open(tmp, "xb") as f:
-            f.write(_packb(FILE_HEADER))
+            f.write(packb(FILE_HEADER))
             for r in results:
                 f.write(_result_record(r, count))
                 count += 1
-            f.write(_packb({"schema": WIRE_SCHEMA_VERSION, "kind": "end", "count": count}))
+            f.write(packb({"schema": WIRE_SCHEMA_VERSION, "kind": "end", "count": count}))
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -105,7 +106,7 @@ def _file_results(records: Iterator[tuple[int, Any]], size: int, path: Any) -> I
     index = 0
     while record is not _EOF and not (_kind(record) == "end" and not legacy):
         try:
-            result = RolloutResult.from_dict(_check_record(record, "result"))
+            result = RolloutResult.from_dict(check_record(record, "result"))
         except ValueError as e:
             raise ValueError(f"{path}: result {index} at byte offset {offset}: {e}") from None
         yield result

@@ -22,7 +22,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Iterable
 
-from rollout_service.types import RolloutResult, check_reward_name
+from rollout_service.checks import check_reward_name
+from rollout_service.types import RolloutResult
 from rollout_service.user_code import Guard, describe_error, unguarded
 
 RewardFn = Callable[[RolloutResult], float]

@@ -7,23 +7,20 @@ an object unpickled in another process, was never checked: every boundary (clien
 """
 from __future__ import annotations
 
-import math
-import pickle
-import re
-import reprlib
 import uuid
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
-from typing import Any, Iterable, Union
+from typing import Any, Union
 
 import msgpack
 import numpy as np
 
+from rollout_service.checks import check_metadata, check_reward_name, check_text
+from rollout_service.wire import (FINISH_REASONS, MAX_INT32, WIRE_SCHEMA_VERSION, SHORT, TO_WIRE,
+                                  check_result_record, from_i32, is_int, is_real, need, packb, reject_unknown,
+                                  tuple_key, unpack_record)
+
 LOGPROBS_MODES = ("processed", "scaled", "raw")
-# "done" and "max_turns" end multi-turn episodes (the environment said done / the turn limit was reached)
-FINISH_REASONS = ("stop", "length", "abort", "done", "max_turns")
-WIRE_SCHEMA_VERSION = 1
-MAX_INT32 = 2**31 - 1  # token ids and policy versions travel as int32 (RolloutResult's wire format)
 
 ChatMessage = dict[str, str]
 Prompt = Union[str, list[ChatMessage], list[int]]
@@ -32,47 +29,6 @@ Prompt = Union[str, list[ChatMessage], list[int]]
 def _require(ok: bool, name: str, why: str, value: Any) -> None:
     if not ok:
         raise ValueError(f"SamplingParams.{name}={value!r}: {why}")
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
-
-
-def _is_real(x: Any) -> bool:
-    if isinstance(x, bool) or not isinstance(x, (int, float, np.integer, np.floating)):
-        return False
-    return isinstance(x, (int, np.integer)) or math.isfinite(x)  # isfinite overflows on a huge int
-
-
-def _check_text(s: str, what: str) -> None:
-    """ValueError unless `s` is Unicode text that can be encoded: a lone surrogate such as "\\ud800" is
-    a valid Python str that tokenizers and msgpack reject."""
-    try:
-        s.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise ValueError(f"{what}: not valid Unicode text ({e.reason} at position {e.start})") from None
-
-
-def check_policy_version(version: Any, current: int) -> None:
-    """ValueError unless `version` is an int above `current` that fits the int32 `token_versions` of the
-    wire format (versions only go forward)."""
-    if not isinstance(version, int) or isinstance(version, bool) or not current < version <= MAX_INT32:
-        raise ValueError(f"update_weights: version={version!r} must be an int > the current version {current} "
-                         "and < 2**31")
-
-
-def check_request_ids(request_ids: Any) -> list[str]:
-    """abort's argument as a list of ids, or ValueError: one id must be wrapped in a list (a str would
-    iterate its characters)."""
-    if isinstance(request_ids, (str, bytes, Mapping)) or not isinstance(request_ids, Iterable):
-        hint = " (wrap one id in a list)" if isinstance(request_ids, str) else ""
-        raise ValueError(f"abort: request_ids must be a list of request id strings, got "
-                         f"{type(request_ids).__name__}{hint}")
-    ids = list(request_ids)
-    bad = [r for r in ids if not isinstance(r, str)]
-    if bad:
-        raise ValueError(f"abort: request id {bad[0]!r} is a {type(bad[0]).__name__}, not a str")
-    return ids
 
 
 @dataclass
@@ -110,33 +66,33 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Check every field as it is now (ValueError naming the first bad one)."""
-        _require(_is_int(self.n) and 1 <= self.n <= 4096, "n", "must be an int in [1, 4096]", self.n)
+        _require(is_int(self.n) and 1 <= self.n <= 4096, "n", "must be an int in [1, 4096]", self.n)
         # logits / a tiny temperature (or repetition penalty) overflow float32 to inf: NaN log-probs. Below
         # 0.01 (vLLM's floor too) sampling is greedy in all but name.
-        _require(_is_real(self.temperature) and (self.temperature == 0 or 0.01 <= self.temperature <= 100),
+        _require(is_real(self.temperature) and (self.temperature == 0 or 0.01 <= self.temperature <= 100),
                  "temperature", "must be 0 (greedy) or a finite float in [0.01, 100]", self.temperature)
-        _require(_is_int(self.top_k) and (self.top_k == -1 or 1 <= self.top_k <= MAX_INT32), "top_k",
+        _require(is_int(self.top_k) and (self.top_k == -1 or 1 <= self.top_k <= MAX_INT32), "top_k",
                  "must be -1 (off) or an int in [1, 2**31)", self.top_k)
-        _require(_is_real(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]", self.top_p)
-        _require(_is_real(self.min_p) and 0 <= self.min_p <= 1, "min_p", "must be in [0, 1]", self.min_p)
+        _require(is_real(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]", self.top_p)
+        _require(is_real(self.min_p) and 0 <= self.min_p <= 1, "min_p", "must be in [0, 1]", self.min_p)
         for name in ("frequency_penalty", "presence_penalty"):
             v = getattr(self, name)
-            _require(_is_real(v) and -2 <= v <= 2, name, "must be in [-2, 2]", v)
-        _require(_is_real(self.repetition_penalty) and 0.01 <= self.repetition_penalty <= 10, "repetition_penalty",
+            _require(is_real(v) and -2 <= v <= 2, name, "must be in [-2, 2]", v)
+        _require(is_real(self.repetition_penalty) and 0.01 <= self.repetition_penalty <= 10, "repetition_penalty",
                  "must be in [0.01, 10]", self.repetition_penalty)
-        _require(_is_int(self.max_tokens) and 1 <= self.max_tokens <= MAX_INT32, "max_tokens",
+        _require(is_int(self.max_tokens) and 1 <= self.max_tokens <= MAX_INT32, "max_tokens",
                  "must be an int in [1, 2**31)", self.max_tokens)
         _require(isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop), "stop",
                  "must be a str or a list of non-empty strings ([] for none)", self.stop)
         for i, s in enumerate(self.stop):
-            _check_text(s, f"SamplingParams.stop[{i}]")
+            check_text(s, f"SamplingParams.stop[{i}]")
         _require(isinstance(self.stop_token_ids, list) and
-                 all(_is_int(t) and 0 <= t <= MAX_INT32 for t in self.stop_token_ids), "stop_token_ids",
+                 all(is_int(t) and 0 <= t <= MAX_INT32 for t in self.stop_token_ids), "stop_token_ids",
                  "must be a list of token ids (ints in [0, 2**31))", self.stop_token_ids)
         _require(isinstance(self.ignore_eos, bool), "ignore_eos", "must be a bool", self.ignore_eos)
-        _require(self.seed is None or (_is_int(self.seed) and 0 <= self.seed < 2**63), "seed",
+        _require(self.seed is None or (is_int(self.seed) and 0 <= self.seed < 2**63), "seed",
                  "must be None or an int in [0, 2**63)", self.seed)
-        _require(_is_int(self.logprobs) and 0 <= self.logprobs <= 20, "logprobs",
+        _require(is_int(self.logprobs) and 0 <= self.logprobs <= 20, "logprobs",
                  "must be an int in [0, 20] (number of top alternatives)", self.logprobs)
         _require(isinstance(self.logprobs_mode, str) and self.logprobs_mode in LOGPROBS_MODES, "logprobs_mode",
                  f"must be one of {LOGPROBS_MODES}", self.logprobs_mode)
@@ -156,14 +112,8 @@ class SamplingParams:
     def from_dict(cls, d: Any) -> "SamplingParams":
         if not isinstance(d, Mapping):
             raise ValueError(f"SamplingParams: expected a dict of fields, got {type(d).__name__}")
-        _reject_unknown(d, {f.name for f in fields(cls)}, "SamplingParams")
+        reject_unknown(d, {f.name for f in fields(cls)}, "SamplingParams")
         return cls(**d)
-
-
-def _reject_unknown(d: Mapping, known: set[str], what: str) -> None:
-    unknown = set(d) - known
-    if unknown:
-        raise ValueError(f"{what}: unknown field(s) {sorted(map(str, unknown))}; known: {sorted(known)}")
 
 
 def _checked_prompt(prompt: Any) -> Prompt:
@@ -172,13 +122,13 @@ def _checked_prompt(prompt: Any) -> Prompt:
     if isinstance(prompt, str):
         if not prompt:
             raise ValueError(f"{what}: empty string")
-        _check_text(prompt, what)
+        check_text(prompt, what)
         return prompt
     if not isinstance(prompt, (list, tuple)) or len(prompt) == 0:
         raise ValueError(f"{what}: must be a non-empty str, list of token ids or list of chat messages")
     if all(type(t) is int for t in prompt):  # the common case first: the generic check costs 3x more
         ids = list(prompt)
-    elif all(_is_int(t) for t in prompt):
+    elif all(is_int(t) for t in prompt):
         ids = [int(t) for t in prompt]  # numpy ints as plain ones: msgpack packs only those
     else:
         return _checked_messages(prompt)
@@ -195,66 +145,11 @@ def _checked_messages(messages: list | tuple) -> list[ChatMessage]:
                              f"(message {i} is {m!r:.80})")
         for k, v in m.items():
             if isinstance(v, str):
-                _check_text(v, f"RolloutRequest.prompt[{i}][{k!r}]")
+                check_text(v, f"RolloutRequest.prompt[{i}][{k!r}]")
     return [dict(m) for m in messages]
 
 
 _REQUEST_KEYS = {"prompt", "sampling", "request_id", "metadata", "apply_chat_template", "reward"}
-# One request's metadata, pickled: the service holds it for as long as the request is in flight (the router
-# and a worker each keep a copy) and copies it onto each of the request's n results.
-MAX_METADATA_BYTES = 1 << 20
-
-
-class _TooBig(Exception):
-    pass
-
-
-class _SizeBound:
-    """A file that only counts what a pickler writes to it, and stops the pickler past `limit` bytes (so an
-    enormous object costs no more than the bound to refuse)."""
-
-    def __init__(self, limit: int):
-        self.size, self.limit = 0, limit
-
-    def write(self, data: Any) -> None:
-        self.size += memoryview(data).nbytes
-        if self.size > self.limit:
-            raise _TooBig
-
-
-def check_metadata(metadata: Any, what: str = "RolloutRequest.metadata") -> None:
-    """ValueError unless `metadata` pickles (as Ray sends it to the workers: the plain pickler, else Ray's
-    cloudpickle, which also takes lambdas and local classes) into at most MAX_METADATA_BYTES."""
-    if metadata is None:
-        return
-    try:
-        try:
-            pickle.Pickler(_SizeBound(MAX_METADATA_BYTES), protocol=5).dump(metadata)
-        except _TooBig:
-            raise
-        except Exception:
-            from ray import cloudpickle
-            cloudpickle.CloudPickler(_SizeBound(MAX_METADATA_BYTES), protocol=5).dump(metadata)
-    except _TooBig:
-        raise ValueError(f"{what}: over {MAX_METADATA_BYTES} bytes (1 MiB) pickled, the bound on one request's metadata "
-                         "(the service holds it while the request is in flight and copies it onto each of its "
-                         "results): keep large task data elsewhere, e.g. looked up by an id in the reward "
-                         "function") from None
-    except Exception as e:  # whatever a __reduce__ raises: TypeError, PicklingError, AttributeError, ...
-        raise ValueError(f"{what}: cannot be pickled, as it must be to reach the rollout workers "
-                         f"({type(e).__name__}: {e})") from None
-
-
-_REWARD_NAME = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")  # dotted module path : function
-
-
-def check_reward_name(name: Any, what: str = "reward") -> str | None:
-    """None, or a reward function's importable name "package.module:function" (not imported here)."""
-    if name is None:
-        return None
-    if not isinstance(name, str) or not _REWARD_NAME.fullmatch(name):
-        raise ValueError(f"{what}={name!r}: must be an importable \"module:function\" name (or None)")
-    return name
 
 
 @dataclass
@@ -276,7 +171,7 @@ class EpisodeParams:
                              "method (an Environment needs reset(metadata) and step(assistant_text))")
         for name in ("max_turns", "max_total_tokens"):
             v = getattr(self, name)
-            if not _is_int(v) or not 1 <= v <= MAX_INT32:
+            if not is_int(v) or not 1 <= v <= MAX_INT32:
                 raise ValueError(f"EpisodeParams.{name}={v!r}: must be an int in [1, 2**31)")
 
 
@@ -307,7 +202,7 @@ class RolloutRequest:
             raise ValueError(f"RolloutRequest.sampling: must be a SamplingParams, got {type(self.sampling).__name__}")
         if not isinstance(self.request_id, str) or not self.request_id:
             raise ValueError(f"RolloutRequest.request_id={self.request_id!r}: must be a non-empty str")
-        _check_text(self.request_id, "RolloutRequest.request_id")
+        check_text(self.request_id, "RolloutRequest.request_id")
         if not isinstance(self.apply_chat_template, bool):
             raise ValueError(f"RolloutRequest.apply_chat_template={self.apply_chat_template!r}: must be a bool")
         check_metadata(self.metadata)
@@ -330,7 +225,7 @@ class RolloutRequest:
     def from_dict(cls, d: Any) -> "RolloutRequest":
         if not isinstance(d, Mapping) or "prompt" not in d:
             raise ValueError("RolloutRequest: expected a dict with a 'prompt'")
-        _reject_unknown(d, _REQUEST_KEYS, "RolloutRequest")
+        reject_unknown(d, _REQUEST_KEYS, "RolloutRequest")
         sampling, rid = d.get("sampling"), d.get("request_id")
         return cls(prompt=d["prompt"],
                    sampling=SamplingParams() if sampling is None else SamplingParams.from_dict(sampling),
@@ -342,7 +237,7 @@ class RolloutRequest:
 
     @classmethod
     def from_msgpack(cls, data: bytes) -> "RolloutRequest":
-        record = _unpack(data, "request")
+        record = unpack_record(data, "request")
         return cls.from_dict({k: v for k, v in record.items() if k not in ("schema", "kind")})
 
 
@@ -390,7 +285,7 @@ class RolloutResult:
     def to_dict(self) -> dict:
         """The wire form (arrays as little-endian bytes). ValueError naming a field that cannot be converted."""
         d = {}
-        for name, convert in _TO_WIRE.items():
+        for name, convert in TO_WIRE.items():
             try:
                 d[name] = convert(getattr(self, name))
             except Exception as e:  # whatever a wrong type raises inside the conversion
@@ -400,13 +295,13 @@ class RolloutResult:
     @classmethod
     def from_dict(cls, d: Any) -> "RolloutResult":
         """A result from its wire form, every field's type and range checked: ValueError naming the field."""
-        _check_wire_result(d)
+        check_result_record(d)
         top = d["top_logprobs"]
         return cls(
             request_id=d["request_id"], sample_index=d["sample_index"],
-            prompt_token_ids=_from_i32(d["prompt_token_ids"]), token_ids=_from_i32(d["token_ids"]),
+            prompt_token_ids=from_i32(d["prompt_token_ids"]), token_ids=from_i32(d["token_ids"]),
             logprobs=np.frombuffer(d["logprobs"], dtype="<f4").astype(np.float32),
-            token_versions=_from_i32(d["token_versions"]), finish_reason=d["finish_reason"], text=d["text"],
+            token_versions=from_i32(d["token_versions"]), finish_reason=d["finish_reason"], text=d["text"],
             top_logprobs=None if top is None else [dict(zip(k, v)) for k, v in top],
             reward=d["reward"], metadata=d["metadata"], timings=dict(d["timings"]),
             # absent from records written before they existed
@@ -419,200 +314,18 @@ class RolloutResult:
         """One msgpack record. ValueError naming the field if a value would not load back (a wrong type,
         a reward that is not a finite number, metadata msgpack cannot encode, ...)."""
         d = self.to_dict()
-        _check_wire_result(d)
-        key = _tuple_key(d["metadata"])
-        _need(key is None, "metadata", f"has the tuple {_SHORT.repr(key)} as a dict key: msgpack writes it as an "
+        check_result_record(d)
+        key = tuple_key(d["metadata"])
+        need(key is None, "metadata", f"has the tuple {SHORT.repr(key)} as a dict key: msgpack writes it as an "
               "array, which cannot be a key when the record is read back")
-        return _packb({"schema": WIRE_SCHEMA_VERSION, "kind": "result", **d}, "RolloutResult.")
+        return packb({"schema": WIRE_SCHEMA_VERSION, "kind": "result", **d}, "RolloutResult.")
 
     @classmethod
     def from_msgpack(cls, data: bytes) -> "RolloutResult":
-        return cls.from_dict(_unpack(data, "result"))
+        return cls.from_dict(unpack_record(data, "result"))
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, RolloutResult):
             return NotImplemented
         a, b = self.to_dict(), other.to_dict()
         return a == b
-
-
-def _i32(xs: Iterable[int]) -> bytes:
-    return np.asarray(list(xs), dtype="<i4").tobytes()
-
-
-def _from_i32(b: bytes) -> list[int]:
-    return np.frombuffer(b, dtype="<i4").tolist()
-
-
-def _plain(v: Any) -> Any:
-    """numpy scalars as the Python numbers msgpack packs."""
-    return v.item() if isinstance(v, (np.integer, np.floating)) else v
-
-
-def _encodable(text: Any) -> Any:
-    """An error text as UTF-8 can carry it: exception messages may hold lone surrogates (from bytes decoded
-    with surrogateescape, say), which msgpack refuses; they are written as backslash escapes."""
-    if not isinstance(text, str):
-        return text
-    try:
-        text.encode("utf-8")
-        return text
-    except UnicodeEncodeError:
-        return text.encode("utf-8", "backslashreplace").decode("utf-8")
-
-
-def _tuple_key(value: Any) -> Any:
-    """A tuple used as a dict key anywhere in `value` (None if there is none)."""
-    stack = [value]
-    while stack:
-        v = stack.pop()
-        if isinstance(v, dict):
-            for k, x in v.items():
-                if isinstance(k, tuple):
-                    return k
-                stack.append(x)
-        elif isinstance(v, (list, tuple)):
-            stack.extend(v)
-    return None
-
-
-def _top_to_wire(top: Any) -> Any:
-    if top is None:
-        return None
-    return [[[_plain(t) for t in d.keys()], [float(v) for v in d.values()]] for d in top]
-
-
-_TO_WIRE = {
-    "request_id": lambda v: v, "sample_index": _plain,
-    "prompt_token_ids": _i32, "token_ids": _i32,
-    "logprobs": lambda v: np.asarray(v).astype("<f4").tobytes(), "token_versions": _i32,
-    "finish_reason": lambda v: v, "text": lambda v: v, "top_logprobs": _top_to_wire, "reward": _plain,
-    "metadata": lambda v: v, "timings": lambda v: {k: _plain(x) for k, x in dict(v).items()},
-    "error": _encodable, "reward_error": _encodable,
-    "loss_mask": lambda v: None if v is None else bytes(v),
-    "turns": lambda v: None if v is None else [{k: _plain(x) for k, x in t.items()} for t in v],
-}
-# absent from records written before they existed
-_RESULT_OPTIONAL = {"error", "reward_error", "loss_mask", "turns"}
-_RESULT_REQUIRED = set(_TO_WIRE) - _RESULT_OPTIONAL
-_SHORT = reprlib.Repr()
-_SHORT.maxstring = _SHORT.maxother = 80
-
-
-_UNSHOWN = object()
-
-
-def _need(ok: bool, name: str, why: str, value: Any = _UNSHOWN) -> None:
-    if not ok:
-        shown = "" if value is _UNSHOWN else f"={_SHORT.repr(value)}"
-        raise ValueError(f"RolloutResult.{name}{shown}: {why}")
-
-
-def _is_number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
-def _check_ids(d: Mapping, name: str) -> int:
-    """Number of values of a little-endian int32 array field, each checked to be >= 0."""
-    b = d[name]
-    _need(isinstance(b, (bytes, bytearray)) and len(b) % 4 == 0, name,
-          "must be int32 bytes (a whole number of 4-byte little-endian values)", b)
-    values = np.frombuffer(b, dtype="<i4")
-    if len(values) and values.min() < 0:
-        raise ValueError(f"RolloutResult.{name}: value {int(values.min())} is negative")
-    return len(values)
-
-
-def _check_top(top: Any, n: int) -> None:
-    _need(isinstance(top, list) and len(top) == n, "top_logprobs",
-          f"must be None or a list of one [token ids, log-probs] pair per token ({n})", top)
-    for i, entry in enumerate(top):
-        ok = (isinstance(entry, (list, tuple)) and len(entry) == 2 and all(isinstance(x, list) for x in entry)
-              and len(entry[0]) == len(entry[1]))
-        _need(ok, f"top_logprobs[{i}]", "must be [token ids, log-probs], two lists of equal length", entry)
-        _need(all(_is_int(t) and 0 <= t <= MAX_INT32 for t in entry[0]), f"top_logprobs[{i}]",
-              "token ids must be ints in [0, 2**31)", entry[0])
-        _need(all(_is_number(v) for v in entry[1]), f"top_logprobs[{i}]", "log-probs must be numbers", entry[1])
-
-
-def _check_turns(turns: Any, n: int) -> None:
-    _need(isinstance(turns, list), "turns", "must be None or a list of dicts, one per model turn", turns)
-    for i, t in enumerate(turns):
-        what = f"turns[{i}]"
-        _need(isinstance(t, dict) and {"start", "end", "version"} <= t.keys(), what,
-              "must be a dict with int 'start', 'end' and 'version'", t)
-        _need(all(_is_int(t[k]) for k in ("start", "end", "version")) and 0 <= t["start"] <= t["end"] <= n
-              and 0 <= t["version"] <= MAX_INT32, what,
-              f"'start' <= 'end' must span token_ids ({n} tokens), 'version' an int in [0, 2**31)", t)
-        _need(isinstance(t.get("finish_reason", ""), str), f"{what}['finish_reason']", "must be a str",
-              t.get("finish_reason"))
-        _need(t.get("reward") is None or _is_number(t["reward"]), f"{what}['reward']", "must be None or a number",
-              t.get("reward"))
-
-
-def _check_wire_result(d: Any) -> None:
-    """ValueError naming the first field of a result record (wire form) whose type or range is wrong."""
-    if not isinstance(d, Mapping):
-        raise ValueError(f"RolloutResult: expected a dict of fields, got {type(d).__name__}")
-    missing = sorted(_RESULT_REQUIRED - d.keys())
-    if missing:
-        raise ValueError(f"RolloutResult: the result record lacks field(s) {missing}")
-    _reject_unknown(d, set(_TO_WIRE) | {"schema", "kind"}, "RolloutResult")
-    _need(isinstance(d["request_id"], str), "request_id", "must be a str", d["request_id"])
-    _need(_is_int(d["sample_index"]) and 0 <= d["sample_index"] <= MAX_INT32, "sample_index",
-          "must be an int in [0, 2**31)", d["sample_index"])
-    _check_ids(d, "prompt_token_ids")
-    n = _check_ids(d, "token_ids")
-    _need(_check_ids(d, "token_versions") == n, "token_versions", f"must have one entry per token ({n})")
-    lp = d["logprobs"]
-    _need(isinstance(lp, (bytes, bytearray)) and len(lp) == 4 * n, "logprobs",
-          f"must be float32 bytes, one 4-byte little-endian value per token ({n})", lp)
-    reason = d["finish_reason"]
-    _need(isinstance(reason, str) and reason in FINISH_REASONS, "finish_reason", f"must be one of {FINISH_REASONS}",
-          reason)
-    _need(isinstance(d["text"], str), "text", "must be a str", d["text"])
-    if d["top_logprobs"] is not None:
-        _check_top(d["top_logprobs"], n)
-    _need(d["reward"] is None or _is_real(d["reward"]), "reward", "must be None or a finite number", d["reward"])
-    t = d["timings"]
-    _need(isinstance(t, dict) and all(isinstance(k, str) and _is_number(v) for k, v in t.items()), "timings",
-          "must be a dict of str -> number (seconds)", t)
-    for name in ("error", "reward_error"):
-        _need(d.get(name) is None or isinstance(d[name], str), name, "must be None or a str", d.get(name))
-    mask = d.get("loss_mask")
-    if mask is not None:
-        _need(isinstance(mask, (bytes, bytearray)) and len(mask) == n and set(mask) <= {0, 1}, "loss_mask",
-              f"must be None or one 0/1 byte per token ({n})", mask)
-    if d.get("turns") is not None:
-        _check_turns(d["turns"], n)
-
-
-def _packb(record: dict, what: str = "record field ") -> bytes:
-    """msgpack bytes of a record; ValueError naming (after `what`) the field that msgpack cannot encode."""
-    try:
-        return msgpack.packb(record)
-    except Exception:  # TypeError (an object msgpack knows nothing of), UnicodeEncodeError, OverflowError, ...
-        for name, value in record.items():
-            try:
-                msgpack.packb(value)
-            except Exception as e:
-                raise ValueError(f"{what}{name}: cannot be encoded as msgpack ({type(e).__name__}: {e})") from None
-        raise
-
-
-def _unpack(data: bytes, kind: str) -> dict:
-    if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise ValueError(f"expected msgpack bytes for a {kind}, got {type(data).__name__}")
-    try:
-        d = msgpack.unpackb(data, raw=False, strict_map_key=False)
-    except Exception as e:  # msgpack raises several unrelated types on garbage
-        raise ValueError(f"corrupt msgpack {kind}: {type(e).__name__}: {e}") from None
-    return _check_record(d, kind)
-
-
-def _check_record(d: Any, kind: str) -> dict:
-    if not isinstance(d, dict) or d.get("kind") != kind:
-        raise ValueError(f"msgpack payload is not a {kind} record")
-    if d.get("schema") != WIRE_SCHEMA_VERSION:
-        raise ValueError(f"unsupported {kind} schema version {d.get('schema')!r} (expected {WIRE_SCHEMA_VERSION})")
-    return d

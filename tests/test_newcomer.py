@@ -114,7 +114,7 @@ def test_a_config_asking_for_a_resource_the_cluster_lacks_fails_at_once(ray_clus
 
 @pytest.mark.ray
 def test_a_custom_resource_or_a_strategy_the_nodes_cannot_meet_fails_at_once(ray_cluster, tiny_model_dir):
-    from rollout_service.service import RayBackend
+    from rollout_service.backends.ray import RayBackend
     base = dict(engine={"model": tiny_model_dir}, placement={"timeout_s": 30})
     t0 = time.monotonic()
     with pytest.raises(ValueError, match=r"the Ray cluster has no gpu_node .*ray start .*--resources="):
@@ -141,7 +141,7 @@ def _config_file(base: Path, out: Path, **overrides) -> Path:
 PROBE = r"""
 import json, os, socket, sys, time
 import psutil, ray
-from rollout_service.service import ensure_ray
+from rollout_service.backends.ray_cluster import ensure_ray
 
 ensure_ray()
 node = ray._private.worker.global_worker.node

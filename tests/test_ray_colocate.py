@@ -13,9 +13,10 @@ import ray
 from actors.placement import colocated_share, worker_bundle
 from actors.router import RouterActor
 from ray_fixtures import kill_worker, wait_for, workers
-from rollout_service.client import RolloutClient, fidelity_line
+from rollout_service.client import RolloutClient
+from rollout_service.fidelity import fidelity_line
 from rollout_service.config import ServiceConfig
-from rollout_service.service import RayBackend
+from rollout_service.backends.ray import RayBackend
 from rollout_service.types import SamplingParams
 
 pytest_plugins = ["ray_fixtures"]

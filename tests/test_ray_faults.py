@@ -13,7 +13,7 @@ import ray
 
 from ray_fixtures import kill_worker, wait_for, workers
 from rollout_service.client import RolloutClient
-from rollout_service.service import RayBackend
+from rollout_service.backends.ray import RayBackend
 from rollout_service.types import RolloutRequest, SamplingParams
 
 pytest_plugins = ["ray_fixtures"]
@@ -81,7 +81,7 @@ def running(backend: RayBackend, k: int) -> bool:
 def test_a_request_that_refreshes_keep_making_stale_fails_saying_so(ray_cluster, service_config):
     """max_staleness 0 and a refresh every few milliseconds: no request can finish on one version. After
     MAX_STALE_REGENERATIONS regenerations it fails with an error that says why, instead of never coming back."""
-    from actors.router import MAX_STALE_REGENERATIONS
+    from actors.dispatch import MAX_STALE_REGENERATIONS
     from ray_fixtures import tiny_llama
 
     client = RolloutClient.launch(service_config(name="svc-stale", num_workers=1, max_staleness=0))
@@ -106,11 +106,11 @@ def test_a_request_that_refreshes_keep_making_stale_fails_saying_so(ray_cluster,
 def test_stats_answer_while_a_step_holds_the_engine(svc):
     backend = svc._backend
     w0 = workers(backend)[0]
-    ray.get(w0.__ray_call__.remote(lambda w: w._lock.acquire()))  # as a long engine step does
+    ray.get(w0.__ray_call__.remote(lambda w: w.host._lock.acquire()))  # as a long engine step does
     try:
         stats = ray.get(backend.router.stats.remote(), timeout=30)
     finally:
-        ray.get(w0.__ray_call__.remote(lambda w: w._lock.release()))
+        ray.get(w0.__ray_call__.remote(lambda w: w.host._lock.release()))
     assert stats[0]["alive"] and stats[0]["queued"] == 0 and stats[0]["kv_pages_total"] > 0, stats[0]
 
 

@@ -7,7 +7,7 @@ import pytest
 import ray
 
 from actors.learner import LearnerActor, group_advantages
-from rollout_service.service import RayBackend
+from rollout_service.backends.ray import RayBackend
 
 pytest_plugins = ["ray_fixtures"]
 pytestmark = pytest.mark.ray

@@ -9,7 +9,7 @@ import pytest
 import ray
 
 from rollout_service.config import ServiceConfig
-from rollout_service.service import RayBackend
+from rollout_service.backends.ray import RayBackend
 from rollout_service.types import RolloutRequest, SamplingParams
 
 pytest_plugins = ["ray_fixtures"]

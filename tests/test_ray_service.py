@@ -209,7 +209,7 @@ def test_worker_killed_mid_batch_all_results_once_and_restarted_worker_catches_u
 
 
 def test_on_refresh_abort_ends_in_flight_requests(ray_cluster, service_config, make_tiny_llama, refresh_mid_generation):
-    from rollout_service.service import RayBackend
+    from rollout_service.backends.ray import RayBackend
     cfg = service_config(name="svc-abort-on-refresh", num_workers=1)
     cfg["engine"] = {**cfg["engine"], "on_refresh": "abort"}
     backend = RayBackend.launch(cfg)

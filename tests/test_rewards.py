@@ -151,8 +151,7 @@ def test_local_abort_while_a_reward_is_computed(local):
     req = RolloutRequest([1, 2], SamplingParams(max_tokens=2, ignore_eos=True), metadata={"sleep_s": 0.5},
                      reward=f"{EX}:slow_reward")
     it = local.stream([req])
-    while not local._backend._rewards.pending:  # the stream's reading steps the engine: step it by hand
-        local._backend._advance({req.request_id})
+    wait_for(lambda: local.stats()[0]["rewards_pending"], "the result's reward being computed")
     (got,) = local.abort([req.request_id])
     assert got.finish_reason == "length" and got.reward is None
     assert got.reward_error == "aborted before its reward was computed"

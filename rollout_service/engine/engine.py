@@ -39,7 +39,8 @@ from rollout_service.model.loader import load_model
 from rollout_service.model.weight_update import apply_named_tensors, validate_manifest, validate_named_tensors
 from rollout_service.ops.backend import resolve_backend
 from rollout_service.prompts import PromptProcessor
-from rollout_service.types import RolloutRequest, RolloutResult, check_policy_version, check_request_ids
+from rollout_service.checks import check_policy_version, check_request_ids
+from rollout_service.types import RolloutRequest, RolloutResult
 from rollout_service.user_code import Guard, unguarded
 from rollout_service.weights.buckets import named_items, reject_nonfinite
 

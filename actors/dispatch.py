@@ -1,0 +1,171 @@
+"""The router's requests: accepted all or none, sent to the least-loaded live worker (by outstanding tokens),
+their results matched back and delivered to their streams once each, stale ones regenerated, failed or
+aborted ones ended with their reason (actors/ledger.py holds the book).
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import Callable, Coroutine
+
+from actors.ledger import Ledger, Tracked, decode_request
+from actors.remote_errors import ACTOR_DOWN, error_text, is_down
+from actors.workers import WorkerTable
+from rollout_service.types import RolloutRequest, RolloutResult
+
+# a request regenerated this often, because each time a refresh came before it finished, never would: it fails
+MAX_STALE_REGENERATIONS = 8
+
+
+class Dispatcher:
+    def __init__(self, workers: WorkerTable, ledger: Ledger, version: Callable[[], int], max_staleness: int | None,
+                 counters: dict, spawn: Callable[[Coroutine], None], log: Callable[[str], None]):
+        """`version()`: the policy version the workers serve now; `spawn`: run a coroutine in the background."""
+        self.workers, self.ledger, self._version = workers, ledger, version
+        self.max_staleness = max_staleness
+        self.counters, self._spawn, self._log = counters, spawn, log
+
+    # -- accepting --------------------------------------------------------------------------------
+    async def submit(self, items: list, lease_s: float) -> dict:
+        """Accept a batch, all or none: every request decoded, validated and tokenized (on the worker it goes
+        to) before any is queued. {"stream": id, "lease_s": seconds} or {"errors": [(index, message), ...]}; a
+        refused batch leaves nothing behind."""
+        reqs, errors = self._decode(items)
+        if errors:
+            return {"errors": errors}
+        if not reqs:
+            return {"errors": [(-1, "empty batch")]}
+        if all(self.workers.gone):
+            return {"errors": [(-1, "no rollout worker is alive")]}
+        sid, tracked = self.ledger.open_stream(reqs)
+        try:
+            errors = await self.dispatch(tracked, atomic=True)
+        except Exception:
+            await self.close_stream(sid)
+            raise
+        if errors:
+            await self.close_stream(sid)
+            index = {r.request_id: i for i, r in enumerate(reqs)}
+            return {"errors": [(index.get(rid, -1), msg) for rid, msg in errors]}
+        return {"stream": sid, "lease_s": lease_s}
+
+    def _decode(self, items: list) -> tuple[list[RolloutRequest], list[tuple[int, str]]]:
+        reqs, errors, seen = [], [], set()
+        for i, item in enumerate(items):
+            try:
+                r = decode_request(item)
+                if r.request_id in self.ledger.tracked or r.request_id in seen:
+                    raise ValueError(f"request_id {r.request_id!r} is already in flight")
+                seen.add(r.request_id)
+                reqs.append(r)
+            except ValueError as e:
+                errors.append((i, str(e)))
+        return reqs, errors
+
+    async def dispatch(self, tracked: list[Tracked], atomic: bool = False) -> list[tuple[str, str]]:
+        """Send each request (as a new job) to the least-loaded live worker; with none alive they wait (worker
+        None) until one comes back. `atomic` (a client's batch): a worker queues its share all or none and the
+        errors are returned for the caller to drop the batch. Otherwise (a resubmission) each request stands
+        alone: one that fails ends with its error, the others go on. Returns (request_id, error) pairs."""
+        live = self.workers.live()
+        if not live:
+            for t in tracked:
+                t.worker = None
+            return []
+        loads = self.ledger.loads(len(self.workers))
+        batches: dict[int, list[RolloutRequest]] = {}
+        for t in sorted(tracked, key=lambda t: -t.cost_per_sample * t.missing):
+            i = min(live, key=lambda j: loads[j])
+            batches.setdefault(i, []).append(self.ledger.new_job(t, i, self._version()))
+            loads[i] += t.cost_per_sample * t.missing
+        calls = [self.workers.handles[i].submit.remote(jobs, atomic) for i, jobs in batches.items()]
+        outcomes = await asyncio.gather(*calls, return_exceptions=True)
+        errors = []
+        for jobs, out in zip(batches.values(), outcomes):
+            if is_down(out):
+                continue  # its poll loop sees the death and moves these jobs on
+            verdicts = [error_text(out)] * len(jobs) if isinstance(out, BaseException) else out
+            for job, err in zip(jobs, verdicts):
+                t = self.ledger.owner(job.request_id)
+                if err is not None and t is not None:  # (None: the request ended meanwhile)
+                    rid = t.request.request_id
+                    errors.append((rid, err.replace(job.request_id, rid)))  # the client knows its own id
+        if not atomic:
+            for rid, msg in errors:
+                self.fail(rid, msg)
+        return errors
+
+    # -- results ----------------------------------------------------------------------------------
+    def on_result(self, r: RolloutResult) -> None:
+        """A worker's result: delivered to its stream, unless it is a late copy (dropped) or stale (its
+        request is regenerated with the current weights, once per refresh)."""
+        t = self.ledger.is_new(r)
+        if t is None:
+            return
+        k, version = self.max_staleness, self._version()
+        if k is None or not r.token_versions or r.finish_reason == "abort" or version - min(r.token_versions) <= k:
+            self.ledger.deliver(t, r)
+            return
+        if t.fresh_as_of >= version:  # regenerate once per refresh, not once per stale sample
+            return
+        t.fresh_as_of, t.regenerations = version, t.regenerations + 1
+        if t.regenerations > MAX_STALE_REGENERATIONS:
+            self._spawn(self.abort_jobs([t]))
+            self.fail(t.request.request_id, _starved(t.regenerations - 1, k))
+            return
+        self.counters["stale_regenerated"] += 1
+        self._spawn(self._regenerate(t))
+
+    async def _regenerate(self, t: Tracked) -> None:
+        old = (t.worker, t.jobs[-1]) if t.worker is not None else None
+        await self.dispatch([t])
+        if old is not None and self.workers.alive[old[0]]:
+            try:  # the superseded job is stale anyway: free its pages
+                await self.workers.handles[old[0]].abort.remote([old[1]])
+            except ACTOR_DOWN:
+                pass
+
+    def fail(self, rid: str, msg: str) -> None:
+        """End a request that cannot run any more: its missing samples come as "abort" results with `msg`."""
+        t = self.ledger.tracked.get(rid)
+        if t is not None:
+            self._log(f"request {rid} failed: {msg}")
+            self.ledger.fill_aborted(t, error=msg)
+
+    def fail_all(self, msg: str) -> None:
+        for t in list(self.ledger.tracked.values()):
+            self.ledger.fill_aborted(t, error=msg)
+
+    # -- ending early -----------------------------------------------------------------------------
+    async def abort(self, request_ids: list[str]) -> list[RolloutResult]:
+        """Abort requests now. Their remaining samples end with finish_reason "abort" (tokens so far); those
+        results go to the requests' streams (so they finish) and are returned here as well."""
+        ts = [self.ledger.tracked[r] for r in request_ids if r in self.ledger.tracked]
+        out: list[RolloutResult] = []
+        for r in await self.abort_jobs(ts):
+            t = self.ledger.owner(r.request_id)
+            if t is not None and r.sample_index not in t.delivered:
+                self.ledger.deliver(t, r)
+                out.append(r)
+        for t in ts:
+            out += self.ledger.fill_aborted(t)
+        return out
+
+    async def abort_jobs(self, ts: list[Tracked]) -> list[RolloutResult]:
+        """Abort the jobs of these requests on their workers; returns the partial results."""
+        by_worker: dict[int, list[str]] = {}
+        for t in ts:
+            if t.worker is not None:
+                by_worker.setdefault(t.worker, []).extend(t.jobs)
+        outcomes = await asyncio.gather(*[self.workers.handles[i].abort.remote(jobs) for i, jobs in by_worker.items()],
+                                        return_exceptions=True)
+        return [r for out in outcomes if not isinstance(out, BaseException) for r in out]
+
+    async def close_stream(self, sid: str) -> None:
+        """The consumer went away: forget the stream (at once) and abort what still runs for it."""
+        await self.abort_jobs(self.ledger.close_stream(sid))
+
+
+def _starved(regenerations: int, max_staleness: int) -> str:
+    return (f"stale: regenerated {regenerations} times with the current weights, and each time a weight refresh "
+            f"came before it finished (max_staleness={max_staleness}); refresh less often than a request takes, "
+            "or allow more staleness")

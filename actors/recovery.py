@@ -1,0 +1,183 @@
+"""The router's watch over each worker: a loop per worker that collects its results for as long as the service
+runs, and what happens when the worker goes down. Its requests go to live workers, request by request (but
+those whose user code took it down are quarantined: actors/quarantine.py); Ray restarts it (new incarnation,
+empty engine); it replays the weight refreshes (actors/refresh.py), or waits for the learner's next full
+push; it is paused or put to sleep as the others are; then it serves again. A worker that cannot come back is
+given up with the reason in the log. Nothing a worker or a result does ends a worker's loop.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Callable
+
+import ray
+from ray.exceptions import ActorDiedError, RayTaskError
+
+from actors.control import Control
+from actors.dispatch import Dispatcher
+from actors.quarantine import Quarantine
+from actors.refresh import RefreshCoordinator
+from actors.remote_errors import ACTOR_DOWN, error_text, is_down
+from actors.workers import WorkerTable
+
+RESTART_TIMEOUT_S = 900.0  # a worker that Ray has not brought back by then is given up (a model load fits)
+
+
+class Recovery:
+    def __init__(self, workers: WorkerTable, dispatcher: Dispatcher, refresh: RefreshCoordinator, control: Control,
+                 quarantine: Quarantine, user_code_timeout_s: float, max_restarts: int, counters: dict,
+                 closed: Callable[[], bool], log: Callable[[str], None]):
+        self.workers, self.dispatcher, self.refresh, self.control = workers, dispatcher, refresh, control
+        self.quarantine, self.user_code_timeout_s, self.max_restarts = quarantine, user_code_timeout_s, max_restarts
+        self.counters, self._closed, self._log = counters, closed, log
+
+    # -- collecting results -----------------------------------------------------------------------
+    async def poll_loop(self, i: int) -> None:
+        """Collect worker i's results for as long as the service runs. A fault in here is logged and the loop
+        goes on: were it to end, the worker would be lost to the service."""
+        while not self._closed() and not self.workers.gone[i]:
+            try:
+                await self._poll(i)
+            except Exception as e:
+                self._log(f"worker {i}: {error_text(e)} while collecting its results; carrying on")
+                await asyncio.sleep(0.5)
+
+    async def _poll(self, i: int) -> None:
+        w = self.workers
+        try:
+            incarnation, results, running = await w.handles[i].poll.remote(
+                0.5, self.quarantine.confirmation(i, w.incarnation[i]))
+        except ACTOR_DOWN:
+            return await self.worker_down(i)
+        except RayTaskError as e:  # the engine loop failed: restart the actor
+            return await self._restart(i, f"worker {i} failed ({error_text(e)}); restarting it")
+        if incarnation != w.incarnation[i]:  # restarted between two polls
+            return await self.worker_down(i)
+        self.quarantine.read(i, incarnation, running)
+        for r in results:
+            try:
+                self.dispatcher.on_result(r)
+            except Exception as e:  # one bad result must not cost the others
+                self._log(f"worker {i}: a result could not be handled ({error_text(e)}); dropped")
+        late = self.quarantine.overdue(i, self.user_code_timeout_s)
+        if late:
+            rid, what, seconds, _ = late[0]
+            await self._restart(i, f"worker {i} is wedged: the {what} of request {rid} has run for {seconds:.0f} s "
+                                   f"(user_code_timeout_s={self.user_code_timeout_s:g}); restarting it")
+
+    async def _restart(self, i: int, why: str) -> None:
+        self._log(why)
+        self.workers.killed[i] = self.workers.incarnation[i]  # until it is gone, that process may answer health()
+        ray.kill(self.workers.handles[i], no_restart=False)
+        await self.worker_down(i)
+
+    # -- a worker down ----------------------------------------------------------------------------
+    async def worker_down(self, i: int) -> None:
+        if self.workers.mark_down(i):
+            self.counters["worker_deaths"] += 1
+        self._quarantine_suspects(i)
+        lost = self.dispatcher.ledger.on_worker(i)
+        if lost:
+            self.counters["resubmitted"] += len(lost)
+            await self.dispatcher.dispatch(lost)
+        await self._recover(i)
+
+    def _quarantine_suspects(self, i: int) -> None:
+        """Worker i went down while running user code: end the requests it was running for, or give them a
+        strike (actors/quarantine.py), before the others are resubmitted."""
+        ledger = self.dispatcher.ledger
+        for s in self.quarantine.on_death(i):
+            t = ledger.owner(s.request_id)
+            if t is None or t.worker != i or t.jobs[-1] != s.request_id:  # ended, or its job is elsewhere now
+                continue
+            t.strikes += 1
+            why = s.verdict(t.strikes)
+            if why is not None:
+                self.counters["quarantined"] += 1
+                self.dispatcher.fail(t.request.request_id, why)
+
+    async def _recover(self, i: int) -> None:
+        """Wait for Ray to restart worker i, give it the current weights and put it back in service; or give it
+        up, saying why."""
+        deadline = time.monotonic() + RESTART_TIMEOUT_S
+        while not self._closed():
+            try:
+                if await self._restore(i, await self._health_when_back(i, deadline)):
+                    return
+            except ActorDiedError:
+                return self._give_up(i, f"Ray restarts it no more (max_restarts={self.max_restarts})")
+            except asyncio.TimeoutError:
+                return self._give_up(i, f"it was not back {RESTART_TIMEOUT_S:g} s after it went down")
+            except _CannotServe as e:
+                return self._give_up(i, str(e))
+            except ACTOR_DOWN:
+                pass  # it went down again
+            except Exception as e:
+                self._log(f"worker {i} came back but could not be put in service ({error_text(e)}); trying again")
+                await asyncio.sleep(1.0)
+
+    async def _health_when_back(self, i: int, deadline: float) -> dict:
+        """Worker i's health() as soon as it answers. A call made while Ray restarts the actor fails only ~2 s
+        later, even if the actor is back meanwhile: ask every 0.1 s, the calls overlapping, and take the first
+        answer (no back-off: every second of a restart is a worker's throughput lost)."""
+        pending: set[asyncio.Future] = set()
+        try:
+            while time.monotonic() < deadline:
+                if len(pending) < 32:  # (an actor waiting for resources may not answer at all)
+                    pending.add(asyncio.wrap_future(self.workers.handles[i].health.remote().future()))
+                done, pending = await asyncio.wait(pending, timeout=0.1, return_when=asyncio.FIRST_COMPLETED)
+                for f in done:
+                    if f.exception() is None:
+                        return f.result()
+                    if not is_down(f.exception()) or isinstance(f.exception(), ActorDiedError):
+                        raise f.exception()
+            raise asyncio.TimeoutError
+        finally:
+            for f in pending:
+                f.cancel()
+
+    async def _restore(self, i: int, h: dict) -> bool:
+        """Bring worker i, whose health() is `h`, into service (or to wait for weights); False: not yet."""
+        if h["startup_error"]:
+            raise _CannotServe(f"its engine failed to start again: {h['startup_error']}")
+        if h["error"] or h["incarnation"] == self.workers.killed[i]:  # the incarnation Ray has yet to replace
+            await asyncio.sleep(0.05)
+            return False
+        self.workers.on_health(i, h)
+        has = h["policy_version"]
+        while True:
+            reached = await self.refresh.bring_up_to_date(i, has)
+            await self.refresh.idle()  # a refresh in flight did not include this worker: wait for it, then
+            async with self.control.lock:  # no sleep, wake or refresh between this check and serving
+                if reached == self.refresh.version and not self.refresh.busy:
+                    await self.control.join(i)
+                    await self.back_in_service(i)
+                    return True
+                if reached is None and self.refresh.replay is None and not self.refresh.busy:
+                    await self.control.join(i)
+                    self.workers.awaiting[i] = True
+                    self._log(f"worker {i} restarted; it serves again once the learner pushes the full weights")
+                    return True
+            has = has if reached is None else reached  # a refresh landed meanwhile: catch up with it
+
+    def _give_up(self, i: int, reason: str) -> None:
+        self.workers.gone[i] = True
+        self.workers.mark_down(i)
+        self._log(f"worker {i} is gone for good: {reason}")
+        ray.kill(self.workers.handles[i])  # no restart: free its resources
+        if all(self.workers.gone):
+            self.dispatcher.fail_all("every rollout worker is gone")
+
+    async def back_in_service(self, i: int) -> None:
+        """Worker i runs the current weights: dispatch to it again, starting with requests that waited."""
+        self.workers.awaiting[i] = False
+        self.workers.alive[i] = True
+        ledger = self.dispatcher.ledger
+        waiting = ledger.on_worker(None) + ledger.on_worker(i)
+        if waiting:
+            await self.dispatcher.dispatch(waiting)
+
+
+class _CannotServe(Exception):
+    """A restarted worker that will not be able to serve, whatever the router waits for."""

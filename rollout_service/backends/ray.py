@@ -1,0 +1,202 @@
+"""RayBackend: the Backend (backends/__init__.py) that talks to a Ray rollout service (router + workers).
+
+`RolloutClient.launch(config)` starts a service on the current Ray cluster (or a new local Ray instance) and
+`RolloutClient.connect(name)` attaches to a running one; both wrap a RayBackend.
+"""
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from typing import Any, Iterator
+
+import ray
+
+from rollout_service.backends.ray_cluster import ensure_ray, starts_local_ray
+from rollout_service.backends.ray_resources import resolve_auto
+from rollout_service.config import ServiceConfig
+from rollout_service.result_stream import ResultStream, close_streams, hold_sleep, release_sleep, send_closes
+from rollout_service.types import RolloutResult
+from rollout_service.weights.push import WeightPusher
+
+
+def _check_model_here(cfg: ServiceConfig) -> None:
+    """Refuse an unknown model source before anything starts, where this process can judge it: a bare name
+    (the embedded model, or a typo of it) always, and a path when every worker will run on this machine
+    (a new local Ray instance). A path on a cluster may exist only on its other nodes: the workers judge it."""
+    from rollout_service.model.loader import check_source
+
+    source = cfg.engine.model
+    bare_name = isinstance(source, str) and "/" not in source and os.sep not in source
+    if bare_name or starts_local_ray(cfg.address):
+        check_source(source)
+
+
+class RayBackend:
+    """The client backend interface: submit, update_weights, pause, resume, abort, stats, close (plus weight
+    groups, sleep/wake, colocated learners and fidelity reports)."""
+
+    def __init__(self, router: Any, name: str, owner: bool, namespace: str = "rollout_service"):
+        self.router = router
+        self.name = name
+        self.namespace = namespace
+        self._owner = owner  # a launched service is shut down by close(); a connected one is left running
+        self.weights = WeightPusher(router)  # this process is the learner side of every refresh
+        self._holder = uuid.uuid4().hex      # who this client is to a sleep lease
+
+    @classmethod
+    def launch(cls, config: str | dict | ServiceConfig | None = None, **overrides: Any) -> "RayBackend":
+        from actors.router import RouterActor
+
+        cfg = ServiceConfig.load(config, **overrides)
+        if cfg.detached and starts_local_ray(cfg.address):
+            raise ValueError("detached: true needs a Ray cluster that outlives this process: start one with "
+                             "`ray start --head` and set address: auto (or use `rollout-service serve`)")
+        _check_model_here(cfg)
+        ensure_ray(cfg.address, cfg.namespace)
+        cfg = resolve_auto(cfg)
+        try:
+            ray.get_actor(cfg.name, namespace=cfg.namespace)
+            raise ValueError(f"a rollout service named {cfg.name!r} already runs in namespace {cfg.namespace!r}: "
+                             f"connect to it, close it, or pick another name")
+        except ValueError as e:
+            if "already runs" in str(e):
+                raise
+        router = RouterActor.options(name=cfg.name, namespace=cfg.namespace, num_cpus=0, max_restarts=0,
+                                     lifetime="detached" if cfg.detached else None).remote(cfg)
+        try:
+            err = ray.get(router.start.remote())
+        except ray.exceptions.RayActorError as e:  # the router process itself died
+            cause = getattr(e, "cause", None) or e
+            ray.kill(router)
+            raise ValueError(f"rollout service {cfg.name!r} failed to start: {_message(cause)}") from None
+        if err is not None:
+            ray.get(router.shutdown.remote())
+            ray.kill(router)
+            raise ValueError(f"rollout service {cfg.name!r} failed to start: {err}")
+        return cls(router, cfg.name, owner=True, namespace=cfg.namespace)
+
+    @classmethod
+    def connect(cls, name: str = "rollout_service", namespace: str = "rollout_service",
+                address: str | None = None) -> "RayBackend":
+        ensure_ray(address or os.environ.get("RAY_ADDRESS") or "auto", namespace)
+        try:
+            router = ray.get_actor(name, namespace=namespace)
+        except ValueError:
+            raise ValueError(f"no rollout service named {name!r} in namespace {namespace!r} on this Ray cluster "
+                             f"(start one with `rollout-service serve --config ...`)") from None
+        return cls(router, name, owner=False, namespace=namespace)
+
+    # -- the backend interface --------------------------------------------------------------------
+    def submit(self, requests: list) -> Iterator[RolloutResult]:
+        """Validate and dispatch now (ValueError naming the bad requests); then yield results as they
+        finish, each (request_id, sample_index) exactly once. `requests` may hold RolloutRequests,
+        request dicts or msgpack-encoded requests. The stream (rollout_service/result_stream.py) ends in
+        the router however its consumer goes: read to the end, `close()`d, dropped unread, the client
+        closed, or this process gone."""
+        send_closes()
+        reply = ray.get(self.router.submit.remote(list(requests)))
+        if "errors" in reply:
+            raise ValueError("; ".join(f"request {i}: {msg}" if i >= 0 else msg for i, msg in reply["errors"]))
+        return ResultStream(self.router, reply["stream"], reply["lease_s"], self.weights.heal, owner=self)
+
+    def update_weights(self, named_tensors, version: int, transport: str = "auto", partial: bool = False,
+                       check_finite: bool = True) -> str:
+        """Validated on every worker before any swaps (rollout_service/weights/push.py)."""
+        return self.weights.update_weights(named_tensors, version, transport, partial, check_finite)
+
+    def init_weight_group(self, master_address: str | None = None, backend: str = "auto",
+                          timeout_s: float = 300.0) -> None:
+        self.weights.init_group(master_address, backend, timeout_s)
+
+    def release_weight_buffers(self) -> None:
+        self.weights.release()
+
+    def weights_digests(self) -> list[str | None]:
+        return ray.get(self.router.weights_digests.remote())
+
+    def sleep(self, level: int = 1, fail_if_asleep: bool = False) -> None:
+        """The service sleeps while this process lives: a thread renews the lease (from before the call, so a
+        sleep that takes longer than the lease is not woken midway) until wake_up() or close()."""
+        lease_s = ray.get(self.router.info.remote())["client_lease_s"]
+        hold_sleep(self.router, self._holder, lease_s)
+        try:
+            err = ray.get(self.router.sleep.remote(level, fail_if_asleep, self._holder))
+        except BaseException:  # the service is gone (or the call was interrupted): nothing to hold
+            release_sleep(self._holder)
+            raise
+        if err is not None:  # some worker failed to sleep; the others sleep, leased as ever
+            raise ValueError(err)
+
+    def wake_up(self) -> None:
+        err = ray.get(self.router.wake_up.remote())
+        if err is not None:
+            raise ValueError(err)
+        release_sleep(self._holder)
+
+    def colocated_options(self, worker: int) -> dict:
+        options, err = ray.get(self.router.learner_options.remote(worker))
+        if err is not None:
+            raise ValueError(err)
+        return options
+
+    def report_fidelity(self, version: int, report: dict) -> None:
+        err = ray.get(self.router.report_fidelity.remote(version, dict(report)))
+        if err is not None:
+            raise ValueError(err)
+
+    def pause(self) -> None:
+        ray.get(self.router.pause.remote())
+
+    def resume(self) -> None:
+        ray.get(self.router.resume.remote())
+
+    def abort(self, request_ids: list[str]) -> list[RolloutResult]:
+        """Abort now; the "abort" results (tokens so far) also end the requests' streams."""
+        return ray.get(self.router.abort.remote(list(request_ids)))
+
+    def stats(self) -> list[dict]:
+        return ray.get(self.router.stats.remote())
+
+    def info(self) -> dict:
+        """The router's counters; the closes of streams dropped unread are sent first, so they count."""
+        send_closes()
+        return ray.get(self.router.info.remote())
+
+    def shutdown(self) -> None:
+        """Stop the service for every client (`rollout-service stop`), whether this client launched it or
+        merely connected to it."""
+        self._owner = True
+        self.close()
+
+    def close(self) -> None:
+        """End this client's streams (a service this client merely connected to keeps running), then shut
+        down a service this client launched."""
+        if self.router is None:
+            return
+        close_streams(self)
+        release_sleep(self._holder)  # a sleep it asked for ends once the service sees no renewal
+        self.weights.close()
+        if self._owner:
+            try:
+                ray.get(self.router.shutdown.remote())
+            finally:
+                ray.kill(self.router)
+            _wait_name_released(self.name, self.namespace)
+        self.router = None
+
+
+def _wait_name_released(name: str, namespace: str, timeout: float = 10.0) -> None:
+    """ray.kill is asynchronous: wait until the name is free so a relaunch under it succeeds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            ray.get_actor(name, namespace=namespace)
+        except ValueError:
+            return
+        time.sleep(0.1)
+
+
+def _message(e: BaseException) -> str:
+    from actors.remote_errors import error_text
+    return error_text(e)

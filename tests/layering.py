@@ -1,0 +1,139 @@
+"""The project's module graph, read from the sources (no imports run): which file imports which, the layer
+each file belongs to, import circles and imports up a layer. tests/test_layers.py asserts on it and
+scripts/import_graph.py prints it.
+
+Layers, bottom to top (README, Layout): a module may import from its own layer or any layer below.
+"""
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("rollout_service", "actors")
+
+# (layer name, module prefixes): the first matching prefix names a module's layer; longer prefixes first
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("types", ("rollout_service.types", "rollout_service.config", "rollout_service.prompts",
+               "rollout_service.prompts_sample", "rollout_service.user_code", "rollout_service.results_file",
+               "rollout_service.fidelity", "rollout_service.tasks")),
+    ("ops", ("rollout_service.ops",)),
+    ("model", ("rollout_service.model",)),
+    ("weights", ("rollout_service.weights",)),
+    ("engine", ("rollout_service.engine", "rollout_service.episodes")),
+    ("host", ("rollout_service.rewards", "rollout_service.reward_examples", "rollout_service.calculator_env",
+              "rollout_service.host")),
+    ("backends", ("rollout_service.backends",)),
+    ("actors", ("actors.rollout_worker", "actors.router", "actors.ledger", "actors.refresh", "actors.placement",
+                "actors.quarantine", "actors.remote_errors", "actors.reward_pool", "actors.dispatch",
+                "actors.leases", "actors.recovery", "actors.sleep", "actors.stats", "actors")),
+    ("client", ("rollout_service.client", "rollout_service.dynamic_sampling", "rollout_service.result_stream",
+                "rollout_service.__init__", "rollout_service")),
+    ("training", ("rollout_service.training", "rollout_service.mismatch", "actors.learner", "actors.grpo")),
+    ("entry", ("rollout_service.launch", "rollout_service.cli", "rollout_service.bench")),
+]
+
+
+@dataclass
+class Module:
+    name: str
+    path: Path
+    lines: int
+    imports: set[str] = field(default_factory=set)  # project modules it imports (any import statement)
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__" and len(parts) > 1:
+        parts = parts[:-1] + ["__init__"]
+    return ".".join(parts)
+
+
+def layer_of(name: str) -> tuple[int, str]:
+    best = None
+    for rank, (layer, prefixes) in enumerate(LAYERS):
+        for p in prefixes:
+            if (name == p or name.startswith(p + ".")) and (best is None or len(p) > best[2]):
+                best = (rank, layer, len(p))
+    if best is None:
+        raise KeyError(f"module {name} belongs to no layer: add it to tests/layering.py LAYERS")
+    return best[0], best[1]
+
+
+def _targets(node: ast.AST, here: str, known: set[str]) -> set[str]:
+    """Project modules named by one import statement (a `from pkg import mod` names the module)."""
+    if isinstance(node, ast.Import):
+        names = [a.name for a in node.names]
+    elif isinstance(node, ast.ImportFrom) and not node.level:  # (the project has no relative imports)
+        base = node.module or ""
+        # `from pkg import mod` depends on the module; `from mod import name`, on mod
+        names = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
+    else:
+        return set()
+    out = set()
+    for n in names:
+        while n and n not in known and n + ".__init__" not in known:
+            n = n.rpartition(".")[0]
+        if n:
+            out.add(n if n in known else n + ".__init__")
+    return out
+
+
+def scan() -> dict[str, Module]:
+    files = [p for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))]
+    mods = {module_name(p): Module(module_name(p), p, len(p.read_text().splitlines())) for p in files}
+    known = set(mods)
+    for m in mods.values():
+        for node in ast.walk(ast.parse(m.path.read_text(), str(m.path))):
+            m.imports |= _targets(node, m.name, known) - {m.name}
+    return mods
+
+
+def folder(name: str) -> str:
+    return name.rpartition(".")[0]
+
+
+def circles(mods: dict[str, Module], across_folders: bool = True) -> list[list[str]]:
+    """Import circles (strongly connected components of more than one file); with `across_folders`, only those
+    that cross a folder (one inside a folder is that package's own business)."""
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in mods[v].imports:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1 and (not across_folders or len({folder(c) for c in comp}) > 1):
+                out.append(sorted(comp))
+
+    for v in mods:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def upward(mods: dict[str, Module]) -> list[tuple[str, str, str, str]]:
+    """(importer, its layer, imported, its layer) for every import of a higher layer."""
+    bad = []
+    for m in mods.values():
+        rank, layer = layer_of(m.name)
+        for t in sorted(m.imports):
+            trank, tlayer = layer_of(t)
+            if trank > rank:
+                bad.append((m.name, layer, t, tlayer))
+    return bad
