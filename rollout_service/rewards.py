@@ -1,127 +1,27 @@
 """Rewards computed by the service, where the results are.
 
-A reward function is named by an importable "package.module:function" (signature `fn(result) -> float`;
-a result carries its request's `metadata`, e.g. the ground truth). The name travels with the request (or
-is the service's default) and is resolved once per process. A function that raises, or returns anything
-but a finite number, marks that one result (`reward=None`, `reward_error` says why); the others go on.
+A reward function is named by an importable "package.module:function" (rollout_service/reward_fns.py; a
+result carries its request's `metadata`, e.g. the ground truth). The name travels with the request (or is the
+service's default) and is resolved once per process. A function that raises, or returns anything but a finite
+number, marks that one result (`reward=None`, `reward_error` says why); the others go on.
 
 `RewardRunner` computes rewards off the caller's thread, so that a slow reward function does not hold up
 the engine: in a small thread pool, or wherever its `start` sends them (actors/reward_pool.py).
 """
 from __future__ import annotations
 
-import ast
-import importlib
-import importlib.machinery
-import inspect
-import math
-import numbers
-import sys
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
 from typing import Callable, Iterable
 
-from rollout_service.checks import check_reward_name
+from rollout_service.reward_fns import resolve, score_all
 from rollout_service.types import RolloutResult
-from rollout_service.user_code import Guard, describe_error, unguarded
+from rollout_service.user_code import Guard, unguarded
 
-RewardFn = Callable[[RolloutResult], float]
 # start(name, results) -> a Future of one (reward, reward_error) per result
 Starter = Callable[[str, list[RolloutResult]], "Future[list[tuple[float | None, str | None]]]"]
 
 REWARD_THREADS = 4  # a worker's (or local client's) reward threads when no reward actors are configured
-
-_resolved: dict[str, RewardFn] = {}
-
-
-def resolve(name: str, what: str = "reward") -> RewardFn:
-    """The function named "module:function", imported once per process. A reward function is a `def` in a
-    Python source module taking one argument (the result); a module not imported yet is checked by reading
-    its source first, so a name that is not one (`this:s`, `http.server:test`) is refused before the module
-    runs. ValueError naming `what`, the name and why."""
-    check_reward_name(name, what)
-    fn = _resolved.get(name)
-    if fn is not None:
-        return fn
-    module_name, attr = name.split(":")
-    where = f"{what}={name!r}"
-    if module_name not in sys.modules:
-        _check_source(module_name, attr, where)
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as e:  # ImportError, or whatever the module raises while it is imported
-        raise ValueError(f"{where}: cannot import module {module_name!r} ({type(e).__name__}: {e})") from None
-    if not hasattr(module, attr):
-        raise ValueError(f"{where}: module {module_name!r} has no attribute {attr!r}")
-    fn = getattr(module, attr)
-    if not callable(fn) or not inspect.isfunction(inspect.unwrap(fn)):
-        raise ValueError(f"{where}: {attr!r} is a {type(fn).__name__}, not a function fn(result) -> float "
-                         "defined with def in a Python module")
-    _check_one_argument(inspect.signature(fn).parameters.values(), attr, where)
-    _resolved[name] = fn
-    return fn
-
-
-def _check_source(module_name: str, attr: str, where: str) -> None:
-    """That `attr` is a top-level def of one argument in the module's source, found and read without running
-    the module or its packages."""
-    path = None
-    for i in range(module_name.count(".") + 1):
-        spec = importlib.machinery.PathFinder.find_spec(".".join(module_name.split(".")[:i + 1]), path)
-        path = spec.submodule_search_locations if spec is not None else None
-        if spec is None or (path is None and i < module_name.count(".")):
-            raise ValueError(f"{where}: cannot import module {module_name!r}: no such module on the Python path")
-    if not (spec.origin or "").endswith(".py"):
-        raise ValueError(f"{where}: module {module_name!r} is not Python source ({spec.origin}): a reward "
-                         "function is a def in a .py module")
-    try:
-        tree = ast.parse(Path(spec.origin).read_bytes(), spec.origin)
-    except (OSError, SyntaxError, ValueError) as e:
-        raise ValueError(f"{where}: cannot read module {module_name!r} ({type(e).__name__}: {e})") from None
-    defs = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == attr]
-    if not defs:
-        raise ValueError(f"{where}: module {module_name!r} has no attribute {attr!r} that is a function defined "
-                         f"with def at its top level ({spec.origin})")
-    a = defs[-1].args
-    positional = a.posonlyargs + a.args
-    required = len(positional) - len(a.defaults)
-    kw_required = sum(d is None for d in a.kw_defaults)
-    if required != 1 or kw_required:
-        raise ValueError(f"{where}: {attr}() must take one argument, the result; it needs "
-                         f"{required + kw_required}")
-
-
-def _check_one_argument(params: Iterable[inspect.Parameter], attr: str, where: str) -> None:
-    required = [p for p in params if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
-    if len(required) != 1 or required[0].kind is inspect.Parameter.KEYWORD_ONLY:
-        raise ValueError(f"{where}: {attr}() must take one argument, the result; it needs {len(required)}")
-
-
-def _checked(value: object) -> float:
-    # a bool is an int to Python, but a reward function returning one has most likely forgotten a conversion
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"the reward function returned a {type(value).__name__}, not a float")
-    value = float(value)
-    if not math.isfinite(value):
-        raise ValueError(f"the reward function returned {value}, not a finite float")
-    return value
-
-
-def score(name: str, result: RolloutResult, guard: Guard = unguarded) -> tuple[float | None, str | None]:
-    """(reward, None), or (None, "Type: message") when the function cannot be had, raises (SystemExit and
-    KeyboardInterrupt too: it is the function's doing, not the caller's) or returns something other than a
-    finite number. Never raises. The call is entered through `guard` (rollout_service/user_code.py)."""
-    try:
-        with guard(result.request_id, f"reward {name}"):
-            return _checked(resolve(name)(result)), None
-    except BaseException as e:
-        return None, describe_error(e)
-
-
-def score_all(name: str, results: list[RolloutResult],
-              guard: Guard = unguarded) -> list[tuple[float | None, str | None]]:
-    return [score(name, r, guard) for r in results]
 
 
 def wants_reward(result: RolloutResult) -> bool:

@@ -18,7 +18,7 @@ import torch
 
 from rollout_service.ops import attention as attention_ref
 from rollout_service.ops._ext import load_kernels
-from rollout_service.ops.backend import Ops
+from rollout_service.ops.torch_ops import TorchOps
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ def _heads_ok(t: torch.Tensor) -> bool:
     return t.dim() == 3 and t.stride(2) == 1 and t.stride(0) % 2 == 0 and t.stride(1) % 2 == 0 and _aligned(t, 2)
 
 
-class CudaOps(Ops):
+class CudaOps(TorchOps):
     name = "cuda"
 
     def __init__(self, exact_prefill_attention: bool = False) -> None:
