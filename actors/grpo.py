@@ -33,7 +33,6 @@ worker's stats at construction.
 """
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Sequence
@@ -49,7 +48,8 @@ from rollout_service.mismatch import (fp32_reference_report, learner_logprobs, l
                                      num_model_tokens, token_logprobs)
 from rollout_service.training import (OPTIMIZERS, InvariantForward, LearnerOutOfMemory, MasterWeights, StepClock,
                                       memory_figures)
-from rollout_service.training.loss import ppo_clip_loss
+from rollout_service.training.engine_match import check_bitwise_engine, engine_numerics
+from rollout_service.training.loss import ppo_clip_loss, ratio_deviation
 from rollout_service.training.memory import describe, is_out_of_memory
 from rollout_service.types import EpisodeParams, RolloutRequest, RolloutResult, SamplingParams
 
@@ -234,7 +234,7 @@ class GRPOLearner:
             old = [torch.as_tensor(np.array(results[i].logprobs), device=lp.device) for i, lp in zip(chunk, lps)]
             keep = [torch.as_tensor(sampled[i], device=lp.device) for i, lp in zip(chunk, lps)]
             if j == 0:
-                first = _ratio_deviation(lps, old, keep)
+                first = ratio_deviation(lps, old, keep)
             loss = sum(ppo_clip_loss(lp[k], o[k], float(adv[i]), c.clip_eps, c.tis_cap)
                        for i, lp, o, k in zip(chunk, lps, old, keep)) / n_tokens
             loss.backward()
@@ -377,45 +377,6 @@ class GRPOLearner:
 
     def state(self) -> dict:
         return {"version": self.version, "config": asdict(self.config)}
-
-
-def _ratio_deviation(lps: Sequence[torch.Tensor], old: Sequence[torch.Tensor],
-                     keep: Sequence[torch.Tensor]) -> tuple[float | None, int]:
-    """(max |ratio - 1|, tokens) over the kept tokens of one micro-batch, the ratio as ppo_clip_loss forms it."""
-    with torch.no_grad():
-        dev = [(torch.exp(lp[k] - o[k]) - 1).abs() for lp, o, k in zip(lps, old, keep)]
-        flat = torch.cat(dev) if dev else torch.zeros(0)
-    return (float(flat.max()) if flat.numel() else None), int(flat.numel())
-
-
-def engine_numerics(client: Any) -> list[dict]:
-    """Per rollout worker, what fixes its numerics: batch_invariant, dtype (a torch dtype's name), device and
-    backend, from its stats (None where a worker does not say)."""
-    return [{k: s.get(k) for k in ("batch_invariant", "dtype", "device", "backend")} for s in client.stats()]
-
-
-def check_bitwise_engine(workers: Sequence[dict], dtype: torch.dtype, device: torch.device,
-                         backend: str = "torch") -> None:
-    """ValueError unless every worker can sample with the numerics of a bitwise learner in `dtype` on
-    `device` with the ops `backend` (engine_numerics' dicts); a warning for what no worker reports."""
-    learner_dtype = str(dtype).removeprefix("torch.")
-    for i, w in enumerate(workers):
-        where = f"GRPOConfig.bitwise: rollout worker {i}"
-        if w["batch_invariant"] is False:
-            raise ValueError(f"{where} is not batch-invariant: start the engine with batch_invariant=True (--bitwise)")
-        if w["backend"] is not None and w["backend"] != backend:
-            raise ValueError(f"{where} runs the {w['backend']!r} ops, the learner the {backend!r} ops: bitwise "
-                             "log-probs need the same ops on both sides")
-        if w["dtype"] is not None and w["dtype"] != learner_dtype:
-            raise ValueError(f"{where} runs in {w['dtype']}, the learner in {learner_dtype}: the policy's weights "
-                             f"must be in the engine's dtype (GRPOConfig.dtype={w['dtype']!r})")
-        if w["device"] is not None and torch.device(w["device"]).type != device.type:
-            raise ValueError(f"{where} runs on {w['device']}, the learner on {device}: bitwise log-probs need the "
-                             "same kind of device on both sides")
-    if any(w["batch_invariant"] is None for w in workers):
-        logging.getLogger(__name__).warning(
-            "GRPOConfig.bitwise: some workers do not report batch_invariant or dtype, so the learner cannot check "
-            "them; each step's ratio_first_minibatch_max_abs_dev is 0.0 only when they match")
 
 
 def _episode_reward(result: RolloutResult) -> float:

@@ -24,13 +24,13 @@ import math
 import queue
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sized
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
 
-from rollout_service.prompts import prompt_items
+from rollout_service.prompts import prompts_with_metadata
 from rollout_service.types import RolloutRequest, RolloutResult, SamplingParams
 
 Group = list[RolloutResult]
@@ -103,7 +103,7 @@ def generate_groups(client: Any, prompts: Any, sampling: SamplingParams, keep: A
     if not isinstance(sampling, SamplingParams):
         raise ValueError(f"generate_groups: sampling must be a SamplingParams, got {type(sampling).__name__}")
     _check_group_size(sampling.n, "sampling")
-    source = _source(prompts, metadata, target_groups)
+    source = prompts_with_metadata(prompts, metadata, target_groups, "generate_groups")
     info = client.info()
     default_reward = info.get("reward") if keep_fn is nonconstant else None
     cap = max(2, int(info.get("num_workers") or 1) * IN_FLIGHT_PER_WORKER // sampling.n)
@@ -150,30 +150,6 @@ def _check_counts(target_groups: Any, max_oversample: Any) -> None:
 def _check_group_size(n: int, what: str) -> None:
     if n < 2:
         raise ValueError(f"generate_groups: {what}.n={n}: a group needs n >= 2 samples to compare")
-
-
-def _source(prompts: Any, metadata: Any, target_groups: int) -> Iterator[tuple[Any, Any]]:
-    """(prompt, metadata) pairs, drawn lazily. A sized source is checked against target_groups now."""
-    prompts = prompt_items(prompts, "generate_groups: prompts")
-    if isinstance(prompts, Sized) and len(prompts) < target_groups:
-        raise ValueError(f"generate_groups: target_groups={target_groups} but only {len(prompts)} prompts")
-    if metadata is None:
-        return ((p, None) for p in prompts)
-    if isinstance(metadata, (str, bytes, Mapping)) or not isinstance(metadata, Iterable):
-        raise ValueError(f"generate_groups: metadata must be None or a list or iterator with one entry per "
-                         f"prompt, got {type(metadata).__name__}")
-    if isinstance(prompts, Sized) and isinstance(metadata, Sized) and len(metadata) != len(prompts):
-        raise ValueError(f"generate_groups: metadata has {len(metadata)} entries for {len(prompts)} prompts")
-    return _paired(iter(prompts), iter(metadata))
-
-
-def _paired(prompts: Iterator, metadata: Iterator) -> Iterator[tuple[Any, Any]]:
-    missing = object()
-    for p in prompts:
-        m = next(metadata, missing)
-        if m is missing:
-            raise ValueError("generate_groups: metadata ran out before the prompts")
-        yield p, m
 
 
 @dataclass

@@ -3,7 +3,7 @@ transformers) and token ids -> text; the template's tokens between the turns of 
 (`chat_delta`)."""
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sized
 from typing import Any
 
 from rollout_service.types import Prompt, RolloutRequest
@@ -24,6 +24,32 @@ def prompt_items(prompts: Any, what: str = "prompts") -> Iterable:
         raise ValueError(f"{what}: expected a prompt, a RolloutRequest or a list of them, got "
                          f"{type(prompts).__name__}")
     return prompts
+
+
+def prompts_with_metadata(prompts: Any, metadata: Any, at_least: int, what: str) -> Iterator[tuple[Any, Any]]:
+    """(prompt, metadata) pairs, drawn lazily from a list or iterator of prompts (prompt_items) and None or a
+    list or iterator alongside. Sized sources are checked now: at least `at_least` prompts, as many metadata;
+    metadata that runs out before the prompts is a ValueError when it does. `what` names the caller."""
+    prompts = prompt_items(prompts, f"{what}: prompts")
+    if isinstance(prompts, Sized) and len(prompts) < at_least:
+        raise ValueError(f"{what}: target_groups={at_least} but only {len(prompts)} prompts")
+    if metadata is None:
+        return ((p, None) for p in prompts)
+    if isinstance(metadata, (str, bytes, Mapping)) or not isinstance(metadata, Iterable):
+        raise ValueError(f"{what}: metadata must be None or a list or iterator with one entry per prompt, got "
+                         f"{type(metadata).__name__}")
+    if isinstance(prompts, Sized) and isinstance(metadata, Sized) and len(metadata) != len(prompts):
+        raise ValueError(f"{what}: metadata has {len(metadata)} entries for {len(prompts)} prompts")
+    return _paired(iter(prompts), iter(metadata), what)
+
+
+def _paired(prompts: Iterator, metadata: Iterator, what: str) -> Iterator[tuple[Any, Any]]:
+    missing = object()
+    for p in prompts:
+        m = next(metadata, missing)
+        if m is missing:
+            raise ValueError(f"{what}: metadata ran out before the prompts")
+        yield p, m
 
 
 class PromptProcessor:

@@ -16,7 +16,8 @@ import torch
 from rollout_service import RolloutClient, SamplingParams
 from rollout_service.bench.multiturn import SyntheticEnv
 from rollout_service.calculator_env import STOP, CalculatorEnv, evaluate, tool_answer
-from rollout_service.episodes import Environment, turn_seed
+from rollout_service.engine.episodes import turn_seed
+from rollout_service.episodes import Environment
 from rollout_service.prompts import PromptProcessor
 from rollout_service.tasks import Problem
 from rollout_service.types import EpisodeParams, RolloutRequest

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from actors.grpo import GRPOConfig, GRPOLearner, check_bitwise_engine
+from actors.grpo import GRPOConfig, GRPOLearner
+from rollout_service.training.engine_match import check_bitwise_engine
 from rollout_service.training.loss import ppo_clip_loss
 from actors.learner import group_advantages
 from rollout_service import tasks

@@ -134,7 +134,7 @@ class LocalBackend:
 
     def info(self) -> dict:
         return {"policy_version": self.engine.policy_version, "num_workers": 1,
-                "in_flight": len(self.engine._requests), "colocate": False, "fidelity": self.fidelity.entries(),
+                "in_flight": self.engine.num_requests, "colocate": False, "fidelity": self.fidelity.entries(),
                 "reward": self.reward, "reward_workers": 0}
 
     def colocated_options(self, worker: int) -> dict:

@@ -4,14 +4,11 @@ add_request -> Scheduler -> ModelRunner -> Sampler -> finished sequences become 
 All mutation happens under one lock, so a weight refresh or an abort from another thread lands between
 two steps.
 
-Decode steps overlap (overlap_decode): a decode step is launched and left in flight; the next `step` call
-launches the following decode step on the device-side sampled ids, and only then reads and records the
-first step's tokens, so the host's work hides behind the GPU's. A sequence that turns out to have
-finished wasted one step's row; nothing else changes (the same tokens, log-probs and random draws).
+The step loops, plain and overlapped (overlap_decode), are engine/overlap.py; episodes, engine/episodes.py.
 
 A request is checked again when it is added and the sequence keeps a copy of its sampling params, so a
 caller changing the request afterwards cannot reach a step. A step that raises anyway loses no request:
-see `_isolate` (the request at fault finishes with its error, its batch mates go on).
+engine/isolation.py finds the request at fault (it finishes with its error, its batch mates go on).
 """
 from __future__ import annotations
 
@@ -26,20 +23,21 @@ from typing import Any
 
 import torch
 
+from rollout_service.checks import check_policy_version, check_request_ids
 from rollout_service.config import EngineConfig
-from rollout_service.engine.kv_cache import KVCache, pages_for
+from rollout_service.engine.episodes import EpisodeGroup, EpisodeRunner
+from rollout_service.engine.isolation import FaultIsolation
+from rollout_service.engine.kv_cache import pages_for, sized_kv_cache
 from rollout_service.engine.model_runner import ModelRunner
-from rollout_service.engine.sampler import Sampler, SamplerOutput, needs_history
+from rollout_service.engine.overlap import DecodeSteps, Launched
+from rollout_service.engine.sampler import Sampler, SamplerOutput
 from rollout_service.engine.scheduler import Batch, Scheduler
 from rollout_service.engine.sequence import Sequence, SeqStatus
 from rollout_service.engine.sleep import Sleeper, process_gpu_bytes
-from rollout_service.engine.transfers import copy_to_host, to_device
-from rollout_service.episodes import EpisodeGroup, EpisodeRunner
 from rollout_service.model.loader import load_model
 from rollout_service.model.weight_update import apply_named_tensors, validate_manifest, validate_named_tensors
 from rollout_service.ops.backend import resolve_backend
 from rollout_service.prompts import PromptProcessor
-from rollout_service.checks import check_policy_version, check_request_ids
 from rollout_service.types import RolloutRequest, RolloutResult
 from rollout_service.user_code import Guard, unguarded
 from rollout_service.weights.buckets import named_items, reject_nonfinite
@@ -55,18 +53,6 @@ class _Request:
 
 
 @dataclass
-class _Launched:
-    """A decode step whose sampled tokens are still on the device."""
-
-    seqs: list[Sequence]
-    out: SamplerOutput          # on the device: feeds the next step
-    host: SamplerOutput         # the same, copied to the host right behind the sampler (CUDA: pinned, async)
-    copied: torch.cuda.Event | None  # that copy's CUDA event (None on CPU)
-    version: int
-    can_chain: bool  # the next step may run before these tokens are read
-
-
-@dataclass
 class EngineCounters:
     steps: int = 0
     prefill_steps: int = 0
@@ -78,7 +64,7 @@ class EngineCounters:
     recent: deque = field(default_factory=lambda: deque(maxlen=64))  # (time, tokens) for tokens/s
 
 
-class Engine:
+class Engine(DecodeSteps, FaultIsolation):
     def __init__(self, config: EngineConfig | None = None, model_source: Any = None, tokenizer: Any = None,
                  **overrides: Any):
         config = dataclasses.replace(config or EngineConfig(), **overrides)
@@ -97,7 +83,7 @@ class Engine:
         self.max_model_len = min(config.max_model_len or 1 << 30, self.hf_config.max_position_embeddings)
         self.prompts = PromptProcessor(self.tokenizer, self.hf_config.vocab_size)
         self.eos_ids = self.prompts.eos_ids(self.hf_config)
-        self.kv = self._make_kv_cache()
+        self.kv = sized_kv_cache(self.model, config, self.device, self.max_model_len)
         self.scheduler = Scheduler(self.kv.blocks, config.page_size, config.max_num_seqs,
                                    config.max_num_batched_tokens)
         # Graphs fix every buffer at its largest shape; only the CUDA kernels read the pages through CSR
@@ -118,28 +104,9 @@ class Engine:
         # how environment code is entered: a Ray worker tells its router first (actors/quarantine.py)
         self.user_code: Guard = unguarded
         self._outbox: list[RolloutResult] = []
-        self._in_flight: _Launched | None = None
+        self._in_flight: Launched | None = None
         self._seed_rng = random.Random(config.seed)
         self._lock = threading.RLock()
-
-    # ---- set-up -------------------------------------------------------------------------------------
-    def _make_kv_cache(self) -> KVCache:
-        num_layers, num_kv_heads, head_dim = self.model.kv_cache_spec()
-        dtype = next(self.model.parameters()).dtype
-        ps = self.config.page_size
-        page_bytes = KVCache.bytes_per_page(num_layers, num_kv_heads, head_dim, ps, dtype)
-        num_pages = self.config.num_pages
-        if num_pages is None:
-            if self.device.type == "cuda":
-                free, _ = torch.cuda.mem_get_info(self.device)
-                budget = free * self.config.gpu_memory_utilization - (2 << 30)  # headroom: activations, graphs
-            else:
-                budget = self.config.kv_cache_memory_gb * (1 << 30)
-            wanted = self.config.max_num_seqs * pages_for(self.max_model_len, ps) + 1
-            num_pages = max(2, min(int(budget // page_bytes), wanted))
-        log.info("KV cache: %d pages of %d tokens (%.2f GiB)", num_pages, ps, num_pages * page_bytes / 2**30)
-        return KVCache(num_layers, num_kv_heads, head_dim, ps, num_pages, dtype, self.device,
-                       self.config.enable_prefix_cache, self.config.prefix_cache_across_versions)
 
     # ---- requests -----------------------------------------------------------------------------------
     def prepare(self, req: RolloutRequest) -> Sequence | EpisodeGroup:
@@ -190,6 +157,11 @@ class Engine:
             self._requests[seq.request_id] = _Request(req.metadata, [seq], seq.sampling.n)
             self.scheduler.add(seq)
 
+    @property
+    def num_requests(self) -> int:
+        """Requests in flight (an episode's running turns count as its requests)."""
+        return len(self._requests)
+
     def has_unfinished(self) -> bool:
         return bool(self._requests or self._outbox or self.episodes.has_unfinished())
 
@@ -220,138 +192,9 @@ class Engine:
             out, self._outbox = self._outbox, []
             return self.episodes.collect(out)  # finished turns move their episodes on
 
-    def _step(self) -> bool:
-        """One step; what finishes goes to the outbox. False when there was nothing to run."""
-        prev, self._in_flight = self._in_flight, None
-        if prev is not None:
-            # launch the next decode step first, then read and record prev's tokens while it runs
-            nxt = self._schedule_ahead(prev) if prev.can_chain else None
-            if nxt is not None:
-                batch, rows = nxt
-                ids = prev.out.token_ids if rows is None else prev.out.token_ids[rows]
-                self._in_flight = self._launch(batch, ids)
-                self.counters.overlapped_steps += 1
-                self._record(prev)
-                return True
-            self._record(prev)  # then this call runs the step that schedule picks, as always
-        batch = self.scheduler.schedule()
-        if batch is None:
-            return prev is not None
-        if batch.is_prefill:
-            logits = self.runner.run(batch)
-            self.counters.steps += 1
-            self._after_prefill(batch, logits)
-        else:
-            launched = self._launch(batch)
-            if launched.can_chain:
-                self._in_flight = launched
-            else:
-                self._record(launched)
-        return True
-
-    # ---- a step that raised ---------------------------------------------------------------------------
-    def _isolate(self, error: Exception) -> None:
-        """A step raised `error`. Every sequence it touched is preempted (recomputed later: seeded sampling
-        gives the same tokens), then the request at fault is looked for: first one whose sampling params no
-        longer pass validation, else each request of the step runs alone until its sequences have one more
-        token. One that raises alone finishes with its error ("abort", RolloutResult.error); the others go
-        on. A fault only a batch shows leaves no one to blame: they go on, each a token further."""
-        self._in_flight = None  # its tokens are drawn again from the recomputed KV
-        touched = self.scheduler.running + [s for s in self.scheduler.waiting if s.pages]
-        suspects = list(dict.fromkeys(s.request_id for s in touched))
-        if not suspects:
-            raise error  # not a request's doing: an engine bug, for the caller to see
-        log.warning("engine step failed (%s: %s); isolating the request at fault among %d",
-                    type(error).__name__, error, len(suspects))
-        self.scheduler.preempt_all()
-        invalid = False
-        for rid in suspects:
-            try:
-                self._requests[rid].seqs[0].sampling.validate()
-            except ValueError as e:
-                self._fail(rid, e)
-                invalid = True
-        if not invalid:
-            for rid in suspects:
-                self._run_alone(rid)
-
-    def _run_alone(self, rid: str) -> None:
-        """Run request rid's unfinished sequences by themselves until each has one more token; if that
-        raises, rid is at fault and fails. Every sequence is preempted after, as _isolate left them."""
-        sched = self.scheduler
-        seqs = [s for s in self._requests[rid].seqs if not s.is_finished]
-        goal = {s.seq_id: s.num_output_tokens + 1 for s in seqs}
-        others = deque(s for s in sched.waiting if s.request_id != rid)
-        sched.waiting = deque(s for s in sched.waiting if s.request_id == rid)
-        try:
-            while any(not s.is_finished and s.num_output_tokens < goal[s.seq_id] for s in seqs):
-                if not self._step():
-                    break
-            self._record_in_flight()
-        except Exception as e:
-            self._in_flight = None
-            self._fail(rid, e)
-        finally:
-            sched.preempt_all()
-            sched.waiting += others
-
-    def _fail(self, rid: str, error: Exception) -> None:
-        """Finish every sequence of a request now, with the error."""
-        text = f"{type(error).__name__}: {error}"
-        log.warning("request %r failed inside an engine step: %s", rid, text)
-        state = self._requests.get(rid)  # None: every sample finished before the error
-        for seq in list(state.seqs) if state else []:
-            if not seq.is_finished:
-                self._outbox += self._finish(seq, "abort", text)
-
-    def _launch(self, batch: Batch, input_ids: torch.Tensor | None = None) -> _Launched:
-        """Queue a decode step's forward and sampling on the device (input_ids: one token ahead)."""
-        ahead = int(input_ids is not None)
-        logits = self.runner.run(batch, input_ids)
-        self.counters.steps += 1
-        out = self.sampler(logits, batch.seqs, ahead=ahead)
-        host, copied = copy_to_host(out)
-        can_chain = self.config.overlap_decode and not any(needs_history(s.sampling) for s in batch.seqs)
-        return _Launched(batch.seqs, out, host, copied, self.policy_version, can_chain)
-
-    def _schedule_ahead(self, prev: _Launched) -> tuple[Batch, torch.Tensor | None] | None:
-        """The decode step after prev, for prev's sequences that cannot finish by length at prev's token
-        (and were not aborted): the batch and the rows of prev's output that feed it (None: all)."""
-        if prev.version != self.policy_version:
-            return None
-        # Every running sequence is one of prev's: only a prefill adds to them, and none ran since prev.
-        keep = [i for i, s in enumerate(prev.seqs)
-                if s.status is SeqStatus.RUNNING and not self._reaches_length(s, s.num_output_tokens + 1)]
-        batch = self.scheduler.schedule_ahead([prev.seqs[i] for i in keep])
-        if batch is None:
-            return None
-        rows = None if len(keep) == len(prev.seqs) else to_device(keep, prev.out.token_ids.device)
-        return batch, rows
-
     def _reaches_length(self, seq: Sequence, outputs: int) -> bool:
         """Whether seq is done by max_tokens / max_model_len once it has `outputs` output tokens."""
         return outputs >= seq.sampling.max_tokens or outputs + len(seq.prompt_token_ids) >= self.max_model_len
-
-    def _record(self, launched: _Launched) -> None:
-        """Read a decode step's tokens and record them (sequences finished or aborted meanwhile skip theirs)."""
-        for seq in launched.seqs:
-            seq.num_computed = seq.num_tokens  # the step's query token now has its KV
-        if launched.copied is not None:
-            launched.copied.synchronize()  # this step's copy only, not the step launched after it
-        self._append(launched.seqs, launched.host, launched.version)
-
-    def _flush(self) -> None:
-        """Record the step in flight now (before an abort, a weight swap or a sleep); a request at fault
-        fails alone, as in step()."""
-        try:
-            self._record_in_flight()
-        except Exception as e:
-            self._isolate(e)
-
-    def _record_in_flight(self) -> None:
-        if self._in_flight is not None:
-            prev, self._in_flight = self._in_flight, None
-            self._record(prev)
 
     def run_until_done(self) -> list[RolloutResult]:
         out: list[RolloutResult] = []

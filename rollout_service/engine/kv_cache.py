@@ -6,11 +6,14 @@ handed out: padded rows of a CUDA-graph batch write their K/V there.
 """
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict, deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from rollout_service.engine.sequence import Sequence
@@ -259,3 +262,25 @@ class KVCache:
         """Copy one page's K/V (the block manager's copy-on-write of a forked sample's partial page)."""
         for layer in self.layers:
             layer[dst].copy_(layer[src])
+
+
+def sized_kv_cache(model: Any, config: Any, device: torch.device, max_model_len: int) -> KVCache:
+    """The engine's KV cache: `config.num_pages` pages, or as many as fit (the free GPU memory times
+    gpu_memory_utilization less headroom for activations and graphs; on the CPU kv_cache_memory_gb), never
+    more than max_num_seqs sequences of max_model_len tokens need."""
+    num_layers, num_kv_heads, head_dim = model.kv_cache_spec()
+    dtype = next(model.parameters()).dtype
+    ps = config.page_size
+    page_bytes = KVCache.bytes_per_page(num_layers, num_kv_heads, head_dim, ps, dtype)
+    num_pages = config.num_pages
+    if num_pages is None:
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            budget = free * config.gpu_memory_utilization - (2 << 30)  # headroom: activations, graphs
+        else:
+            budget = config.kv_cache_memory_gb * (1 << 30)
+        wanted = config.max_num_seqs * pages_for(max_model_len, ps) + 1
+        num_pages = max(2, min(int(budget // page_bytes), wanted))
+    log.info("KV cache: %d pages of %d tokens (%.2f GiB)", num_pages, ps, num_pages * page_bytes / 2**30)
+    return KVCache(num_layers, num_kv_heads, head_dim, ps, num_pages, dtype, device, config.enable_prefix_cache,
+                   config.prefix_cache_across_versions)

@@ -1,6 +1,8 @@
 """The PPO-clip policy loss against the behaviour policy's log-probs, for every learner of this project."""
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 
@@ -19,3 +21,12 @@ def ppo_clip_loss(new_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, ad
     if reduction == "mean":
         return losses.mean()
     raise ValueError(f"ppo_clip_loss: reduction={reduction!r}; choose 'sum' or 'mean'")
+
+
+def ratio_deviation(lps: Sequence[torch.Tensor], old: Sequence[torch.Tensor],
+                    keep: Sequence[torch.Tensor]) -> tuple[float | None, int]:
+    """(max |ratio - 1|, tokens) over the kept tokens of one micro-batch, the ratio as ppo_clip_loss forms it."""
+    with torch.no_grad():
+        dev = [(torch.exp(lp[k] - o[k]) - 1).abs() for lp, o, k in zip(lps, old, keep)]
+        flat = torch.cat(dev) if dev else torch.zeros(0)
+    return (float(flat.max()) if flat.numel() else None), int(flat.numel())

@@ -1,0 +1,127 @@
+"""The engine's two step loops, chosen by EngineConfig.overlap_decode.
+
+The plain loop runs what the scheduler picks and records its tokens before it returns. The overlapped loop
+leaves a decode step in flight: the next call launches the following decode step on the device-side sampled
+ids, and only then reads and records the first step's tokens, so the host's work hides behind the GPU's. A
+sequence that turns out to have finished wasted one step's row; nothing else changes (the same tokens,
+log-probs and random draws). A step whose sampling needs the tokens so far on the host (penalties) is recorded
+at once in either loop. A part of Engine (engine/engine.py), kept apart so each loop reads on its own.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rollout_service.engine.sampler import SamplerOutput, needs_history
+from rollout_service.engine.scheduler import Batch
+from rollout_service.engine.sequence import Sequence, SeqStatus
+from rollout_service.engine.transfers import copy_to_host, to_device
+
+
+@dataclass
+class Launched:
+    """A decode step whose sampled tokens are still on the device."""
+
+    seqs: list[Sequence]
+    out: SamplerOutput          # on the device: feeds the next step
+    host: SamplerOutput         # the same, copied to the host right behind the sampler (CUDA: pinned, async)
+    copied: torch.cuda.Event | None  # that copy's CUDA event (None on CPU)
+    version: int
+    can_chain: bool  # the next step may run before these tokens are read
+
+
+class DecodeSteps:
+    """Engine's step loops (a mixin: the state is the engine's)."""
+
+    def _step(self) -> bool:
+        """One step; what finishes goes to the outbox. False when there was nothing to run."""
+        return self._step_overlapped() if self.config.overlap_decode else self._step_plain()
+
+    def _step_plain(self) -> bool:
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return False
+        launched = self._run_scheduled(batch)
+        if launched is not None:
+            self._record(launched)
+        return True
+
+    def _step_overlapped(self) -> bool:
+        prev, self._in_flight = self._in_flight, None
+        if prev is not None:
+            # launch the next decode step first, then read and record prev's tokens while it runs
+            nxt = self._schedule_ahead(prev) if prev.can_chain else None
+            if nxt is not None:
+                batch, rows = nxt
+                ids = prev.out.token_ids if rows is None else prev.out.token_ids[rows]
+                self._in_flight = self._launch(batch, ids)
+                self.counters.overlapped_steps += 1
+                self._record(prev)
+                return True
+            self._record(prev)  # then this call runs the step that schedule picks, as always
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return prev is not None
+        launched = self._run_scheduled(batch)
+        if launched is not None:
+            if launched.can_chain:
+                self._in_flight = launched
+            else:
+                self._record(launched)
+        return True
+
+    def _run_scheduled(self, batch: Batch) -> Launched | None:
+        """Run a scheduled batch: a prefill is recorded here; a decode step is returned launched."""
+        if not batch.is_prefill:
+            return self._launch(batch)
+        logits = self.runner.run(batch)
+        self.counters.steps += 1
+        self._after_prefill(batch, logits)
+        return None
+
+    def _launch(self, batch: Batch, input_ids: torch.Tensor | None = None) -> Launched:
+        """Queue a decode step's forward and sampling on the device (input_ids: one token ahead)."""
+        ahead = int(input_ids is not None)
+        logits = self.runner.run(batch, input_ids)
+        self.counters.steps += 1
+        out = self.sampler(logits, batch.seqs, ahead=ahead)
+        host, copied = copy_to_host(out)
+        can_chain = self.config.overlap_decode and not any(needs_history(s.sampling) for s in batch.seqs)
+        return Launched(batch.seqs, out, host, copied, self.policy_version, can_chain)
+
+    def _schedule_ahead(self, prev: Launched) -> tuple[Batch, torch.Tensor | None] | None:
+        """The decode step after prev, for prev's sequences that cannot finish by length at prev's token
+        (and were not aborted): the batch and the rows of prev's output that feed it (None: all)."""
+        if prev.version != self.policy_version:
+            return None
+        # Every running sequence is one of prev's: only a prefill adds to them, and none ran since prev.
+        keep = [i for i, s in enumerate(prev.seqs)
+                if s.status is SeqStatus.RUNNING and not self._reaches_length(s, s.num_output_tokens + 1)]
+        batch = self.scheduler.schedule_ahead([prev.seqs[i] for i in keep])
+        if batch is None:
+            return None
+        rows = None if len(keep) == len(prev.seqs) else to_device(keep, prev.out.token_ids.device)
+        return batch, rows
+
+    def _record(self, launched: Launched) -> None:
+        """Read a decode step's tokens and record them (sequences finished or aborted meanwhile skip theirs)."""
+        for seq in launched.seqs:
+            seq.num_computed = seq.num_tokens  # the step's query token now has its KV
+        if launched.copied is not None:
+            launched.copied.synchronize()  # this step's copy only, not the step launched after it
+        self._append(launched.seqs, launched.host, launched.version)
+
+    def _flush(self) -> None:
+        """Record the step in flight now (before an abort, a weight swap or a sleep); a request at fault
+        fails alone, as in step()."""
+        try:
+            self._record_in_flight()
+        except Exception as e:
+            self._isolate(e)
+
+    def _record_in_flight(self) -> None:
+        if self._in_flight is not None:
+            prev, self._in_flight = self._in_flight, None
+            self._record(prev)
+

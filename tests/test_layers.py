@@ -1,0 +1,32 @@
+"""The module structure (tests/layering.py, README "Layout"): every file in a layer, no import up a layer, no
+import circle across folders, no file over 400 lines."""
+from layering import ROOT, circles, layer_of, scan, upward
+
+MAX_LINES = 400
+
+
+def test_every_module_imports_only_its_layer_and_below():
+    mods = scan()
+    for name in mods:
+        layer_of(name)  # KeyError naming a module that belongs to no layer
+    assert upward(mods) == [], "imports up a layer: (importer, its layer, imported, its layer)"
+
+
+def test_no_import_circles_across_folders():
+    assert circles(scan()) == []
+
+
+def test_no_python_file_over_400_lines():
+    files = [p for d in ("rollout_service", "actors", "tests", "scripts") for p in (ROOT / d).rglob("*.py")]
+    big = {str(p.relative_to(ROOT)): n for p in files if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert big == {}
+
+
+def test_the_scan_sees_an_upward_import_and_a_circle():
+    """The checks can fail: a types-layer module importing the client, and two files importing each other."""
+    mods = scan()
+    mods["rollout_service.types"].imports.add("rollout_service.client")
+    assert ("rollout_service.types", "types", "rollout_service.client", "client") in upward(mods)
+    mods["rollout_service.client"].imports.add("actors.router")
+    mods["actors.router"].imports.add("rollout_service.client")
+    assert any({"actors.router", "rollout_service.client"} <= set(c) for c in circles(mods))
