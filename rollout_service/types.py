@@ -16,9 +16,9 @@ import msgpack
 import numpy as np
 
 from rollout_service.checks import check_metadata, check_reward_name, check_text
-from rollout_service.wire import (FINISH_REASONS, MAX_INT32, WIRE_SCHEMA_VERSION, SHORT, TO_WIRE,
-                                  check_result_record, from_i32, is_int, is_real, need, packb, reject_unknown,
-                                  tuple_key, unpack_record)
+from rollout_service.wire import (FINISH_REASONS, MAX_INT32, WIRE_SCHEMA_VERSION, SHORT, TO_WIRE, check_result_record,
+                                  checked_routing, from_i32, is_int, is_real, need, packb, reject_unknown,
+                                  routing_from_wire, tuple_key, unpack_record)
 
 LOGPROBS_MODES = ("processed", "scaled", "raw")
 
@@ -50,6 +50,9 @@ class SamplingParams:
     seed: int | None = None
     logprobs: int = 0
     logprobs_mode: str = "processed"
+    # mixture-of-experts models: each result's routed_experts (and prompt_routed_experts), see RolloutResult
+    return_routed_experts: bool = False
+    return_prompt_routed_experts: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, (str, tuple)):
@@ -96,6 +99,10 @@ class SamplingParams:
                  "must be an int in [0, 20] (number of top alternatives)", self.logprobs)
         _require(isinstance(self.logprobs_mode, str) and self.logprobs_mode in LOGPROBS_MODES, "logprobs_mode",
                  f"must be one of {LOGPROBS_MODES}", self.logprobs_mode)
+        for name in ("return_routed_experts", "return_prompt_routed_experts"):
+            _require(isinstance(getattr(self, name), bool), name, "must be a bool", getattr(self, name))
+        _require(self.return_routed_experts or not self.return_prompt_routed_experts, "return_prompt_routed_experts",
+                 "needs return_routed_experts=True too", self.return_prompt_routed_experts)
 
     def validated(self) -> "SamplingParams":
         """A checked copy, independent of this object: what a boundary keeps of params a caller may change."""
@@ -252,7 +259,15 @@ class RolloutResult:
     the model's and the environment's, in order. `loss_mask[i]` is 1 where the model produced token i, 0
     where the environment (or the chat template between turns) did; the logprobs of mask-0 tokens are 0.0
     and their versions those of the turn before them. `turns`: one dict per model turn (its token span
-    [start, end) in token_ids, its policy version, the environment's reward for it)."""
+    [start, end) in token_ids, its policy version, the environment's reward for it).
+
+    `routed_experts` (SamplingParams.return_routed_experts, mixture-of-experts models): uint8 (uint16 past 256
+    experts) [len(token_ids), moe_layers, top_k]; row i holds the experts every MoE layer chose for the input
+    token at position len(prompt_token_ids) + i - 1, i.e. in the forward that produced token i (the routing a
+    learner's forward over prompt + tokens uses for log p(token i)). The last token's own position produced
+    nothing and is not recorded. `prompt_routed_experts` (return_prompt_routed_experts): the same for
+    positions 0 .. len(prompt_token_ids) - 2. None when not asked for, or on an "abort" result whose routing
+    was never computed."""
 
     request_id: str
     sample_index: int
@@ -270,9 +285,17 @@ class RolloutResult:
     reward_error: str | None = None
     loss_mask: list[int] | None = None
     turns: list[dict] | None = None
+    routed_experts: np.ndarray | None = None
+    prompt_routed_experts: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         self.logprobs = np.asarray(self.logprobs, dtype=np.float32)
+        self.routed_experts = checked_routing(self.routed_experts, "routed_experts", len(self.token_ids))
+        self.prompt_routed_experts = checked_routing(self.prompt_routed_experts, "prompt_routed_experts",
+                                                     max(0, len(self.prompt_token_ids) - 1))
+        a, b = self.routed_experts, self.prompt_routed_experts
+        need(a is None or b is None or (a.dtype == b.dtype and a.shape[1:] == b.shape[1:]), "prompt_routed_experts",
+             "must have routed_experts' dtype, layers and top_k")
         if self.loss_mask is not None and len(self.loss_mask) != len(self.token_ids):
             raise ValueError("RolloutResult.loss_mask: must have one entry per token id")
         if self.finish_reason not in FINISH_REASONS:
@@ -308,6 +331,8 @@ class RolloutResult:
             error=d.get("error"), reward_error=d.get("reward_error"),
             loss_mask=None if d.get("loss_mask") is None else list(d["loss_mask"]),
             turns=None if d.get("turns") is None else [dict(t) for t in d["turns"]],
+            routed_experts=routing_from_wire(d.get("routed_experts")),
+            prompt_routed_experts=routing_from_wire(d.get("prompt_routed_experts")),
         )
 
     def to_msgpack(self) -> bytes:

@@ -80,6 +80,63 @@ def _top_to_wire(top: Any) -> Any:
     return [[[_plain(t) for t in d.keys()], [float(v) for v in d.values()]] for d in top]
 
 
+ROUTING_DTYPES = ("uint8", "uint16")  # expert ids: uint8 while a model has at most 256 experts per layer
+ROUTING_FIELDS = ("routed_experts", "prompt_routed_experts")
+
+
+def _routing_to_wire(ids: Any) -> Any:
+    if ids is None:
+        return None
+    ids = np.asarray(ids)
+    if ids.dtype.name not in ROUTING_DTYPES:
+        raise ValueError(f"expert ids of dtype {ids.dtype.name}: must be {' or '.join(ROUTING_DTYPES)}")
+    return {"dtype": ids.dtype.name, "shape": list(ids.shape), "data": ids.astype(ids.dtype.newbyteorder("<")).tobytes()}
+
+
+def routing_from_wire(d: Any) -> np.ndarray | None:
+    """An expert-id array from its wire form ({"dtype", "shape", "data": little-endian bytes}), checked before."""
+    if d is None:
+        return None
+    wire = np.dtype(d["dtype"]).newbyteorder("<")
+    return np.frombuffer(d["data"], dtype=wire).astype(d["dtype"]).reshape(d["shape"])
+
+
+def checked_routing(ids: Any, name: str, rows: int) -> np.ndarray | None:
+    """ids (None, or an expert-id array [rows, moe_layers, top_k] of uint8 / uint16) as the result holds it;
+    ValueError naming the field otherwise."""
+    if ids is None:
+        return None
+    ok = isinstance(ids, np.ndarray) and ids.dtype.name in ROUTING_DTYPES and ids.ndim == 3
+    need(ok and ids.shape[0] == rows and min(ids.shape[1:]) >= 1, name,
+         f"must be None or a {' or '.join(ROUTING_DTYPES)} array [{rows}, moe_layers >= 1, top_k >= 1]",
+         f"{ids.dtype} {ids.shape}" if isinstance(ids, np.ndarray) else type(ids).__name__)
+    return ids
+
+
+def _check_routing_record(d: Mapping, n: int) -> None:
+    """The routed_experts fields of a record: [tokens (prompt tokens - 1 for the prompt's), layers, k] each, in
+    the same dtype and [layers, k] when both are there."""
+    prompt_rows = max(0, _check_ids(d, "prompt_token_ids") - 1)
+    seen = []
+    for name, rows in zip(ROUTING_FIELDS, (n, prompt_rows)):
+        v = d.get(name)
+        if v is None:
+            continue
+        need(isinstance(v, dict) and set(v) == {"dtype", "shape", "data"}, name,
+             "must be None or a dict with 'dtype', 'shape' and 'data'", v)
+        shape, data = v["shape"], v["data"]
+        need(v["dtype"] in ROUTING_DTYPES, f"{name}['dtype']", f"must be one of {ROUTING_DTYPES}", v["dtype"])
+        need(isinstance(shape, list) and len(shape) == 3 and all(is_int(x) and 0 <= x <= MAX_INT32 for x in shape)
+             and shape[0] == rows and min(shape[1:]) >= 1, f"{name}['shape']",
+             f"must be [{rows}, moe_layers >= 1, top_k >= 1]", shape)
+        size = shape[0] * shape[1] * shape[2] * np.dtype(v["dtype"]).itemsize
+        need(isinstance(data, (bytes, bytearray)) and len(data) == size, f"{name}['data']",
+             f"must be {size} bytes ({v['dtype']} values of shape {shape}, little-endian)", data)
+        seen.append((v["dtype"], shape[1:]))
+    need(len(set(map(str, seen))) <= 1, "prompt_routed_experts", "must have routed_experts' dtype, layers and top_k",
+         seen)
+
+
 TO_WIRE = {
     "request_id": lambda v: v, "sample_index": _plain,
     "prompt_token_ids": to_i32, "token_ids": to_i32,
@@ -89,9 +146,10 @@ TO_WIRE = {
     "error": _encodable, "reward_error": _encodable,
     "loss_mask": lambda v: None if v is None else bytes(v),
     "turns": lambda v: None if v is None else [{k: _plain(x) for k, x in t.items()} for t in v],
+    "routed_experts": _routing_to_wire, "prompt_routed_experts": _routing_to_wire,
 }
 # absent from records written before they existed
-_RESULT_OPTIONAL = {"error", "reward_error", "loss_mask", "turns"}
+_RESULT_OPTIONAL = {"error", "reward_error", "loss_mask", "turns", *ROUTING_FIELDS}
 _RESULT_REQUIRED = set(TO_WIRE) - _RESULT_OPTIONAL
 SHORT = reprlib.Repr()
 SHORT.maxstring = SHORT.maxother = 80
@@ -183,6 +241,7 @@ def check_result_record(d: Any) -> None:
               f"must be None or one 0/1 byte per token ({n})", mask)
     if d.get("turns") is not None:
         _check_turns(d["turns"], n)
+    _check_routing_record(d, n)
 
 
 def packb(record: dict, what: str = "record field ") -> bytes:
