@@ -29,7 +29,8 @@ import ray
 
 from actors.remote_errors import error_text, is_down
 from actors.workers import WorkerTable
-from rollout_service.weights.sender import REGROUP
+from rollout_service.checks import check_policy_version
+from rollout_service.weights.transport import REGROUP
 
 
 @dataclass(frozen=True)
@@ -70,9 +71,10 @@ class RefreshCoordinator:
             await asyncio.sleep(0.05)
 
     def _start(self, version: Any, resend: bool = False, stale_after: float = 300.0) -> str | None:
-        if not isinstance(version, int) or isinstance(version, bool) or \
-                version < self.version or (version == self.version and not resend):
-            return f"update_weights: version={version!r} must be an int > the current version {self.version}"
+        try:
+            check_policy_version(version, self.version, resend)
+        except ValueError as e:
+            return str(e)
         if self.busy:
             return "update_weights: another refresh is in flight; wait for it to finish"
         if not self.targets():

@@ -21,10 +21,11 @@ def check_text(s: str, what: str) -> None:
         raise ValueError(f"{what}: not valid Unicode text ({e.reason} at position {e.start})") from None
 
 
-def check_policy_version(version: Any, current: int) -> None:
-    """ValueError unless `version` is an int above `current` that fits the int32 `token_versions` of the
-    wire format (versions only go forward)."""
-    if not isinstance(version, int) or isinstance(version, bool) or not current < version <= MAX_INT32:
+def check_policy_version(version: Any, current: int, resend: bool = False) -> None:
+    """ValueError unless `version` is an int above `current` (or equal to it, for a `resend` of the same
+    weights) that fits the int32 `token_versions` of the wire format: versions only go forward."""
+    lowest = current if resend else current + 1
+    if not isinstance(version, int) or isinstance(version, bool) or not lowest <= version <= MAX_INT32:
         raise ValueError(f"update_weights: version={version!r} must be an int > the current version {current} "
                          "and < 2**31")
 

@@ -17,7 +17,7 @@ from rollout_service.prompts import prompt_items
 from rollout_service.reward_fns import resolve
 from rollout_service.types import EpisodeParams, Prompt, RolloutRequest, RolloutResult, SamplingParams
 from rollout_service.weights.buckets import named_items
-from rollout_service.weights.sender import TRANSPORTS
+from rollout_service.weights.transport import TRANSPORTS
 
 if TYPE_CHECKING:
     from rollout_service.dynamic_sampling import GroupsResult

@@ -55,11 +55,11 @@ def test_object_store_refresh_is_bitwise_and_reuses_its_buckets(svc, reference, 
     digest, want_tokens = reference
     a, b = make_tiny_llama(seed=1).state_dict(), make_tiny_llama(seed=2).state_dict()
     assert svc.update_weights(a, 1) == "object_store"  # auto, CPU tensors, no weight group
-    sender = svc._backend.weights.sender
-    buckets = sender.object_store.buckets
+    pusher = svc._backend.weights
+    buckets = pusher.object_store.buckets
     assert svc.weights_digests() == [digest(a)] * 2 and tokens(svc) == want_tokens(a)
     assert svc.update_weights(b, 2, transport="object_store") == "object_store"
-    assert sender.object_store.buckets is buckets, "the learner's buckets were re-allocated"
+    assert pusher.object_store.buckets is buckets, "the learner's buckets were re-allocated"
     assert svc.weights_digests() == [digest(b)] * 2 and versions(svc) == [2, 2]
     assert all(r.token_versions == [2] * 6 for r in svc.generate([[1, 2]], GREEDY))
 
@@ -99,17 +99,17 @@ def make_learner():
 
             import torch.distributed as dist
             pusher = self.client._backend.weights
-            pusher.sender.bucket_bytes = 4096
+            pusher.bucket_bytes = 4096
             items = named_items(state)
-            manifest = pusher.sender.plan(items)
-            pusher.sender.fill_broadcast(manifest, items)
-            err = ray.get(pusher.router.broadcast_begin.remote(pusher.sender.broadcast_payload(manifest),
+            manifest = pusher.plan(items)
+            pusher.fill_broadcast(manifest, items)
+            err = ray.get(pusher.router.broadcast_begin.remote(pusher.broadcast_payload(manifest),
                                                               version, False, False, 30.0))
             assert err is None, err
             pusher.router.broadcast_finish.remote()  # the workers start receiving
             opts = dist.BroadcastOptions()
             opts.rootRank = 0
-            pusher.sender.group._pg.broadcast([pusher.sender.broadcast_buckets.buffers[0]], opts).wait()
+            pusher.group._pg.broadcast([pusher.broadcast_buckets.buffers[0]], opts).wait()
             os._exit(1)
 
     return ray.remote(max_restarts=0, num_cpus=0)(Learner)
@@ -189,13 +189,13 @@ def test_second_refresh_while_one_is_in_flight_is_refused(svc, make_tiny_llama):
     pusher = svc._backend.weights
     svc.init_weight_group(backend="gloo", timeout_s=30)
     items = named_items(make_tiny_llama(seed=9).state_dict())
-    manifest = pusher.sender.plan(items)
-    pusher.sender.fill_broadcast(manifest, items)
-    assert ray.get(pusher.router.broadcast_begin.remote(pusher.sender.broadcast_payload(manifest), 7)) is None
+    manifest = pusher.plan(items)
+    pusher.fill_broadcast(manifest, items)
+    assert ray.get(pusher.router.broadcast_begin.remote(pusher.broadcast_payload(manifest), 7)) is None
     with pytest.raises(ValueError, match="another refresh is in flight"):
         svc.update_weights(make_tiny_llama(seed=10).state_dict(), 8, transport="object_store")
     finish = pusher.router.broadcast_finish.remote()
-    pusher.sender.send()
+    pusher.send()
     assert ray.get(finish) is None and versions(svc) == [7, 7]
 
 
@@ -205,9 +205,9 @@ def test_worker_dies_mid_broadcast_then_rejoins_the_reformed_group(svc, referenc
     workers = ray.get(backend.router.__ray_call__.remote(lambda router: router.workers))
     old = ray.get(workers[0].health.remote())["incarnation"]
     items = named_items(make_tiny_llama(seed=11).state_dict())
-    manifest = pusher.sender.plan(items)
-    pusher.sender.fill_broadcast(manifest, items)
-    assert ray.get(pusher.router.broadcast_begin.remote(pusher.sender.broadcast_payload(manifest), 8)) is None
+    manifest = pusher.plan(items)
+    pusher.fill_broadcast(manifest, items)
+    assert ray.get(pusher.router.broadcast_begin.remote(pusher.broadcast_payload(manifest), 8)) is None
     ray.kill(workers[0], no_restart=False)
     deadline = time.time() + 60
     while time.time() < deadline:  # wait for the restart, so the dead member cannot take the bytes
@@ -219,7 +219,7 @@ def test_worker_dies_mid_broadcast_then_rejoins_the_reformed_group(svc, referenc
         time.sleep(0.2)
     finish = pusher.router.broadcast_finish.remote()
     with pytest.raises(RuntimeError):
-        pusher.sender.send()
+        pusher.send()
     assert "broadcast failed" in ray.get(finish)
     before = svc.stats()[1]
     assert before["policy_version"] == 7 and before["alive"]

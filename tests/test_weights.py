@@ -7,7 +7,7 @@ import torch
 
 from rollout_service.weights import Buckets, named_items, pack, plan, reject_nonfinite, unpack, views
 from rollout_service.weights.buckets import reuse_or_allocate
-from rollout_service.weights.sender import WorkerPlace, choose_transport
+from rollout_service.weights.transport import WorkerPlace, choose_transport
 
 
 def _state(seed: int = 0) -> dict[str, torch.Tensor]:

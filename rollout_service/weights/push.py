@@ -1,54 +1,62 @@
-"""The learner's side of a refresh through a Ray rollout service (the router's side: actors/refresh.py).
+"""WeightPusher: the learner's side of a refresh through a Ray rollout service, and the buffers it keeps between
+refreshes (the router's side: actors/refresh.py; a worker's: receiver.py).
 
-update_weights: check the tensors (finite, unless told otherwise) and the version, pick the transport
-(sender.choose_transport), lay the tensors out in buckets, hand the router the payload (manifest first:
-every worker validates it before any bytes move), and, for a broadcast, send the bytes while the workers
-receive them. init_weight_group forms the broadcast group: this process is rank 0.
+update_weights: reject non-finite values (unless told otherwise), pick the transport (transport.py), lay the
+tensors out in buckets, hand the router the payload (the manifest first: every worker validates it before any
+bytes move; the router alone checks the version), and, for a broadcast, send the bytes while the workers
+receive them. init_group forms the broadcast group: this process is rank 0.
 """
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any
+from typing import Any, Sequence
 
 import ray
 import torch
 
-from rollout_service.checks import check_policy_version
-from rollout_service.weights.buckets import Manifest, NamedTensors, named_items, reject_nonfinite
-from rollout_service.weights.group import COLLECTIVES, GroupSpec, free_port
-from rollout_service.weights.sender import REGROUP, WeightSender, WorkerPlace, choose_transport
+from rollout_service.weights.buckets import (DEFAULT_BUCKET_BYTES, Buckets, Manifest, plan, reject_nonfinite,
+                                             reuse_or_allocate)
+from rollout_service.weights.cuda_ipc import IpcSender
+from rollout_service.weights.group import COLLECTIVES, GroupSpec, WeightGroup, free_port
+from rollout_service.weights.object_store import ObjectStoreSender
+from rollout_service.weights.transport import REGROUP, WorkerPlace, choose_transport
 
 GROUP_BACKENDS = ("auto", *COLLECTIVES)
+Items = Sequence[tuple[str, torch.Tensor]]
 
 
 class WeightPusher:
-    def __init__(self, router: Any):
+    def __init__(self, router: Any, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
         self.router = router
-        self.sender = WeightSender()
+        self.bucket_bytes = bucket_bytes
+        self.object_store = ObjectStoreSender()
+        self.ipc = IpcSender()
+        self.group: WeightGroup | None = None
+        self.group_args: dict | None = None         # how the group was formed, to form it again after a fault
+        self.broadcast_buckets: Buckets | None = None
+        self.committed: int | None = None           # version the broadcast buckets hold, once every worker took it
         self.last_timings: dict[str, float | str] = {}  # seconds of the learner's phases of the last refresh
 
     # -- refresh ----------------------------------------------------------------------------------
-    def update_weights(self, named_tensors: NamedTensors, version: int, transport: str = "auto",
-                       partial: bool = False, check_finite: bool = True) -> str:
-        """Push a new policy to every worker (all or none); returns the transport used."""
+    def update_weights(self, items: Items, version: int, transport: str = "auto", partial: bool = False,
+                       check_finite: bool = True) -> str:
+        """Push a new policy to every worker (all or none); returns the transport used. `items`: (name, tensor)
+        pairs, as the client normalised them."""
         t0 = time.perf_counter()
-        items = named_items(named_tensors)
-        targets = ray.get(self.router.weight_targets.remote())
-        check_policy_version(version, ray.get(self.router.info.remote())["policy_version"])
-        places = [WorkerPlace(t["index"], t.get("node_id"), t.get("device", "cpu")) for t in targets]
+        places = [WorkerPlace(t["index"], t.get("node_id"), t.get("device", "cpu"))
+                  for t in ray.get(self.router.weight_targets.remote())]
         kind = choose_transport(transport, items, ray.get_runtime_context().get_node_id(), places,
-                                self.sender.has_group())
+                                self.group is not None)
         if check_finite:
             reject_nonfinite(items)
-        manifest = self.sender.plan(items)
+        manifest = self.plan(items)
         t1 = time.perf_counter()
         if kind == "broadcast":
-            self.sender.fill_broadcast(manifest, items)
             t2 = time.perf_counter()
-            self._broadcast(manifest, version, partial)
+            self._broadcast(manifest, version, partial, items=items)
         else:
-            payload = self.sender.payload(kind, manifest, items)
+            payload = self._payload(kind, manifest, items)
             t2 = time.perf_counter()
             err = ray.get(self.router.update_weights.remote(payload, version, partial))
             if err is not None:
@@ -57,13 +65,49 @@ class WeightPusher:
         self.last_timings = {"transport": kind, "check_s": t1 - t0, "pack_s": t2 - t1, "service_s": t3 - t2}
         return kind
 
-    def _broadcast(self, manifest: Manifest, version: int, partial: bool, resend: bool = False) -> None:
-        if self.sender.group is None or self.sender.group.broken:
+    def _payload(self, transport: str, manifest: Manifest, items: Items) -> dict:
+        """Object store or CUDA IPC: what the workers need to take this refresh (refs or handles, never tensor
+        data)."""
+        out: dict[str, Any] = {"transport": transport, "manifest": manifest, "refresh_id": uuid.uuid4().hex}
+        if transport == "object_store":
+            out["refs"] = self.object_store.publish(manifest, items)
+        else:
+            out.update(self.ipc.share(manifest, items))
+        return out
+
+    # -- the broadcast's steps (also driven one by one by the fault tests) ------------------------------
+    def plan(self, items: Items) -> Manifest:
+        return plan(items, self.bucket_bytes)
+
+    def broadcast_payload(self, manifest: Manifest) -> dict:
+        return {"transport": "broadcast", "manifest": manifest, "refresh_id": uuid.uuid4().hex,
+                "group_id": self.group.spec.group_id}
+
+    def fill_broadcast(self, manifest: Manifest, items: Items) -> None:
+        self.committed = None  # the buckets are about to hold a version no worker has yet
+        self.broadcast_buckets = reuse_or_allocate(self.broadcast_buckets, manifest, self._group_device(),
+                                                   pin_memory=True)
+        self.broadcast_buckets.fill(items)
+
+    def send(self) -> None:
+        """Broadcast the filled buckets to the group (this process is rank 0)."""
+        self.group.broadcast(self.broadcast_buckets.buffers)
+
+    def _group_device(self) -> torch.device:
+        """Where the broadcast buckets live: the GPU for NCCL, host memory for gloo."""
+        if self.group_args and self.group_args["backend"] == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def _broadcast(self, manifest: Manifest, version: int, partial: bool, resend: bool = False,
+                   items: Items | None = None) -> None:
+        """Begin on the router (every worker checks the manifest and the version), fill the buckets with `items`
+        (none: resend what they hold), then send them while the workers receive."""
+        if self.group is None or self.group.broken:
             self._form_group()
         for attempt in range(2):
-            payload = self.sender.broadcast_payload(manifest)
-            err = ray.get(self.router.broadcast_begin.remote(payload, version, partial, resend,
-                                                             self.sender.group.spec.timeout_s))
+            err = ray.get(self.router.broadcast_begin.remote(self.broadcast_payload(manifest), version, partial, resend,
+                                                             self.group.spec.timeout_s))
             if err == REGROUP and attempt == 0:  # a worker restarted or died since the group was formed
                 self._form_group()
                 continue
@@ -72,24 +116,26 @@ class WeightPusher:
             finish = self.router.broadcast_finish.remote()
             sent: BaseException | None = None
             try:
-                self.sender.send()
+                if items is not None:
+                    self.fill_broadcast(manifest, items)
+                self.send()
             except Exception as e:
                 sent = e
-                self.sender.leave()  # dropping the group makes the workers' receives fail at once
+                self._leave()  # dropping the group makes the workers' receives fail at once
             err = ray.get(finish)
             if err is not None or sent is not None:
                 raise RuntimeError(err or f"update_weights: the broadcast failed: {sent}")
-            self.sender.committed = version
+            self.committed = version
             return
         raise RuntimeError("update_weights: the weight group could not be formed with the live workers")
 
     def heal(self) -> bool:
-        """A restarted worker waits for weights only the learner has (the last broadcast): form the group
-        again and send them. False when this learner holds no such weights."""
-        if self.sender.committed is None or self.sender.group_args is None:
+        """A restarted worker waits for weights only the learner has (the last broadcast): form the group again
+        and send them. False when this learner holds no such weights."""
+        if self.committed is None or self.group_args is None:
             return False
         self._form_group()
-        self._broadcast(self.sender.broadcast_buckets.manifest, self.sender.committed, False, resend=True)
+        self._broadcast(self.broadcast_buckets.manifest, self.committed, False, resend=True)
         return True
 
     # -- the weight group -------------------------------------------------------------------------
@@ -102,15 +148,15 @@ class WeightPusher:
             targets = ray.get(self.router.weight_targets.remote())
             gpus = torch.cuda.is_available() and all(str(t.get("device")).startswith("cuda") for t in targets)
             backend = "nccl" if gpus else "gloo"
-        self.sender.group_args = {"master_address": master_address, "backend": backend, "timeout_s": float(timeout_s)}
+        self.group_args = {"master_address": master_address, "backend": backend, "timeout_s": float(timeout_s)}
         self._form_group()
 
     def _form_group(self) -> None:
-        args = self.sender.group_args
+        args = self.group_args
         if args is None:
             raise ValueError("update_weights: transport 'broadcast' needs a weight group: call "
                              "client.init_weight_group() first")
-        self.sender.leave()
+        self._leave()
         host = args["master_address"] or ray.util.get_node_ip_address()
         members = [t["index"] for t in ray.get(self.router.weight_targets.remote())]
         spec = GroupSpec(uuid.uuid4().hex, host, free_port(), 1 + len(members), args["backend"], args["timeout_s"])
@@ -120,20 +166,30 @@ class WeightPusher:
         joined: BaseException | None = None
         if err is None:
             try:
-                self.sender.join(spec)  # returns once every worker has joined too
+                self.group = WeightGroup(spec, 0)  # returns once every worker has joined too
             except Exception as e:
                 joined = e
             err = ray.get(formed)
         if err is not None or joined is not None:
-            self.sender.leave()
+            self._leave()
             raise RuntimeError(err or f"init_weight_group: the learner could not join: {joined}")
+
+    def _leave(self) -> None:
+        if self.group is not None:
+            self.group.close()
+        self.group = None
 
     # -- memory -----------------------------------------------------------------------------------
     def release(self) -> None:
         """Workers drop their mappings and staging, then this process frees its buckets."""
         ray.get(self.router.release_weight_buffers.remote())
-        self.sender.release()
+        self._free()
+
+    def _free(self) -> None:
+        self.object_store.release()
+        self.ipc.release()
+        self.broadcast_buckets, self.committed = None, None
 
     def close(self) -> None:
-        self.sender.leave()
-        self.sender.release()
+        self._leave()
+        self._free()

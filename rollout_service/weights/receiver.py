@@ -12,7 +12,7 @@ from rollout_service.weights.buckets import Buckets, Manifest, reuse_or_allocate
 from rollout_service.weights.cuda_ipc import IpcReader
 from rollout_service.weights.group import GroupSpec, WeightGroup
 from rollout_service.weights.object_store import fetch, fetch_pinned
-from rollout_service.weights.sender import TRANSPORTS
+from rollout_service.weights.transport import TRANSPORTS
 
 
 class WeightReceiver:
