@@ -424,7 +424,7 @@ at::Tensor gumbel_argmax(at::Tensor x, at::Tensor keys) {
   TORCH_CHECK_VALUE(x.is_cuda() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1,
                     "x must be a float32 CUDA [batch, vocab] tensor with contiguous rows, got ", x.scalar_type(),
                     " ", x.sizes(), " strides ", x.strides());
-  TORCH_CHECK_VALUE(x.size(1) > 0 && x.size(0) <= 65535, "x must have 1..65535 rows and a vocabulary, got ", x.sizes());
+  TORCH_CHECK_VALUE(x.size(1) > 0 && x.size(0) <= 65535, "x must have at most 65535 rows and a vocabulary, got ", x.sizes());
   check_index(keys, "keys", at::kLong, x);
   TORCH_CHECK_VALUE(keys.size(0) == x.size(0), "keys has ", keys.size(0), " entries for ", x.size(0), " rows");
   const c10::cuda::CUDAGuard guard(x.device());
@@ -453,7 +453,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> argmax_logsumexp(at::Tensor x) {
   TORCH_CHECK_VALUE(x.is_cuda() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1,
                     "x must be a float32 CUDA [batch, vocab] tensor with contiguous rows, got ", x.scalar_type(),
                     " ", x.sizes(), " strides ", x.strides());
-  TORCH_CHECK_VALUE(x.size(1) > 0 && x.size(0) <= 65535, "x must have 0..65535 rows and a vocabulary, got ", x.sizes());
+  TORCH_CHECK_VALUE(x.size(1) > 0 && x.size(0) <= 65535, "x must have at most 65535 rows and a vocabulary, got ", x.sizes());
   const c10::cuda::CUDAGuard guard(x.device());
   rk::ArgmaxLogsumexpParams p;
   p.x = x.data_ptr<float>();

@@ -14,8 +14,8 @@
 namespace rollout_kernels {
 namespace {
 
-// 4 warps x 3 pages in flight each. 8 warps per CTA measured the same on every W4 case (csrc/NOTES.md,
-// session 5): twice the warps per SM doubled each warp's cycles per instruction.
+// 4 warps x 3 pages in flight each. 8 warps per CTA measured the same on every W4 case on an H200 (csrc/NOTES.md):
+// twice the warps per SM doubled each warp's cycles per instruction.
 template <int D>
 struct DecodeShape {
   static constexpr int kWarps = 4;
@@ -322,7 +322,7 @@ cudaError_t launch_decode(const DecodeParams& p, cudaStream_t stream) {
 }  // namespace
 
 int decode_num_splits(int batch, int num_kv_heads, int max_pages, int num_sms) {
-  // Tuned on an H200 (csrc/NOTES.md, split sweeps of sessions 1 and 5): the largest power of two that keeps
+  // Tuned on an H200 (split sweeps: csrc/NOTES.md): the largest power of two that keeps
   // the grid within ~1 CTA per SM, while each split keeps >= 8 pages (1k context) to >= 16 pages (4k+) so
   // the warps' merge and the reduce kernel stay amortised; at most 32.
   const int ctas = batch * num_kv_heads;
@@ -336,7 +336,7 @@ int decode_num_splits(int batch, int num_kv_heads, int max_pages, int num_sms) {
 bool decode_warp_per_head(int batch, int num_kv_heads, int max_pages, int num_sms) {
   // Short contexts at large batch (a rollout's decode): four warps splitting a dozen pages spend most of
   // their time filling their rings and merging; one warp per (sequence, kv head) streams them back to back.
-  // H200 sweep (csrc/NOTES.md, session 6): it wins from ~4 units per SM (14/2 heads at batch 256, 32/8 at
+  // H200 sweep (csrc/NOTES.md): it wins from ~4 units per SM (14/2 heads at batch 256, 32/8 at
   // batch 128 and 256) and loses at 2 (14/2 at batch 128).
   return max_pages <= 32 && batch * num_kv_heads >= 3 * num_sms;
 }

@@ -1,7 +1,7 @@
 // Linear layers of a batch-1 decode step: out[n] = sum_k x[k] * W[n, k] + bias[n].
 //
 // At these batches a linear layer is a pure weight stream, and cuBLAS spends 4-7 µs on projections whose
-// weights stream in 1-3 µs, some with a second split-K reduce launch (csrc/NOTES.md, session 3). Here one warp
+// weights stream in 1-3 µs, some with a second split-K reduce launch (H200: csrc/NOTES.md). Here one warp
 // (or `split` warps sharing the K range, when the columns alone leave the chip short of loads in flight) owns
 // an output column: it streams that weight row with 16-byte loads, kUnroll in flight per lane, 512 contiguous
 // bytes per warp instruction, and reads x through L1. Partial sums are float32 per lane, combined by
@@ -10,7 +10,7 @@
 //
 // Batch 1 only: on CUDA cores the x loads and FMAs grow with the batch; at batch 2 the llama3-8b layers were
 // already slower than cuBLAS, at batch 8 about half its speed. A tensor-core variant (16 columns per warp)
-// was latency bound at 50-57% of bandwidth at every batch (csrc/NOTES.md, session 4).
+// was latency bound at 50-57% of bandwidth at every batch (H200: csrc/NOTES.md).
 //
 // kGated computes the MLP's gate_up projection and silu_and_mul in one launch: the warp of column n also
 // streams weight row n + N (up) and writes silu(gate) * up with the torch reference's roundings.

@@ -54,7 +54,7 @@ __device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
 // in T (each part the rounding of what the previous ones left) and multiplied one MMA per part. bf16 needs
 // three parts (8 significant bits each), fp16 two (11 each). With fewer bits (two bf16 parts, ~2^-18
 // relative) about 0.2% of the bf16 outputs round differently from the exact result; with these, no more
-// often than the float32 torch reference's (csrc/NOTES.md, session 3).
+// often than the float32 torch reference's (measured: csrc/NOTES.md).
 template <typename T>
 struct PParts {
   static constexpr int kNum = 3;

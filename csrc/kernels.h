@@ -109,7 +109,7 @@ constexpr int kPageSize = 16;  // the attention kernels' page size (one 16-token
 constexpr int kMaxGroupSize = 16;  // decode packs a KV head's query heads into one 16-row MMA tile
 
 // Gumbel-max sampling: out[b] = argmax over v of x[b, v] + gumbel(keys[b], v), the noise being
-// rollout_service/engine/random.py's hash through the reference's float steps. The vocabulary is cut into
+// rollout_service/ops/random.py's hash through the reference's float steps. The vocabulary is cut into
 // num_chunks chunks of `chunk` tokens (one CTA each); with more than one, chunk_value / chunk_index
 // [batch, num_chunks] hold each chunk's winner for a second, combining launch.
 struct GumbelArgmaxParams {

@@ -19,7 +19,7 @@ constexpr int kGroups = 2;  // consumer warpgroups per CTA
 constexpr int kThreads90 = kGroups * 128;
 constexpr int kTileQ90 = kGroups * 64;
 constexpr int kTileKV90 = 128;
-constexpr int kStages = 2;  // tiles in flight (three measured no faster: csrc/NOTES.md, session 8)
+constexpr int kStages = 2;  // tiles in flight (three measured no faster on an H200: csrc/NOTES.md)
 
 template <int D>
 struct Sm90Shape {
@@ -201,7 +201,7 @@ struct RowsAttention {
 #endif  // ROLLOUT_WGMMA
 
 // Both warpgroups load and compute; a CTA barrier per tile hands the stages over. (A warp-specialised variant,
-// a cp.async producer warpgroup feeding the two through mbarriers, measured slower: csrc/NOTES.md, session 8.)
+// a cp.async producer warpgroup feeding the two through mbarriers, measured slower: csrc/NOTES.md.)
 template <typename T, int D, int kParts>
 __global__ void __launch_bounds__(kThreads90, 1) prefill_sm90_kernel(const PrefillParams p) {
 #if ROLLOUT_WGMMA

@@ -1,6 +1,6 @@
 // Gumbel-max sampling over a whole vocabulary in one pass: token[b] = argmax_v x[b, v] + gumbel(key[b], v).
 //
-// The noise is the counter-based hash of rollout_service/engine/random.py, made in registers: the torch
+// The noise is the counter-based hash of rollout_service/ops/random.py, made in registers: the torch
 // reference builds it as ~25 elementwise passes over [B, V] int64 tensors (~11 GB of traffic at B = 256,
 // V = 152k, milliseconds per step), this reads the logits once. The float steps are the reference's, op for
 // op and without fast math, so the noise is the reference's on the GPU and so are the tokens (tests/gpu).

@@ -27,6 +27,7 @@ PAGE_SIZE = 16
 HEAD_DIMS = (64, 128)
 MAX_DECODE_GROUP = 16
 PREFILL_IMPLS = {"auto": 0, "mma_sync": 1}  # csrc/kernels.h PrefillImpl
+MAX_ROWS = 65535  # rows of one sampling launch (a grid dimension)
 
 
 def _aligned(t: torch.Tensor, elements: int = 8) -> bool:
@@ -247,7 +248,7 @@ class CudaOps(TorchOps):
 
     def gumbel_argmax(self, x: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         ok = (x.is_cuda and x.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1 and x.shape[1] > 0
-              and x.shape[0] <= 65535 and isinstance(keys, torch.Tensor) and keys.device == x.device
+              and x.shape[0] <= MAX_ROWS and isinstance(keys, torch.Tensor) and keys.device == x.device
               and keys.dtype == torch.int64 and keys.shape == x.shape[:1] and keys.is_contiguous())
         if not ok:
             self._fallback("gumbel_argmax", "needs float32 CUDA rows with a contiguous vocabulary and int64 keys")
@@ -256,7 +257,7 @@ class CudaOps(TorchOps):
 
     def argmax_logsumexp(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         ok = (x.is_cuda and x.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1 and x.shape[1] > 0
-              and x.shape[0] <= 65535)
+              and x.shape[0] <= MAX_ROWS)
         if not ok:
             self._fallback("argmax_logsumexp", "needs float32 CUDA rows with a contiguous vocabulary")
             return super().argmax_logsumexp(x)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from rollout_service.ops import attention as attention_ref
-from rollout_service.ops.cuda_ops import _HALF, HEAD_DIMS, MAX_DECODE_GROUP, PAGE_SIZE, CudaOps
+from rollout_service.ops.cuda_ops import _HALF, HEAD_DIMS, MAX_DECODE_GROUP, MAX_ROWS, PAGE_SIZE, CudaOps
 from rollout_service.ops.torch_ops import TorchOps
 
 GEMM_ROWS = 256  # rows of every cuBLAS call: a full decode batch of 256 in one call
@@ -36,7 +36,6 @@ WIDE_ROWS = 2048  # a long prefill's calls, for weight shapes where they give GE
 # head), the warps taking every 4th page, merged in warp order; -1 = one warp per (query, kv head), pages in
 # order. Either is invariant; the fast path picks one per batch (scripts/lab/invariant_cost.py measures both).
 DECODE_LAYOUT = 1
-LSE_MAX_ROWS = 65535  # rows per argmax_logsumexp launch (a grid dimension)
 
 
 def _padded_rows(x: torch.Tensor) -> torch.Tensor:
@@ -149,8 +148,8 @@ class CudaInvariantOps(CudaOps):
         x = x.float().contiguous()
         if x.shape[0] == 0:
             return x.new_empty(0)
-        return torch.cat([self.kernels.argmax_logsumexp(x[i:i + LSE_MAX_ROWS])[2]
-                          for i in range(0, x.shape[0], LSE_MAX_ROWS)])
+        return torch.cat([self.kernels.argmax_logsumexp(x[i:i + MAX_ROWS])[2]
+                          for i in range(0, x.shape[0], MAX_ROWS)])
 
     # ---- attention: one kernel layout, one query at a time -----------------------------------------
 
