@@ -88,7 +88,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # the cluster started by hand on this machine (`ray start --head`) unless one is named
     address = config.address or os.environ.get("RAY_ADDRESS") or "auto"
     console.print(f"starting {_workers_text(config)} of {config.engine.model!s} ...", soft_wrap=True)
-    RayBackend.launch(config, address=address)
+    RayBackend.start_service(config, address=address)
     gcs = ray.get_runtime_context().gcs_address
     flags, kwargs = "", ""
     if config.name != DEFAULT_NAME:

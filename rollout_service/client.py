@@ -68,7 +68,7 @@ class RolloutClient:
         """Start a Ray rollout service (YAML path, dict or ServiceConfig) on the current Ray cluster, or on a
         local Ray instance if there is none."""
         from rollout_service.backends.ray import RayBackend
-        return cls(RayBackend.launch(config, **overrides))
+        return cls(RayBackend.start_service(config, **overrides))
 
     @classmethod
     def connect(cls, name: str = "rollout_service", namespace: str = "rollout_service",

@@ -103,7 +103,7 @@ def run(config: ServiceConfig, on_result: Callable[[RolloutResult], None] | None
     output = output_path(config)
     started_ray = not ray.is_initialized()
     t0 = time.perf_counter()
-    backend = RayBackend.launch(config)
+    backend = RayBackend.start_service(config)
     t_ready = time.perf_counter()
     results: list[RolloutResult] = []
     try:

@@ -118,12 +118,12 @@ def test_a_custom_resource_or_a_strategy_the_nodes_cannot_meet_fails_at_once(ray
     base = dict(engine={"model": tiny_model_dir}, placement={"timeout_s": 30})
     t0 = time.monotonic()
     with pytest.raises(ValueError, match=r"the Ray cluster has no gpu_node .*ray start .*--resources="):
-        RayBackend.launch(str(REPO / "cluster_configs" / "multi-node.yaml"), name="svc-nocustom",
+        RayBackend.start_service(str(REPO / "cluster_configs" / "multi-node.yaml"), name="svc-nocustom",
                           resources={"custom": {"gpu_node": 1}}, **base)
     # two nodes have rollout_node, one each: STRICT_PACK (all on one node) can never be placed
     with pytest.raises(ValueError, match=r"STRICT_PACK puts every worker on one node, and the most any node "
                                          r"holds is 1"):
-        RayBackend.launch(str(REPO / "cluster_configs" / "multi-node.yaml"), name="svc-pack",
+        RayBackend.start_service(str(REPO / "cluster_configs" / "multi-node.yaml"), name="svc-pack",
                           placement={"strategy": "STRICT_PACK", "timeout_s": 30}, engine={"model": tiny_model_dir})
     assert time.monotonic() - t0 < 20
 

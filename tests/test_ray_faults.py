@@ -201,7 +201,7 @@ def test_a_worker_whose_engine_cannot_be_built_reports_it_once(ray_cluster, serv
     cfg = service_config(name="svc-no-weights", num_workers=1)
     cfg["engine"]["model"] = str(tmp_path)
     with pytest.raises(ValueError) as e:
-        RayBackend.launch(cfg)
+        RayBackend.start_service(cfg)
     assert "\n" not in str(e.value) and "rollout worker 0 failed to start" in str(e.value)
     assert "has no *.safetensors weights" in str(e.value)
     # the worker itself stays up (no crash, no restart) and says why

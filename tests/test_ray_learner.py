@@ -15,7 +15,7 @@ pytestmark = pytest.mark.ray
 
 @pytest.fixture(scope="module")
 def service(ray_cluster, service_config):
-    b = RayBackend.launch(service_config(name="svc-learn", namespace="rollout_service"))
+    b = RayBackend.start_service(service_config(name="svc-learn", namespace="rollout_service"))
     yield b
     b.close()
 

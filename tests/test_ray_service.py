@@ -212,7 +212,7 @@ def test_on_refresh_abort_ends_in_flight_requests(ray_cluster, service_config, m
     from rollout_service.backends.ray import RayBackend
     cfg = service_config(name="svc-abort-on-refresh", num_workers=1)
     cfg["engine"] = {**cfg["engine"], "on_refresh": "abort"}
-    backend = RayBackend.launch(cfg)
+    backend = RayBackend.start_service(cfg)
     try:
         it = backend.submit([RolloutRequest([4, 5, 6], SamplingParams(n=2, max_tokens=400, ignore_eos=True),
                                             request_id="r")])

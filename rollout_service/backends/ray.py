@@ -45,7 +45,7 @@ class RayBackend:
         self._holder = uuid.uuid4().hex      # who this client is to a sleep lease
 
     @classmethod
-    def launch(cls, config: str | dict | ServiceConfig | None = None, **overrides: Any) -> "RayBackend":
+    def start_service(cls, config: str | dict | ServiceConfig | None = None, **overrides: Any) -> "RayBackend":
         from actors.router import RouterActor
 
         cfg = ServiceConfig.load(config, **overrides)
