@@ -30,6 +30,7 @@ from rollout_service.engine.isolation import FaultIsolation
 from rollout_service.engine.kv_cache import pages_for, sized_kv_cache
 from rollout_service.engine.model_runner import ModelRunner
 from rollout_service.engine.overlap import DecodeSteps, Launched
+from rollout_service.engine.routing import check_routing_request, keep_routing, result_routing
 from rollout_service.engine.sampler import Sampler, SamplerOutput
 from rollout_service.engine.scheduler import Batch, Scheduler
 from rollout_service.engine.sequence import Sequence, SeqStatus
@@ -86,6 +87,7 @@ class Engine(DecodeSteps, FaultIsolation):
         self.kv = sized_kv_cache(self.model, config, self.device, self.max_model_len)
         self.scheduler = Scheduler(self.kv.blocks, config.page_size, config.max_num_seqs,
                                    config.max_num_batched_tokens)
+        self.scheduler.on_preempt = lambda seq: keep_routing(self.kv.routing, seq)
         # Graphs fix every buffer at its largest shape; only the CUDA kernels read the pages through CSR
         # indices whose cost follows the real lengths (the torch reference gathers whole padded tables).
         use_graphs = config.enable_cuda_graphs and self.backend == "cuda"
@@ -123,6 +125,7 @@ class Engine(DecodeSteps, FaultIsolation):
     def _prepare(self, req: RolloutRequest) -> Sequence | EpisodeGroup:
         if req.request_id in self._requests or req.request_id in self.episodes:
             raise ValueError("this request_id is already in flight")
+        check_routing_request(req.sampling, self.model)
         if req.episode is not None:
             seed = req.sampling.seed if req.sampling.seed is not None else self._seed_rng.getrandbits(63)
             return self.episodes.prepare(req, seed)
@@ -296,7 +299,7 @@ class Engine(DecodeSteps, FaultIsolation):
             token_versions=list(seq.token_versions), finish_reason=seq.finish_reason, text=text,
             top_logprobs=list(seq.output_top) if seq.sampling.logprobs else None, metadata=metadata,
             timings={"queued": seq.t_arrival, "first_token": seq.t_first_token or seq.t_finished,
-                     "finished": seq.t_finished}, error=error,
+                     "finished": seq.t_finished}, error=error, **result_routing(self.kv.routing, seq),
         )
 
     # ---- weights ------------------------------------------------------------------------------------

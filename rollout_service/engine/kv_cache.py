@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from rollout_service.engine.routing import RoutingStore
+
 log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
@@ -220,12 +222,14 @@ def pages_for(num_tokens: int, page_size: int) -> int:
 
 
 class KVCache:
-    """The block manager plus one K/V tensor per layer."""
+    """The block manager plus one K/V tensor per layer, and for a mixture-of-experts model the routing store
+    (engine/routing.py), whose slots follow the pages: copied, released and reallocated with them."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, page_size: int, num_pages: int,
                  dtype: torch.dtype, device: torch.device | str, enable_prefix_cache: bool = True,
-                 prefix_cache_across_versions: bool = False):
+                 prefix_cache_across_versions: bool = False, routing: RoutingStore | None = None):
         self.page_size = page_size
+        self.routing = routing
         shape = (num_pages, 2, num_kv_heads, page_size, head_dim)
         self.layers = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.blocks = BlockManager(num_pages, page_size, self.copy_page, enable_prefix_cache,
@@ -239,17 +243,21 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         """Bytes held now (0 while released)."""
-        return sum(layer.untyped_storage().nbytes() for layer in self.layers)
+        routing = self.routing.nbytes if self.routing else 0
+        return sum(layer.untyped_storage().nbytes() for layer in self.layers) + routing
 
     def capacity_bytes(self) -> int:
         """Bytes of every page: what the cache holds when allocated."""
-        return sum(layer.numel() * layer.element_size() for layer in self.layers)
+        routing = self.routing.capacity_bytes() if self.routing else 0
+        return sum(layer.numel() * layer.element_size() for layer in self.layers) + routing
 
     def release(self) -> None:
         """Free the cache's memory (sleep); no sequence may hold pages. Cached prefixes are forgotten."""
         self.blocks.drop_cache()
         for layer in self.layers:
             layer.untyped_storage().resize_(0)
+        if self.routing:
+            self.routing.release()
 
     def reallocate(self) -> None:
         """Memory for every page again (wake); contents undefined, as at start-up."""
@@ -257,21 +265,27 @@ class KVCache:
             want = layer.numel() * layer.element_size()
             if layer.untyped_storage().nbytes() != want:
                 layer.untyped_storage().resize_(want)
+        if self.routing:
+            self.routing.reallocate()
 
     def copy_page(self, src: int, dst: int) -> None:
         """Copy one page's K/V (the block manager's copy-on-write of a forked sample's partial page)."""
         for layer in self.layers:
             layer[dst].copy_(layer[src])
+        if self.routing:
+            self.routing.copy_page(src, dst)
 
 
 def sized_kv_cache(model: Any, config: Any, device: torch.device, max_model_len: int) -> KVCache:
     """The engine's KV cache: `config.num_pages` pages, or as many as fit (the free GPU memory times
     gpu_memory_utilization less headroom for activations and graphs; on the CPU kv_cache_memory_gb), never
-    more than max_num_seqs sequences of max_model_len tokens need."""
+    more than max_num_seqs sequences of max_model_len tokens need. A mixture-of-experts model's blocks are given
+    their views of the routing store."""
     num_layers, num_kv_heads, head_dim = model.kv_cache_spec()
     dtype = next(model.parameters()).dtype
     ps = config.page_size
     page_bytes = KVCache.bytes_per_page(num_layers, num_kv_heads, head_dim, ps, dtype)
+    page_bytes += RoutingStore.bytes_per_page(model, ps)
     num_pages = config.num_pages
     if num_pages is None:
         if device.type == "cuda":
@@ -283,4 +297,4 @@ def sized_kv_cache(model: Any, config: Any, device: torch.device, max_model_len:
         num_pages = max(2, min(int(budget // page_bytes), wanted))
     log.info("KV cache: %d pages of %d tokens (%.2f GiB)", num_pages, ps, num_pages * page_bytes / 2**30)
     return KVCache(num_layers, num_kv_heads, head_dim, ps, num_pages, dtype, device, config.enable_prefix_cache,
-                   config.prefix_cache_across_versions)
+                   config.prefix_cache_across_versions, RoutingStore.for_model(model, num_pages, ps, device))

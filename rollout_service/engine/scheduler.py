@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 from rollout_service.engine.kv_cache import BlockManager, pages_for
 from rollout_service.engine.sequence import Sequence, SeqStatus
@@ -41,6 +42,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # called with a sequence whose pages a preemption is about to free (the engine keeps its routing)
+        self.on_preempt: Callable[[Sequence], None] = lambda seq: None
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -116,9 +119,11 @@ class Scheduler:
         self.running = []
         for seq in self.waiting:
             if seq.pages:  # a prompt part-way through a chunked prefill
+                self.on_preempt(seq)
                 self.blocks.free(seq)
 
     def _preempt(self, seq: Sequence) -> None:
+        self.on_preempt(seq)
         self.blocks.free(seq)
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)

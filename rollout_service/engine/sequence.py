@@ -41,6 +41,8 @@ class Sequence:
         self.page_keys: list[int] = []  # prefix-cache keys of the leading full pages (kv_cache.BlockManager)
         self.kv_version = 0             # policy version its KV was first computed under
         self.num_computed = 0
+        # routing of positions [0, len) kept when a preemption freed its pages (engine/routing.py)
+        self.routing_prefix = None
         self.status = SeqStatus.WAITING
         self.finish_reason: str | None = None
         self.stop_text_end: int | None = None
@@ -85,6 +87,7 @@ class Sequence:
         child = Sequence(self.request_id, self.prompt_token_ids, self.sampling, self.seed, sample_index,
                          arrival=self.t_arrival)
         child.num_computed = self.num_computed
+        child.routing_prefix = self.routing_prefix  # never written in place: shared
         child.status = self.status
         return child
 

@@ -141,6 +141,8 @@ class DecoderLayer(nn.Module):
         x = self.self_attn(x, positions, kv_layer, meta, cos_sin)
         norm = self.post_attention_layernorm
         x, residual = self.ops.add_rms_norm(x, residual, norm.weight, norm.eps)
+        if isinstance(self.mlp, SparseMoeBlock):
+            return self.mlp(x, meta.slot_mapping), residual
         return self.mlp(x), residual
 
 

@@ -6,7 +6,8 @@ its up rows) and `mlp.experts.down_proj` [E, H, I]. Per-expert checkpoint names 
 (model/expert_names.py).
 
 Routing is computed in one place, `route`, and each block knows its place among the model's MoE layers
-(`moe_index`): the seam for recording which experts each token was sent to.
+(`moe_index`). An engine gives each block its view of a routing store (`routed`, engine/routing.py): the forward
+then writes each row's expert ids at the step's KV slots, as attention writes the rows' K/V.
 """
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ class SparseMoeBlock(nn.Module):
         self.moe_index = moe_index  # 0 .. num_moe_layers - 1, in layer order
         self.gate = Router(spec.num_experts, hidden)
         self.experts = Experts(spec.num_experts, hidden, spec.expert_intermediate_size)
+        self.routed: torch.Tensor | None = None  # [num_slots, top_k] expert ids, a view into the engine's store
 
     def fuse(self) -> None:
         """Nothing to fuse: the experts' weights are stacked already."""
@@ -49,8 +51,12 @@ class SparseMoeBlock(nn.Module):
         """(expert ids int32 [T, k], weights float32 [T, k]) of this layer for rows x."""
         return self.ops.moe_route(x, self.gate.weight, self.top_k, self.renormalize)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, slots: torch.Tensor | None = None) -> torch.Tensor:
+        """slots: the rows' KV slots (int64 [T]), where their expert ids are recorded when there is a store."""
         ids, weights = self.route(x)
+        if self.routed is not None and slots is not None:
+            # an index_put at device-side indices: no host sync, so a decode step stays capturable
+            self.routed[slots] = ids.to(self.routed.dtype)
         return self.ops.moe_experts(x, ids, weights, self.experts.gate_up_proj, self.experts.down_proj)
 
 
