@@ -12,15 +12,21 @@ different distributions and the report is meaningless.
 
 An episode's result (multi-turn, rollout_service/episodes.py) also holds the environment's tokens, which the
 model did not sample (loss_mask 0, log-prob 0.0): only its loss_mask == 1 tokens are compared and counted.
+
+On a mixture-of-experts policy, `routing_replay=True` recomputes with the experts the engine chose
+(rollout_service.training.routing_replay; the results must carry routed_experts and prompt_routed_experts), and
+a report on results that carry them says how often the routing differed.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Sequence
+from contextlib import contextmanager
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
 
+from rollout_service.training.routing_replay import RoutingStats, replay_routing
 from rollout_service.types import RolloutResult
 
 
@@ -37,14 +43,16 @@ def num_model_tokens(results: Sequence[RolloutResult]) -> int:
 
 
 def token_logprobs(model: torch.nn.Module, results: Sequence[RolloutResult], temperature: float = 1.0,
-                   weights: dict[str, torch.Tensor] | None = None) -> list[torch.Tensor]:
+                   weights: dict[str, torch.Tensor] | None = None, routing_replay: bool = False) -> list[torch.Tensor]:
     """log p(token_ids[i] | prompt + earlier tokens) per result, in one right-padded forward.
 
     Gradients flow when grad mode is on (a learner's loss); right padding keeps every real token's
     positions and causal context identical to an unpadded forward. Only the positions from the shortest
     prompt on get logits (`logits_to_keep`): the prompt's vocabulary-wide logits were most of the memory.
     `weights`: parameters to run instead of the model's own (torch.func.functional_call), e.g. its weights
-    upcast to fp32, for an fp32 reference forward without a second model."""
+    upcast to fp32, for an fp32 reference forward without a second model. `routing_replay`: every MoE layer
+    takes the results' recorded experts (training/routing_replay.py; with gradient checkpointing, keep the
+    replay_routing block open over the backward instead)."""
     if temperature <= 0:
         raise ValueError(f"temperature={temperature}: logprobs are recomputed at a sampling temperature > 0")
     if not results:
@@ -60,11 +68,12 @@ def token_logprobs(model: torch.nn.Module, results: Sequence[RolloutResult], tem
     first = min(len(r.prompt_token_ids) for r in results) - 1  # the first position whose logits are used
     kwargs = dict(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False,
                   logits_to_keep=width - first)
-    if weights is None:
-        logits = model(**kwargs).logits
-    else:
-        logits = torch.func.functional_call(model, weights, args=(), kwargs=kwargs, strict=False)
-        logits = logits.logits
+    with _routing(model, results, routing_replay, None):
+        if weights is None:
+            logits = model(**kwargs).logits
+        else:
+            logits = torch.func.functional_call(model, weights, args=(), kwargs=kwargs, strict=False)
+            logits = logits.logits
     out = []
     for i, r in enumerate(results):
         start, n = len(r.prompt_token_ids) - 1 - first, len(r.token_ids)
@@ -79,17 +88,41 @@ def token_logprobs(model: torch.nn.Module, results: Sequence[RolloutResult], tem
 
 def learner_logprobs(model: torch.nn.Module, results: Sequence[RolloutResult], temperature: float = 1.0,
                      micro_batch: int = 16, recompute: Callable[[Sequence[RolloutResult]], list] | None = None,
-                     ) -> list[np.ndarray]:
+                     routing_replay: bool = False, routing_stats: RoutingStats | None = None) -> list[np.ndarray]:
     """The learner's float32 log-probs of every result's sampled tokens (no grad, in micro-batches).
-    recompute(results): the learner's forward (default: token_logprobs of `model` at `temperature`)."""
+    recompute(results): the learner's forward (default: token_logprobs of `model` at `temperature`).
+    routing_replay: the forward replays the results' recorded experts. routing_stats: counts, over these
+    forwards, the sampled tokens whose routing by the policy's routers differs from the recorded one."""
     if micro_batch < 1:
         raise ValueError(f"micro_batch={micro_batch} must be >= 1")
     recompute = recompute or (lambda chunk: token_logprobs(model, chunk, temperature))
     out: list[np.ndarray] = []
     with torch.no_grad():
         for i in range(0, len(results), micro_batch):
-            out += [t.cpu().numpy().astype(np.float32) for t in recompute(results[i:i + micro_batch])]
+            chunk = results[i:i + micro_batch]
+            with _routing(model, chunk, routing_replay, routing_stats):
+                out += [t.cpu().numpy().astype(np.float32) for t in recompute(chunk)]
     return out
+
+
+@contextmanager
+def _routing(model: torch.nn.Module, results: Sequence[RolloutResult], replay: bool,
+             stats: RoutingStats | None) -> Iterator[None]:
+    """The replay (or only the count) of the results' routing over a forward, when either is wanted."""
+    if not (replay or stats is not None) or not results:
+        yield
+        return
+    with replay_routing(model, results, replay) as counted:
+        yield
+    if stats is not None:
+        stats.tokens += counted.tokens
+        stats.differing += counted.differing
+
+
+def carries_routing(results: Sequence[RolloutResult]) -> bool:
+    """Whether every result holds its routing, prompt included (what replay_routing needs)."""
+    return bool(results) and all(r.routed_experts is not None and r.prompt_routed_experts is not None
+                                 for r in results)
 
 
 def logprob_mismatch(results: Sequence[RolloutResult], learner: Sequence[np.ndarray | torch.Tensor]) -> dict:
@@ -134,9 +167,16 @@ def logprob_mismatch(results: Sequence[RolloutResult], learner: Sequence[np.ndar
 
 
 def mismatch_report(model: torch.nn.Module, results: Sequence[RolloutResult], temperature: float = 1.0,
-                    micro_batch: int = 16) -> dict:
-    """Recompute with `model` and compare: the one call a learner makes on a batch of results."""
-    return logprob_mismatch(results, learner_logprobs(model, results, temperature, micro_batch))
+                    micro_batch: int = 16, routing_replay: bool = False) -> dict:
+    """Recompute with `model` and compare: the one call a learner makes on a batch of results. With results that
+    carry their routing, also routing_replay (as asked) and RoutingStats.as_dict(): without replay, the share
+    of sampled tokens the policy routes differently from the engine at one MoE layer or more."""
+    stats = RoutingStats() if carries_routing(results) else None
+    report = logprob_mismatch(results, learner_logprobs(model, results, temperature, micro_batch,
+                                                        routing_replay=routing_replay, routing_stats=stats))
+    if stats is not None:
+        report.update(routing_replay=routing_replay, **stats.as_dict())
+    return report
 
 
 def fp32_reference_report(model: torch.nn.Module, results: Sequence[RolloutResult], temperature: float = 1.0,
