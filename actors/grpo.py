@@ -30,99 +30,36 @@ of the transformers forward, so while its weights are the ones the engine sample
 exactly 1 on every token (each row's ratio_first_minibatch_max_abs_dev is 0.0). That needs the policy in the
 engine's dtype on the engine's kind of device; the learner checks both, and batch_invariant, in every
 worker's stats at construction.
+
+Routing replay (GRPOConfig.routing_replay, mixture-of-experts policies): the rollouts return the experts every
+MoE layer chose (prompt included) and the learner's forward, and its backward, use them
+(rollout_service.training.replay_routing; in bitwise mode InvariantForward takes them itself). Each row's
+mismatch is then measured with replay, and routing_differing_share says on how many sampled tokens the policy's
+own router, in that forward, would have picked at least one other expert.
 """
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Sequence
+from contextlib import nullcontext
+from dataclasses import asdict
+from typing import Any, Callable, ContextManager, Sequence
 
 import numpy as np
 import ray
 import torch
 
+from actors.grpo_config import GRPOConfig
 from actors.learner import group_advantages, load_policy
 from rollout_service import tasks
-from rollout_service.config import DTYPE_NAMES
 from rollout_service.mismatch import (fp32_reference_report, learner_logprobs, logprob_mismatch, model_token_mask,
                                      num_model_tokens, token_logprobs)
-from rollout_service.training import (OPTIMIZERS, InvariantForward, LearnerOutOfMemory, MasterWeights, StepClock,
-                                      memory_figures)
+from rollout_service.model.registry import moe_spec
+from rollout_service.training import (InvariantForward, LearnerOutOfMemory, MasterWeights, RoutingStats, StepClock,
+                                      memory_figures, replay_routing)
 from rollout_service.training.engine_match import check_bitwise_engine, engine_numerics
 from rollout_service.training.loss import ppo_clip_loss, ratio_deviation
 from rollout_service.training.memory import describe, is_out_of_memory
 from rollout_service.types import EpisodeParams, RolloutRequest, RolloutResult, SamplingParams
-
-
-@dataclass
-class GRPOConfig:
-    group_size: int = 8
-    prompts_per_step: int = 8
-    lr: float = 2e-5
-    clip_eps: float = 0.2
-    tis_cap: float = 2.0
-    temperature: float = 1.0
-    max_tokens: int = 16
-    micro_batch: int = 16
-    max_grad_norm: float = 1.0
-    weight_decay: float = 0.0
-    seed: int = 0
-    device: str = "cpu"                # "cuda", "cuda:1", "auto" (a GPU when there is one)
-    dtype: str = "float32"             # "bfloat16": bf16 forward/backward through fp32 master weights
-    optimizer: str = "adamw"           # or "adafactor" (memory-saving: no first moment, factored second)
-    gradient_checkpointing: bool = False
-    colocate: Any = "auto"             # sleep the workers around the learner phase; "auto": if the service is colocated
-    sleep_level: int = 1               # 1: the workers park their weights in host memory (they can serve the last
-                                       # version if the learner dies mid-step); 2: dropped, the refresh brings them
-    ignore_eos: bool = False           # fixed-length rollouts (benchmarks)
-    memory_limit_gb: float | None = None  # cap on the GPU memory the learner's allocator may take (from a shared GPU)
-    stop: list[str] = field(default_factory=list)  # stop strings of every rollout (a tool call's end: "</calc>")
-    max_turns: int = 4                 # episodes (env_fn given): model turns per episode
-    max_total_tokens: int = 1024       # episodes: tokens per episode, first prompt included
-    bitwise: bool = False              # recompute with the batch-invariant engine's numerics (module docstring):
-                                       # needs EngineConfig.batch_invariant and the engine's dtype and device type
-
-    def __post_init__(self) -> None:
-        for name in ("group_size", "prompts_per_step", "max_tokens", "micro_batch", "max_turns", "max_total_tokens"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"GRPOConfig.{name}={v!r}: must be an int >= 1")
-        if self.group_size < 2:
-            raise ValueError(f"GRPOConfig.group_size={self.group_size}: GRPO needs >= 2 samples per prompt")
-        for name in ("lr", "clip_eps", "temperature", "max_grad_norm"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"GRPOConfig.{name}={getattr(self, name)!r}: must be > 0")
-        if not self.tis_cap >= 1:
-            raise ValueError(f"GRPOConfig.tis_cap={self.tis_cap!r}: must be >= 1")
-        if self.dtype not in DTYPE_NAMES:
-            raise ValueError(f"GRPOConfig.dtype={self.dtype!r}: must be one of {DTYPE_NAMES}")
-        if self.optimizer not in OPTIMIZERS:
-            raise ValueError(f"GRPOConfig.optimizer={self.optimizer!r}: choose one of {OPTIMIZERS}")
-        if self.colocate not in (True, False, "auto"):
-            raise ValueError(f"GRPOConfig.colocate={self.colocate!r}: must be true, false or 'auto'")
-        if not isinstance(self.bitwise, bool):
-            raise ValueError(f"GRPOConfig.bitwise={self.bitwise!r}: must be true or false")
-        if self.bitwise and self.gradient_checkpointing:
-            # InvariantForward calls the layers' weights itself: transformers' checkpointing never runs
-            raise ValueError("GRPOConfig.bitwise with gradient_checkpointing: the bitwise recompute runs its own "
-                             "forward, which does not checkpoint; turn one of them off")
-        if self.sleep_level not in (1, 2):
-            raise ValueError(f"GRPOConfig.sleep_level={self.sleep_level!r}: must be 1 or 2")
-        if self.memory_limit_gb is not None and not (isinstance(self.memory_limit_gb, (int, float))
-                                                     and self.memory_limit_gb > 0):
-            raise ValueError(f"GRPOConfig.memory_limit_gb={self.memory_limit_gb!r}: must be None or a number > 0")
-        try:
-            torch.device("cuda" if self.device == "auto" else self.device)
-        except RuntimeError:
-            raise ValueError(f"GRPOConfig.device={self.device!r}: not a torch device") from None
-
-    def torch_device(self) -> torch.device:
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        device = torch.device(self.device)
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"GRPOConfig.device={self.device!r}: no CUDA device is visible to the learner")
-        return device
 
 
 class GRPOLearner:
@@ -155,6 +92,9 @@ class GRPOLearner:
             backends = {w["backend"] for w in workers if w["backend"] is not None}
             self.invariant = InvariantForward(self.policy, backends.pop() if len(backends) == 1 else "auto")
             check_bitwise_engine(workers, next(self.policy.parameters()).dtype, self.device, self.invariant.backend)
+        if c.routing_replay and moe_spec(self.policy.config) is None:
+            raise ValueError(f"GRPOConfig.routing_replay: the policy ({self.policy.config.model_type}) has no "
+                             "mixture-of-experts layers")
         self.env_fn = env_fn
         default_reward = _episode_reward if env_fn else (lambda r: tasks.reward(r.text, r.metadata["answer"]))
         self.reward_fn = reward_fn or default_reward
@@ -178,7 +118,9 @@ class GRPOLearner:
         for i, p in enumerate(problems):
             seed = (c.seed * 1_000_003 + self.version * 10_007 + i * c.group_size) % 2**62
             sampling = SamplingParams(n=c.group_size, temperature=c.temperature, max_tokens=c.max_tokens,
-                                      logprobs_mode="scaled", seed=seed, ignore_eos=c.ignore_eos, stop=c.stop)
+                                      logprobs_mode="scaled", seed=seed, ignore_eos=c.ignore_eos, stop=c.stop,
+                                      return_routed_experts=c.routing_replay,
+                                      return_prompt_routed_experts=c.routing_replay)
             metadata = getattr(p, "to_metadata", lambda: None)()
             if self.env_fn is None:
                 reqs.append(RolloutRequest(prompt=self.prompt_fn(p), sampling=sampling, metadata=metadata))
@@ -209,10 +151,20 @@ class GRPOLearner:
     # -- learning --------------------------------------------------------------------------------
     def recompute(self, results: Sequence[RolloutResult]) -> list[torch.Tensor]:
         """The log-probs of the results' tokens under the learner's current weights (with grad in grad mode):
-        the batch-invariant engine's numerics in bitwise mode, else the transformers forward's."""
-        if self.invariant is not None:
+        the batch-invariant engine's numerics in bitwise mode, else the transformers forward's; with the
+        rollouts' experts under routing_replay."""
+        with self._routing(results):
+            return self._logprobs(results)
+
+    def _logprobs(self, results: Sequence[RolloutResult]) -> list[torch.Tensor]:
+        if self.invariant is not None:  # it takes the results' recorded routing itself
             return self.invariant.logprobs(results, self.config.temperature)
         return token_logprobs(self.policy, results, self.config.temperature)
+
+    def _routing(self, results: Sequence[RolloutResult]) -> ContextManager[RoutingStats | None]:
+        if self.config.routing_replay and self.invariant is None:
+            return replay_routing(self.policy, results)
+        return nullcontext()
 
     def train_on(self, results: Sequence[RolloutResult], rewards: Sequence[float]) -> dict:
         """One GRPO update on a prompt-major batch; returns loss, grad norm, mismatch report, counts. Only the
@@ -227,23 +179,29 @@ class GRPOLearner:
         live = [i for i, a in enumerate(adv) if a != 0.0 and sampled[i].any()]
         n_tokens = max(1, sum(int(m.sum()) for m in sampled))
         self.precision.zero_grad()
-        loss_total, learner_lp, first = 0.0, {}, (None, 0)
+        loss_total, learner_lp, first, routing = 0.0, {}, (None, 0), RoutingStats()
         for j in range(0, len(live), c.micro_batch):
             chunk = live[j:j + c.micro_batch]
-            lps = self.recompute([results[i] for i in chunk])
-            old = [torch.as_tensor(np.array(results[i].logprobs), device=lp.device) for i, lp in zip(chunk, lps)]
-            keep = [torch.as_tensor(sampled[i], device=lp.device) for i, lp in zip(chunk, lps)]
-            if j == 0:
-                first = ratio_deviation(lps, old, keep)
-            loss = sum(ppo_clip_loss(lp[k], o[k], float(adv[i]), c.clip_eps, c.tis_cap)
-                       for i, lp, o, k in zip(chunk, lps, old, keep)) / n_tokens
-            loss.backward()
+            # the replay spans the backward: gradient checkpointing runs the routers again there
+            with self._routing([results[i] for i in chunk]) as counted:
+                lps = self._logprobs([results[i] for i in chunk])
+                if counted is not None:  # now: a checkpointed backward would count its recompute too
+                    routing.add(counted)
+                old = [torch.as_tensor(np.array(results[i].logprobs), device=lp.device) for i, lp in zip(chunk, lps)]
+                keep = [torch.as_tensor(sampled[i], device=lp.device) for i, lp in zip(chunk, lps)]
+                if j == 0:
+                    first = ratio_deviation(lps, old, keep)
+                loss = sum(ppo_clip_loss(lp[k], o[k], float(adv[i]), c.clip_eps, c.tis_cap)
+                           for i, lp, o, k in zip(chunk, lps, old, keep)) / n_tokens
+                loss.backward()
             self.precision.accumulate()
             loss_total += loss.item()
             learner_lp.update({i: lp.detach().float() for i, lp in zip(chunk, lps)})
         grad_norm = self.precision.step(c.max_grad_norm) if live else 0.0
         measured = sorted(learner_lp)
         mismatch = logprob_mismatch([results[i] for i in measured], [learner_lp[i] for i in measured])
+        if c.routing_replay and self.invariant is None:
+            mismatch.update(routing_replay=1, routing_differing_share=routing.share)
         return {"loss": loss_total, "grad_norm": grad_norm, "trained_samples": len(live),
                 "mismatch": mismatch, "ratio_first_minibatch_max_abs_dev": first[0],
                 "ratio_first_minibatch_tokens": first[1], "learner_s": time.perf_counter() - start}
@@ -338,7 +296,7 @@ class GRPOLearner:
         """The service keeps every refresh's fidelity: how the learner's recompute of the rollouts of policy
         `version` compares with the log-probs the workers returned."""
         report = {k: mismatch[k] for k in ("mean_abs", "max_abs", "kl", "ratio_mean", "ratio_max", "n_tokens",
-                                           "n_sequences")}
+                                           "n_sequences", "routing_replay", "routing_differing_share") if k in mismatch}
         self.client.report_fidelity(version, {**report, "step": self.version + 1})
 
     def _row(self, pending: dict, results, rewards, stats: dict, clock: StepClock, engine_asleep,
@@ -359,7 +317,8 @@ class GRPOLearner:
             "kl_rollout_learner": mm["kl"], "ratio_max": mm["ratio_max"],
             "ratio_first_minibatch_max_abs_dev": stats["ratio_first_minibatch_max_abs_dev"],
             "ratio_first_minibatch_tokens": stats["ratio_first_minibatch_tokens"],
-            "learner_bitwise": self.config.bitwise,
+            "learner_bitwise": self.config.bitwise, "routing_replay": self.config.routing_replay,
+            "routing_differing_share": mm.get("routing_differing_share"),
             "staleness": (self.version - 1) - oldest,
             "rollout_tokens": gen_tokens, "rollout_span_s": span,
             "rollout_tokens_per_s": gen_tokens / span if span > 0 else None,

@@ -115,8 +115,7 @@ def _routing(model: torch.nn.Module, results: Sequence[RolloutResult], replay: b
     with replay_routing(model, results, replay) as counted:
         yield
     if stats is not None:
-        stats.tokens += counted.tokens
-        stats.differing += counted.differing
+        stats.add(counted)
 
 
 def carries_routing(results: Sequence[RolloutResult]) -> bool:

@@ -37,6 +37,10 @@ class RoutingStats:
     tokens: int = 0
     differing: int = 0
 
+    def add(self, other: "RoutingStats") -> None:
+        self.tokens += other.tokens
+        self.differing += other.differing
+
     @property
     def share(self) -> float:
         return self.differing / self.tokens if self.tokens else 0.0
