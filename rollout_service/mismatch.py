@@ -26,7 +26,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 import torch
 
-from rollout_service.training.routing_replay import RoutingStats, replay_routing
+from rollout_service.training.routing_replay import RoutingStats, carries_routing, replay_routing
 from rollout_service.types import RolloutResult
 
 
@@ -118,10 +118,6 @@ def _routing(model: torch.nn.Module, results: Sequence[RolloutResult], replay: b
         stats.add(counted)
 
 
-def carries_routing(results: Sequence[RolloutResult]) -> bool:
-    """Whether every result holds its routing, prompt included (what replay_routing needs)."""
-    return bool(results) and all(r.routed_experts is not None and r.prompt_routed_experts is not None
-                                 for r in results)
 
 
 def logprob_mismatch(results: Sequence[RolloutResult], learner: Sequence[np.ndarray | torch.Tensor]) -> dict:
@@ -170,7 +166,7 @@ def mismatch_report(model: torch.nn.Module, results: Sequence[RolloutResult], te
     """Recompute with `model` and compare: the one call a learner makes on a batch of results. With results that
     carry their routing, also routing_replay (as asked) and RoutingStats.as_dict(): without replay, the share
     of sampled tokens the policy routes differently from the engine at one MoE layer or more."""
-    stats = RoutingStats() if carries_routing(results) else None
+    stats = RoutingStats() if results and all(map(carries_routing, results)) else None
     report = logprob_mismatch(results, learner_logprobs(model, results, temperature, micro_batch,
                                                         routing_replay=routing_replay, routing_stats=stats))
     if stats is not None:

@@ -34,10 +34,12 @@ def route(x: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: bool,
     return ids.to(torch.int32), _renormalized(weights) if renormalize else weights
 
 
-def route_weights(x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, renormalize: bool) -> torch.Tensor:
-    """float32 [T, k]: route's weights of the given experts ids [T, k], as plain differentiable torch (the
-    math a learner's backward differentiates; the same values as route's up to rounding)."""
-    probs = torch.softmax(F.linear(x, weight).float(), dim=-1).gather(1, ids.long())
+def route_weights(x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, renormalize: bool,
+                  product: Product = F.linear) -> torch.Tensor:
+    """float32 [T, k]: route's weights of the given experts ids [T, k], differentiable (the math a learner's
+    backward differentiates). With route's product, the same bits as route's where ids are route's choice: the
+    gathered probabilities are the very values top-k returns, renormalised by the same adds."""
+    probs = torch.softmax(product(x, weight).float(), dim=-1).gather(1, ids.long())
     return _renormalized(probs) if renormalize else probs
 
 

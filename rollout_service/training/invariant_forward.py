@@ -11,8 +11,11 @@ reference math (the products' explicit formulas; the rest by differentiating a r
 
 The policy is any HF-named decoder (transformers' Llama / Mistral / Qwen2 / Qwen3 / Qwen3-MoE / Mixtral
 *ForCausalLM, or this package's DecoderLM), trained in place: its parameters are read at every call, never
-copied. In an MoE layer the experts each token is sent to are the engine's choice, recomputed the same way; the
-gradient flows through the chosen experts' weights and the router's softmax, not through the choice.
+copied. In an MoE layer the experts each token is sent to are the engine's choice: the results' recorded
+routing where they carry it (SamplingParams.return_routed_experts and return_prompt_routed_experts: routing
+replay), else recomputed the same way; the mixing weights are the router's, recomputed with the engine's
+product (the same bits as the engine's while the weights are the same). The gradient flows through the chosen
+experts' weights and the router's softmax, not through the choice.
 """
 from __future__ import annotations
 
@@ -27,7 +30,10 @@ from rollout_service.model.registry import arch_flags, moe_spec
 from rollout_service.ops import moe, norm
 from rollout_service.ops.backend import resolve_backend, select_ops
 from rollout_service.ops.rope import apply_rope, build_cos_sin_cache, rope_head_dim
+from rollout_service.training.routing_replay import check_routing, packed_routing
 from rollout_service.types import RolloutResult
+
+Routing = tuple[torch.Tensor, torch.Tensor]  # (expert ids [T, moe_layers, k], replayed rows bool [T])
 
 
 def reference_self_attention(q, k, v, cos_sin: torch.Tensor, lens: list[int], scale: float) -> torch.Tensor:
@@ -146,11 +152,13 @@ class InvariantForward:
 
     # ---- the forward -------------------------------------------------------------------------------
 
-    def hidden(self, input_ids: torch.Tensor, lens: list[int]) -> torch.Tensor:
-        """Final-norm hidden states [T, H] of sequences laid back to back (lens), as DecoderLM computes them."""
+    def hidden(self, input_ids: torch.Tensor, lens: list[int], routing: Routing | None = None) -> torch.Tensor:
+        """Final-norm hidden states [T, H] of sequences laid back to back (lens), as DecoderLM computes them;
+        routing: recorded experts for the replayed rows, MoE layer by MoE layer (packed_routing)."""
         backbone = self.policy.model
         x, residual = backbone.embed_tokens(input_ids), None
         cos_sin = self._rope_table(x)
+        moe_layer = 0
         for layer in backbone.layers:
             if residual is None:
                 residual, x = x, self._rms_norm(x, layer.input_layernorm.weight)
@@ -158,7 +166,11 @@ class InvariantForward:
                 x, residual = self._add_rms_norm(x, residual, layer.input_layernorm.weight)
             x = self._attention(layer.self_attn, x, lens, cos_sin)
             x, residual = self._add_rms_norm(x, residual, layer.post_attention_layernorm.weight)
-            x = self._moe(layer.mlp, x) if hasattr(layer.mlp, "experts") else self._mlp(layer.mlp, x)
+            if hasattr(layer.mlp, "experts"):
+                x = self._moe(layer.mlp, x, None if routing is None else (routing[0][:, moe_layer], routing[1]))
+                moe_layer += 1
+            else:
+                x = self._mlp(layer.mlp, x)
         x, _ = self._add_rms_norm(x, residual, backbone.norm.weight)
         return x
 
@@ -167,13 +179,18 @@ class InvariantForward:
                                _cat(mlp.gate_proj.bias, mlp.up_proj.bias))
         return self._linear(self._silu_and_mul(gate_up), mlp.down_proj.weight, mlp.down_proj.bias)
 
-    def _moe(self, block: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """The engine's routing (ids and weights), then its experts; the backward differentiates the plain
-        torch math of both with the experts held at the engine's choice."""
+    def _moe(self, block: nn.Module, x: torch.Tensor, recorded: Routing | None = None) -> torch.Tensor:
+        """The engine's routing (ids and weights: the recorded ids on replayed rows, the weights the router's
+        at them), then its experts; the backward differentiates the plain torch math of both with the experts
+        held at the engine's choice."""
         router, gate_up, down = block.gate.weight, block.experts.gate_up_proj, block.experts.down_proj
         top_k, renormalize = self.moe.top_k, self.moe.renormalize
         with torch.no_grad():
             ids, chosen = self.ops.moe_route(x.detach(), router.detach(), top_k, renormalize)
+            if recorded is not None:
+                ids = torch.where(recorded[1].to(x.device)[:, None], recorded[0].to(ids), ids)
+                chosen = moe.route_weights(x.detach(), router.detach(), ids, renormalize,
+                                           product=lambda a, w: self.ops.linear(a, w))
         weights = exact(lambda x, r: chosen.clone(), lambda x, r: moe.route_weights(x, r, ids, renormalize),
                         x, router)
         return exact(lambda x, w, gu, d: self.ops.moe_experts(x, ids, w, gu, d),
@@ -194,6 +211,13 @@ class InvariantForward:
                     lambda q, k, v: reference_self_attention(q, k, v, cos_sin, lens, scale), q, k, v)
         return self._linear(out.reshape(tokens, hq * d), attn.o_proj.weight, attn.o_proj.bias)
 
+    def _recorded_routing(self, results: Sequence[RolloutResult]) -> Routing | None:
+        if self.moe is None:
+            return None
+        layers = len(self.moe.sparse_layers)
+        check_routing(results, layers, self.moe.top_k, self.moe.num_experts, required=False)
+        return packed_routing(results, layers, self.moe.top_k)
+
     def logprobs(self, results: Sequence[RolloutResult], temperature: float = 1.0) -> list[torch.Tensor]:
         """log p(token_ids[i] | prompt + earlier tokens) per result (float32), as the engine's sampler reports
         them in "scaled" mode (and "processed" / "raw" without truncation or penalties at temperature 1)."""
@@ -205,7 +229,7 @@ class InvariantForward:
         seqs = [list(r.prompt_token_ids) + list(r.token_ids) for r in results]
         lens = [len(s) for s in seqs]
         ids = torch.tensor([t for s in seqs for t in s], dtype=torch.long, device=device)
-        hidden = self.hidden(ids, lens)
+        hidden = self.hidden(ids, lens, self._recorded_routing(results))
         rows, start = [], 0  # the hidden state before each sampled token
         for r, n in zip(results, lens):
             first = start + len(r.prompt_token_ids) - 1

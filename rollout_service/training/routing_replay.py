@@ -62,8 +62,18 @@ def moe_routers(policy: nn.Module) -> list[nn.Module]:
     return [b.gate for b in blocks]
 
 
-def _check(results: Sequence[RolloutResult], layers: int, top_k: int, num_experts: int) -> None:
+def carries_routing(result: RolloutResult) -> bool:
+    """Whether a result holds its routing, prompt included (what a replay needs)."""
+    return result.routed_experts is not None and result.prompt_routed_experts is not None
+
+
+def check_routing(results: Sequence[RolloutResult], layers: int, top_k: int, num_experts: int,
+                  required: bool = True) -> None:
+    """ValueError naming the result whose recorded routing does not fit the policy (or, if `required`, is
+    missing)."""
     for i, r in enumerate(results):
+        if not required and not carries_routing(r):
+            continue
         for name in ("routed_experts", "prompt_routed_experts"):
             ids = getattr(r, name)
             if ids is None:
@@ -75,6 +85,23 @@ def _check(results: Sequence[RolloutResult], layers: int, top_k: int, num_expert
             if ids.size and int(ids.max()) >= num_experts:
                 raise ValueError(f"routing replay: result {i}'s {name} holds expert {int(ids.max())}; the policy "
                                  f"has {num_experts}")
+
+
+def packed_routing(results: Sequence[RolloutResult], layers: int,
+                   top_k: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(ids int64 [T, layers, k], replayed bool [T]) for the results' sequences back to back (prompt + tokens
+    each; InvariantForward's layout), a result without routing replaying nothing; None if none carries it."""
+    if not any(carries_routing(r) for r in results):
+        return None
+    parts, flags = [], []
+    for r in results:
+        n = len(r.prompt_token_ids) + len(r.token_ids)
+        known = np.concatenate([r.prompt_routed_experts, r.routed_experts]) if carries_routing(r) else None
+        rows = np.zeros((n, layers, top_k), dtype=np.int64)
+        rows[:n - 1] = known if known is not None else 0  # the last token's own position produced nothing
+        parts.append(rows)
+        flags.append(np.arange(n) < (n - 1 if known is not None else 0))
+    return torch.from_numpy(np.concatenate(parts)), torch.from_numpy(np.concatenate(flags))
 
 
 def recorded_layout(results: Sequence[RolloutResult], layers: int, top_k: int) -> tuple[torch.Tensor, ...]:
@@ -104,7 +131,7 @@ def replay_routing(policy: nn.Module, results: Sequence[RolloutResult], replay: 
     recomputes the layers (gradient checkpointing) inside it replays them too, and counts its forward again."""
     routers = moe_routers(policy)
     spec = moe_spec(policy.config)
-    _check(results, len(routers), spec.top_k, spec.num_experts)
+    check_routing(results, len(routers), spec.top_k, spec.num_experts)
     ids, replayed, counted = recorded_layout(results, len(routers), spec.top_k)
     stats = RoutingStats()
     differs: list[torch.Tensor] = []  # this forward's positions whose routing differed so far, on the device
