@@ -1,6 +1,7 @@
 """routed_experts from the engine (torch backend, float32) against the experts transformers' routers choose on the
 same weights and tokens (tiny random Qwen3-MoE and Mixtral): with the prefix cache on and off, n > 1 samples
-sharing a prompt's pages, preemption and recompute, chunked prefill, sleep, overlap_decode on and off."""
+sharing a prompt's pages, preemption and recompute, chunked prefill, sleep, overlap_decode on and off, and
+multi-turn episodes (the environment's tokens included)."""
 import numpy as np
 import pytest
 from routing_hf import expected_routing
@@ -10,7 +11,7 @@ from tiny_models import tiny_hf_model
 
 from rollout_service import RolloutClient, SamplingParams
 from rollout_service.engine.engine import Engine
-from rollout_service.types import RolloutRequest
+from rollout_service.types import EpisodeParams, RolloutRequest
 
 SP = SamplingParams(n=3, temperature=1.0, max_tokens=12, seed=4, ignore_eos=True, return_routed_experts=True,
                     return_prompt_routed_experts=True)
@@ -120,3 +121,33 @@ def test_no_routing_unless_asked():
     model = moe_model("qwen3_moe", seed=1)
     r = serve(engine(model), [[[1, 2, 3]]], SamplingParams(max_tokens=3))[0]
     assert r.routed_experts is None and r.prompt_routed_experts is None
+
+
+class Echo:
+    """An environment of token ids: a fixed first prompt, then after each model turn 5 ids of its own."""
+
+    def reset(self, metadata):
+        return list(range(30, 52))
+
+    def step(self, text):
+        return [7, 8, 9, 10, 11], 0.0, False
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_an_episodes_routing_covers_the_models_and_the_environments_tokens(name):
+    """Every token of an episode's token_ids, model's and environment's, in the episode's layout; the prefix cache
+    serves each turn the history it already computed."""
+    model = moe_model(name, seed=5)
+    eng = engine(model, page_size=8)
+    sp = SamplingParams(n=2, temperature=1.0, max_tokens=6, seed=1, ignore_eos=True, return_routed_experts=True,
+                        return_prompt_routed_experts=True)
+    eng.add_request(RolloutRequest(prompt=None, sampling=sp, episode=EpisodeParams(Echo(), max_turns=3)))
+    results = eng.run_until_done()
+    assert [r.finish_reason for r in results] == ["max_turns"] * 2 and eng.stats()["prefix_cache"]["hit_tokens"] > 0
+    for r in results:
+        assert len(r.token_ids) == 6 + 5 + 6 + 5 + 6 and r.loss_mask.count(0) == 10
+    assert_routing_is_transformers(model, results)
+    sp_plain = SamplingParams(max_tokens=4, return_routed_experts=True)
+    eng.add_request(RolloutRequest(prompt=None, sampling=sp_plain, episode=EpisodeParams(Echo(), max_turns=2)))
+    r = eng.run_until_done()[0]
+    assert r.prompt_routed_experts is None and r.routed_experts.shape == (4 + 5 + 4, 2, 2)

@@ -105,3 +105,17 @@ def test_what_replay_refuses(bf16_engine):
     with pytest.raises(ValueError, match=r"result 0's routed_experts has shape \(24, 2, 2\); the policy has 2 MoE "
                                          "layers of top-3"):
         token_logprobs(other, [r], routing_replay=True)
+
+
+def test_replay_over_episodes():
+    """An episode's result replays as any other: its environment's tokens carry routing too, and only the
+    model's tokens (loss_mask) are counted."""
+    from test_routing_engine import Echo
+    model = moe_model("mixtral", seed=1)
+    with RolloutClient.local(model, device="cpu", dtype="bfloat16", backend="torch", num_pages=256) as client:
+        results = client.run_episodes([Echo(), Echo()], SP, max_turns=3)
+    with captured_experts(model) as calls, torch.no_grad():
+        token_logprobs(model, results, routing_replay=True)
+    assert all(np.array_equal(calls[0][b, :len(recorded(r))], recorded(r)) for b, r in enumerate(results))
+    report = mismatch_report(model, results, routing_replay=True)
+    assert report["routing_tokens"] == report["n_tokens"] == sum(r.loss_mask.count(1) for r in results)

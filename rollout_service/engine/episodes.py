@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from rollout_service.engine.kv_cache import pages_for
+from rollout_service.engine.routing import extend_episode_routing, routing_fields
 from rollout_service.episodes import Observation
 from rollout_service.types import EpisodeParams, RolloutRequest, RolloutResult, SamplingParams
 from rollout_service.user_code import Guard, describe_error
@@ -56,6 +57,7 @@ class _Episode:
     mask: list[int] = field(default_factory=list)
     top: list[dict] = field(default_factory=list)
     turns: list[dict] = field(default_factory=list)
+    routing: list[np.ndarray] | None = field(default_factory=list)  # positions [0, n) in pieces (engine/routing.py)
     reward: float | None = None
     turn_id: str | None = None  # the engine request of the turn now running
     t_start: float = field(default_factory=time.time)
@@ -162,8 +164,10 @@ class EpisodeRunner:
             return self._end(ep, "length")
         sp, turn = ep.group.sampling, len(ep.turns)
         try:
+            # a turn's prompt routing holds the environment's tokens' (its prefill computed them)
             sampling = dataclasses.replace(sp, n=1, max_tokens=min(sp.max_tokens, room),
-                                           seed=turn_seed(ep.group.seed, ep.sample, turn))
+                                           seed=turn_seed(ep.group.seed, ep.sample, turn),
+                                           return_prompt_routed_experts=sp.return_routed_experts)
             req = RolloutRequest(prompt=ep.prompt_ids + ep.token_ids, sampling=sampling, apply_chat_template=False,
                                  request_id=f"{ep.group.request_id}/{ep.sample}/{turn}")
             self.engine.add_request(req)
@@ -179,6 +183,8 @@ class EpisodeRunner:
         start = len(ep.token_ids)
         version = r.token_versions[0] if r.token_versions else self.engine.policy_version
         self._append(ep, r.token_ids, r.logprobs.tolist(), r.token_versions, 1, r.top_logprobs)
+        if ep.group.sampling.return_routed_experts:
+            ep.routing = extend_episode_routing(ep.routing, r)
         ep.turns.append({"start": start, "end": len(ep.token_ids), "version": version,
                          "finish_reason": r.finish_reason, "reward": None})
         if r.finish_reason == "abort":
@@ -232,6 +238,8 @@ class EpisodeRunner:
         if not episodes:
             del self._groups[rid]
         now = time.time()
+        known = np.concatenate(ep.routing) if ep.routing else None
+        routing = routing_fields(known, len(ep.prompt_ids), len(ep.token_ids), ep.group.sampling)
         return [RolloutResult(
             request_id=rid, sample_index=ep.sample, prompt_token_ids=ep.prompt_ids, token_ids=ep.token_ids,
             logprobs=ep.logprobs, token_versions=ep.versions, finish_reason=reason,
@@ -239,7 +247,7 @@ class EpisodeRunner:
             text=self.engine.prompts.decode(ep.token_ids) if error is None else "",
             top_logprobs=ep.top if ep.group.sampling.logprobs else None, reward=ep.reward,
             metadata=ep.group.request.metadata, error=error, loss_mask=ep.mask, turns=ep.turns,
-            timings={"queued": ep.t_start, "first_token": ep.t_first_token or now, "finished": now})]
+            timings={"queued": ep.t_start, "first_token": ep.t_first_token or now, "finished": now}, **routing)]
 
 
 # ---- talking to an environment -------------------------------------------------------------------------

@@ -105,13 +105,33 @@ def keep_routing(store: RoutingStore | None, seq: Sequence) -> None:
 
 
 def result_routing(store: RoutingStore | None, seq: Sequence) -> dict[str, np.ndarray | None]:
-    """RolloutResult's routed_experts / prompt_routed_experts fields for seq (None where not asked for, or not
-    known: an aborted prompt that was never computed)."""
-    sp = seq.sampling
-    if store is None or not sp.return_routed_experts:
+    """RolloutResult's routed_experts / prompt_routed_experts fields for seq (none for a model without MoE
+    layers or a request that did not ask)."""
+    if store is None or not seq.sampling.return_routed_experts:
         return {}
-    known, prompt = known_routing(store, seq), len(seq.prompt_token_ids) - 1
-    end = prompt + seq.num_output_tokens  # token i came from position prompt + i; the last one produced nothing
-    return {"routed_experts": known[prompt:end] if len(known) >= end else None,
-            "prompt_routed_experts": known[:prompt] if sp.return_prompt_routed_experts and len(known) >= prompt
+    return routing_fields(known_routing(store, seq), len(seq.prompt_token_ids), seq.num_output_tokens,
+                          seq.sampling)
+
+
+def routing_fields(known: np.ndarray | None, prompt_len: int, num_tokens: int,
+                   sampling: Any) -> dict[str, np.ndarray | None]:
+    """The result fields from the routing of positions [0, len(known)) of prompt + tokens; a field whose positions
+    are not all known (an aborted prompt never computed) is None."""
+    if not sampling.return_routed_experts:
+        return {}
+    have, prompt = 0 if known is None else len(known), prompt_len - 1
+    end = prompt + num_tokens  # token i came from position prompt + i; the last one produced nothing
+    return {"routed_experts": known[prompt:end] if have >= end else None,
+            "prompt_routed_experts": known[:prompt] if sampling.return_prompt_routed_experts and have >= prompt
             else None}
+
+
+def extend_episode_routing(parts: list[np.ndarray] | None, turn: Any) -> list[np.ndarray] | None:
+    """An episode's routing so far (the positions [0, n) of its tokens, in pieces; None once a turn brought none)
+    and a finished turn's result: the turn's prompt was the episode's tokens so far, so the positions the
+    episode lacks (the environment's tokens, and the previous turn's last token) come from the turn's prefill,
+    then the turn's own tokens' positions."""
+    if parts is None or turn.routed_experts is None or turn.prompt_routed_experts is None:
+        return None
+    have = sum(len(p) for p in parts)
+    return parts + [turn.prompt_routed_experts[have:], turn.routed_experts]
