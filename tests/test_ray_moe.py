@@ -1,6 +1,7 @@
 """A mixture-of-experts model through the Ray service: two workers load a tiny Qwen3-MoE saved as a HF folder
 (per-expert names on disk), and refreshes over the object store, with transformers' stacked names or the
-per-expert ones, leave every worker bitwise equal to an in-process engine given the same tensors."""
+per-expert ones, leave every worker bitwise equal to an in-process engine given the same tensors; routed experts
+come back through the service as the in-process engine returns them."""
 from __future__ import annotations
 
 import pytest
@@ -66,3 +67,20 @@ def test_a_refresh_missing_an_expert_changes_nothing(svc):
     with pytest.raises(ValueError, match=r"missing, e.g. \['model.layers.0.mlp.experts.2.down_proj.weight'\]"):
         svc.update_weights(named, 3)
     assert svc.weights_digests() == before
+
+
+def test_routed_experts_come_back_through_the_service_and_its_streams(svc, local):
+    """Results travel pickled from the workers through the router: their routing arrives as the in-process
+    engine's, in a generate and in a stream, with a reward computed by the workers too."""
+    sp = SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=6, ignore_eos=True, return_routed_experts=True,
+                        return_prompt_routed_experts=True)
+    key = lambda r: (tuple(r.prompt_token_ids), r.sample_index)  # noqa: E731
+    want = {key(r): r for r in local.generate(PROMPTS, sp)}
+    reward = "rollout_service.reward_examples:length_reward"
+    for got in (svc.generate(PROMPTS, sp), list(svc.stream(PROMPTS, sp, reward=reward))):
+        assert sorted(map(key, got)) == sorted(want)
+        for r in got:
+            w = want[key(r)]
+            assert r.token_ids == w.token_ids and r.routed_experts.dtype == w.routed_experts.dtype
+            assert r.routed_experts.tobytes() == w.routed_experts.tobytes()
+            assert r.prompt_routed_experts.tobytes() == w.prompt_routed_experts.tobytes()
