@@ -127,6 +127,11 @@ fi
 echo "== summary after $(( $(date +%s) - START ))s:" | tee -a "$LOG"
 for k in "${!STATUS[@]}"; do echo "   $k: ${STATUS[$k]}"; done | tee -a "$LOG"
 echo "   results: ${NEW:-none}" | tee -a "$LOG"
+NEW_JSON=$(printf '%s\n' $NEW | grep '\.json$' || true)
+if [ -n "$NEW_JSON" ]; then  # every figure against the newest committed one of its workload and model (>10%: warned)
+  # shellcheck disable=SC2086  # one argument per file
+  "$PY" -m rollout_service.bench.regressions $NEW_JSON --against "$RESULTS" 2>&1 | tee -a "$LOG"
+fi
 for f in $NEW; do case $f in *.md) cat "$f";; esac; done
 # green: the GPU tests (where the tree has them) passed, every benchmark step that ran passed, and one did run
 green=$([ "${STATUS[gpu_tests]:-0}" = 0 ] && echo 1 || echo 0)
