@@ -80,11 +80,11 @@ def test_gradients_flow_where_replay_overrides_the_router_with_checkpointing_too
     grads = router_grads(model, results, True)
     assert all(torch.isfinite(g).all() and g.abs().max() > 0 for g in grads)
     model.train()
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     try:  # each layer's recompute in the backward runs inside the replay block: the same experts, the same grads
         checkpointed = router_grads(model, results, True)
     finally:
-        model.gradient_checkpointing_disable()
+        model.activation_checkpointing_disable()
         model.eval()
     assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(checkpointed, grads))
 

@@ -1,5 +1,5 @@
 """The learner side of an RL step: training precision, memory figures, the clock of a step's phases, and the
-bitwise recompute of a batch-invariant engine's log-probs, and the replay of a mixture-of-experts engine's routing."""
+bitwise recompute of a batch-invariant engine's log-probs and the replay of a mixture-of-experts engine's routing."""
 from rollout_service.training.invariant_forward import InvariantForward
 from rollout_service.training.memory import LearnerOutOfMemory, memory_figures
 from rollout_service.training.phases import StepClock
