@@ -1,10 +1,16 @@
 """Shared fixtures of the Ray tests: ONE real multi-node Ray cluster per test session (made on this
-machine with ray.cluster_utils.Cluster: a head and two "rollout nodes" with a custom resource) and a
-tiny random Llama saved as a HF folder. Test modules load this with `pytest_plugins`."""
+machine with ray.cluster_utils.Cluster: a head and two "rollout nodes" with a custom resource, each node
+with its own raylet, object store and resources) and a tiny random Llama saved as a HF folder. Test
+modules load this with `pytest_plugins`.
+
+Every Ray test shares that cluster, so a test that kills a rollout node must leave two rollout nodes
+behind it (the `rollout_nodes` fixture adds them back)."""
 from __future__ import annotations
 
+import contextlib
 import os
 import time
+from typing import Iterator
 
 import pytest
 import ray
@@ -15,6 +21,12 @@ os.environ.setdefault("RAY_SCHEDULER_EVENTS", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 ROLLOUT_NODE = "rollout_node"   # the custom resource cluster_configs/multi-node.yaml asks for
+ROLLOUT_NODES = 2               # the session cluster's rollout nodes, which every test leaves as it found them
+STORE = 120 * 2**20             # each node's object store
+# A killed raylet is declared dead after 4 failed health checks 1 s apart (Ray's defaults: 5 x 3 s); a node
+# would have to stall 4 checks of 5 s each to be taken for dead, which no load on this machine comes near.
+HEALTH_CHECKS = {"health_check_period_ms": 1000, "health_check_timeout_ms": 5000,
+                 "health_check_failure_threshold": 4}
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=256, max_position_embeddings=512, tie_word_embeddings=False)
 
@@ -28,9 +40,13 @@ def _refresh_mid_generation(service, named_tensors, version: int, timeout: float
     before, deadline = generated(), time.time() + timeout
     while generated() == before and time.time() < deadline:
         time.sleep(0.01)
+    if isinstance(named_tensors, dict):  # (a RayBackend takes the pairs a RolloutClient makes of a dict)
+        named_tensors = list(named_tensors.items())
     service.pause()
-    service.update_weights(named_tensors, version)
-    service.resume()
+    try:
+        service.update_weights(named_tensors, version)
+    finally:  # a failed refresh must not leave the shared service paused for the tests after this one
+        service.resume()
 
 
 def wait_for(cond, what: str, timeout: float = 60.0) -> None:
@@ -74,17 +90,48 @@ def ray_cluster():
     import ray
     from ray.cluster_utils import Cluster
 
-    store = 120 * 2**20
     cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 2, "object_store_memory": store, "include_dashboard": False})
-    nodes = [cluster.add_node(num_cpus=1, resources={ROLLOUT_NODE: 1}, object_store_memory=store)
-             for _ in range(2)]
+        "num_cpus": 2, "object_store_memory": STORE, "include_dashboard": False, "_system_config": HEALTH_CHECKS})
+    cluster.rollout_nodes = []
+    for _ in range(ROLLOUT_NODES):
+        add_rollout_node(cluster, wait=False)
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, namespace="rollout_service_tests", log_to_driver=True)
-    cluster.rollout_nodes = nodes
     yield cluster
     ray.shutdown()
     cluster.shutdown()
+
+
+def add_rollout_node(cluster, wait: bool = True):
+    """A node like the session's rollout nodes (1 CPU, {"rollout_node": 1}, its own raylet and store)."""
+    node = cluster.add_node(num_cpus=1, resources={ROLLOUT_NODE: 1}, object_store_memory=STORE)
+    cluster.rollout_nodes.append(node)
+    if wait:
+        cluster.wait_for_nodes()
+    return node
+
+
+def kill_rollout_node(cluster, node) -> None:
+    """End a rollout node as a crash would: SIGKILL to its raylet, object store and every worker on it."""
+    cluster.rollout_nodes.remove(node)
+    cluster.remove_node(node, allow_graceful=False)
+
+
+def node_alive(node_id: str) -> bool:
+    return any(n["NodeID"] == node_id and n["Alive"] for n in ray.nodes())
+
+
+@pytest.fixture
+def rollout_nodes(ray_cluster) -> Iterator:
+    """The session cluster, for a test that kills or adds rollout nodes; afterwards it has ROLLOUT_NODES
+    rollout nodes again (killed ones replaced by equivalent nodes, extra ones removed). Put it before the
+    test's service among the fixtures, so that the service is closed before the nodes are put back."""
+    yield ray_cluster
+    with contextlib.suppress(Exception):  # (a failure here must not hide the test's own)
+        while len(ray_cluster.rollout_nodes) > ROLLOUT_NODES:
+            ray_cluster.remove_node(ray_cluster.rollout_nodes.pop())
+    while len(ray_cluster.rollout_nodes) < ROLLOUT_NODES:
+        add_rollout_node(ray_cluster)
 
 
 @pytest.fixture(scope="session")
