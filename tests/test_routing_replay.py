@@ -132,3 +132,12 @@ def test_replay_over_episodes():
     assert all(np.array_equal(calls[0][b, :len(recorded(r))], recorded(r)) for b, r in enumerate(results))
     report = mismatch_report(model, results, routing_replay=True)
     assert report["routing_tokens"] == report["n_tokens"] == sum(r.loss_mask.count(1) for r in results)
+
+
+def test_replay_of_uint16_ids_past_256_experts():
+    model = tiny_hf_model("qwen3_moe", seed=3, num_experts=300, num_experts_per_tok=3)
+    results = rollouts(model, "bfloat16", k=2)
+    assert results[0].routed_experts.dtype == np.uint16 and max(int(recorded(r).max()) for r in results) > 255
+    with captured_experts(model) as calls, torch.no_grad():
+        token_logprobs(model, results, routing_replay=True)
+    assert all(np.array_equal(calls[0][b, :len(recorded(r))], recorded(r)) for b, r in enumerate(results))

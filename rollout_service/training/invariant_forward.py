@@ -188,7 +188,7 @@ class InvariantForward:
         with torch.no_grad():
             ids, chosen = self.ops.moe_route(x.detach(), router.detach(), top_k, renormalize)
             if recorded is not None:
-                ids = torch.where(recorded[1].to(x.device)[:, None], recorded[0].to(ids), ids)
+                ids = torch.where(recorded[1].to(x.device)[:, None], recorded[0].to(ids.device, ids.dtype), ids)
                 chosen = moe.route_weights(x.detach(), router.detach(), ids, renormalize,
                                            product=lambda a, w: self.ops.linear(a, w))
         weights = exact(lambda x, r: chosen.clone(), lambda x, r: moe.route_weights(x, r, ids, renormalize),

@@ -87,17 +87,24 @@ def check_routing(results: Sequence[RolloutResult], layers: int, top_k: int, num
                                  f"has {num_experts}")
 
 
+def _ids_dtype(results: Sequence[RolloutResult]) -> np.dtype:
+    # the recorded width (uint8 or uint16), kept: [tokens, layers, k] of int64 would be 8x the memory. torch
+    # has few uint16 ops, so those travel as int32.
+    wide = any(r.routed_experts.dtype == np.uint16 for r in results if carries_routing(r))
+    return np.dtype(np.int32 if wide else np.uint8)
+
+
 def packed_routing(results: Sequence[RolloutResult], layers: int,
                    top_k: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(ids int64 [T, layers, k], replayed bool [T]) for the results' sequences back to back (prompt + tokens
-    each; InvariantForward's layout), a result without routing replaying nothing; None if none carries it."""
+    """(ids [T, layers, k], replayed bool [T]) for the results' sequences back to back (prompt + tokens each;
+    InvariantForward's layout), a result without routing replaying nothing; None if none carries it."""
     if not any(carries_routing(r) for r in results):
         return None
-    parts, flags = [], []
+    parts, flags, dtype = [], [], _ids_dtype(results)
     for r in results:
         n = len(r.prompt_token_ids) + len(r.token_ids)
         known = np.concatenate([r.prompt_routed_experts, r.routed_experts]) if carries_routing(r) else None
-        rows = np.zeros((n, layers, top_k), dtype=np.int64)
+        rows = np.zeros((n, layers, top_k), dtype=dtype)
         rows[:n - 1] = known if known is not None else 0  # the last token's own position produced nothing
         parts.append(rows)
         flags.append(np.arange(n) < (n - 1 if known is not None else 0))
@@ -105,11 +112,11 @@ def packed_routing(results: Sequence[RolloutResult], layers: int,
 
 
 def recorded_layout(results: Sequence[RolloutResult], layers: int, top_k: int) -> tuple[torch.Tensor, ...]:
-    """(ids int64 [B * W, layers, k], replayed bool [B * W], counted bool [B * W]) in token_logprobs' layout:
-    result b's prompt + tokens at row b, right-padded to the longest W. `counted`: the positions that
-    produced a model-sampled token."""
+    """(ids [B * W, layers, k], replayed bool [B * W], counted bool [B * W]) in token_logprobs' layout: result
+    b's prompt + tokens at row b, right-padded to the longest W. `counted`: the positions that produced a
+    model-sampled token."""
     width = max(len(r.prompt_token_ids) + len(r.token_ids) for r in results)
-    ids = np.zeros((len(results), width, layers, top_k), dtype=np.int64)
+    ids = np.zeros((len(results), width, layers, top_k), dtype=_ids_dtype(results))
     replayed = np.zeros((len(results), width), dtype=bool)
     counted = np.zeros((len(results), width), dtype=bool)
     for b, r in enumerate(results):
@@ -143,7 +150,7 @@ def replay_routing(policy: nn.Module, results: Sequence[RolloutResult], replay: 
         if own.shape[0] != ids.shape[0]:
             raise ValueError(f"routing replay: the forward has {own.shape[0]} rows; the replayed results' layout "
                              f"(token_logprobs': right-padded, in order) has {ids.shape[0]}")
-        recorded = ids[:, layer].to(own.device)
+        recorded = ids[:, layer].to(own.device).long()
         differs.append((own.sort(-1).values != recorded.sort(-1).values).any(-1))
         if layer == len(routers) - 1:  # the forward's last MoE layer: its count is complete (one host sync)
             stats.tokens += int(counted.sum())
