@@ -164,13 +164,13 @@ def logprob_mismatch(results: Sequence[RolloutResult], learner: Sequence[np.ndar
 def mismatch_report(model: torch.nn.Module, results: Sequence[RolloutResult], temperature: float = 1.0,
                     micro_batch: int = 16, routing_replay: bool = False) -> dict:
     """Recompute with `model` and compare: the one call a learner makes on a batch of results. With results that
-    carry their routing, also routing_replay (as asked) and RoutingStats.as_dict(): without replay, the share
+    carry their routing, also routing_replay (1 or 0) and RoutingStats.as_dict(): without replay, the share
     of sampled tokens the policy routes differently from the engine at one MoE layer or more."""
     stats = RoutingStats() if results and all(map(carries_routing, results)) else None
     report = logprob_mismatch(results, learner_logprobs(model, results, temperature, micro_batch,
                                                         routing_replay=routing_replay, routing_stats=stats))
     if stats is not None:
-        report.update(routing_replay=routing_replay, **stats.as_dict())
+        report.update(routing_replay=int(routing_replay), **stats.as_dict())  # 0/1: a fidelity report's numbers
     return report
 
 
