@@ -57,7 +57,7 @@ from rollout_service.model.registry import moe_spec
 from rollout_service.training import (InvariantForward, LearnerOutOfMemory, MasterWeights, RoutingStats, StepClock,
                                       memory_figures, replay_routing)
 from rollout_service.training.engine_match import check_bitwise_engine, engine_numerics
-from rollout_service.training.loss import ppo_clip_loss, ratio_deviation
+from rollout_service.training.loss import corrected_pg_loss, ppo_clip_loss, ratio_deviation
 from rollout_service.training.memory import describe, is_out_of_memory
 from rollout_service.types import EpisodeParams, RolloutRequest, RolloutResult, SamplingParams
 
@@ -191,7 +191,7 @@ class GRPOLearner:
                 keep = [torch.as_tensor(sampled[i], device=lp.device) for i, lp in zip(chunk, lps)]
                 if j == 0:
                     first = ratio_deviation(lps, old, keep)
-                loss = sum(ppo_clip_loss(lp[k], o[k], float(adv[i]), c.clip_eps, c.tis_cap)
+                loss = sum(self._token_loss(lp[k], o[k], float(adv[i]))
                            for i, lp, o, k in zip(chunk, lps, old, keep)) / n_tokens
                 loss.backward()
             self.precision.accumulate()
@@ -199,12 +199,26 @@ class GRPOLearner:
             learner_lp.update({i: lp.detach().float() for i, lp in zip(chunk, lps)})
         grad_norm = self.precision.step(c.max_grad_norm) if live else 0.0
         measured = sorted(learner_lp)
-        mismatch = logprob_mismatch([results[i] for i in measured], [learner_lp[i] for i in measured])
+        mismatch = logprob_mismatch([results[i] for i in measured], [learner_lp[i] for i in measured],
+                                    ratio_cap=c.correction_cap)
+        if c.rollout_correction:
+            mismatch["rollout_correction"] = c.rollout_correction
         if c.routing_replay and self.invariant is None:
             mismatch.update(routing_replay=1, routing_differing_share=routing.share)
         return {"loss": loss_total, "grad_norm": grad_norm, "trained_samples": len(live),
                 "mismatch": mismatch, "ratio_first_minibatch_max_abs_dev": first[0],
                 "ratio_first_minibatch_tokens": first[1], "learner_s": time.perf_counter() - start}
+
+    def _token_loss(self, lp: torch.Tensor, rollout: torch.Tensor, advantage: float) -> torch.Tensor:
+        """One sample's summed loss. With rollout_correction, PPO's ratio is taken against the learner's own
+        recompute (this step's weights are the ones the engine sampled with), and each token is weighed by the
+        learner's and the engine's probability ratio (training/importance.py): the engine's numerics, not a
+        policy change, are what that ratio measures. Otherwise PPO against the rollout log-probs, truncated at
+        tis_cap."""
+        c = self.config
+        if not c.rollout_correction:
+            return ppo_clip_loss(lp, rollout, advantage, c.clip_eps, c.tis_cap)
+        return corrected_pg_loss(lp, rollout, advantage, c.clip_eps, c.rollout_correction, c.correction_cap)
 
     def push_weights(self) -> int:
         """Send the weights to every rollout worker as the next policy version (= number of updates)."""
@@ -295,8 +309,9 @@ class GRPOLearner:
     def _report_fidelity(self, version: int, mismatch: dict) -> None:
         """The service keeps every refresh's fidelity: how the learner's recompute of the rollouts of policy
         `version` compares with the log-probs the workers returned."""
-        report = {k: mismatch[k] for k in ("mean_abs", "max_abs", "kl", "ratio_mean", "ratio_max", "n_tokens",
-                                           "n_sequences", "routing_replay", "routing_differing_share") if k in mismatch}
+        keys = ("mean_abs", "max_abs", "kl", "ratio_mean", "ratio_max", "ratio_outside_share", "ratio_cap",
+                "n_tokens", "n_sequences", "routing_replay", "routing_differing_share", "rollout_correction")
+        report = {k: mismatch[k] for k in keys if k in mismatch}
         self.client.report_fidelity(version, {**report, "step": self.version + 1})
 
     def _row(self, pending: dict, results, rewards, stats: dict, clock: StepClock, engine_asleep,

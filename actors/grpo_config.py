@@ -11,6 +11,7 @@ import torch
 
 from rollout_service.config import DTYPE_NAMES
 from rollout_service.training import OPTIMIZERS
+from rollout_service.training.importance import MODES as CORRECTIONS
 
 
 @dataclass
@@ -42,6 +43,10 @@ class GRPOConfig:
                                        # needs EngineConfig.batch_invariant and the engine's dtype and device type
     routing_replay: bool = False       # mixture-of-experts policies: rollouts return their routed experts (prompt
                                        # included) and the learner's forward replays them (training/routing_replay.py)
+    rollout_correction: str | None = None  # "tis" | "mis": weigh each token by the learner's and the engine's
+                                           # probability ratio (training/importance.py), PPO's ratio taken against
+                                           # the learner's own recompute; None: PPO against the rollout log-probs
+    correction_cap: float = 2.0        # the ratio band [1/c, c] of rollout_correction and of the fidelity report
 
     def __post_init__(self) -> None:
         for name in ("group_size", "prompts_per_step", "max_tokens", "micro_batch", "max_turns", "max_total_tokens"):
@@ -55,6 +60,11 @@ class GRPOConfig:
                 raise ValueError(f"GRPOConfig.{name}={getattr(self, name)!r}: must be > 0")
         if not self.tis_cap >= 1:
             raise ValueError(f"GRPOConfig.tis_cap={self.tis_cap!r}: must be >= 1")
+        if self.rollout_correction not in (None, *CORRECTIONS):
+            raise ValueError(f"GRPOConfig.rollout_correction={self.rollout_correction!r}: must be null or one of "
+                             f"{CORRECTIONS}")
+        if not (isinstance(self.correction_cap, (int, float)) and 1 < self.correction_cap < float("inf")):
+            raise ValueError(f"GRPOConfig.correction_cap={self.correction_cap!r}: must be a finite number > 1")
         if self.dtype not in DTYPE_NAMES:
             raise ValueError(f"GRPOConfig.dtype={self.dtype!r}: must be one of {DTYPE_NAMES}")
         if self.optimizer not in OPTIMIZERS:

@@ -83,7 +83,7 @@ def fidelity_line(entry: dict) -> str:
     rollout_service.mismatch.logprob_mismatch (a report with none of them is written as key=value, long
     values abridged)."""
     known = {"mean_abs": "mean |dlogp| {:.1e}", "max_abs": "max {:.1e}", "kl": "KL {:.0e}",
-             "ratio_max": "max ratio {:.3g}"}
+             "ratio_max": "max ratio {:.3g}", "ratio_outside_share": "{:.2%} of tokens outside the ratio band"}
     parts = [fmt.format(entry[k]) for k, fmt in known.items() if isinstance(entry.get(k), (int, float))]
     parts = parts or [f"{k}={_SHORT.repr(v)}" for k, v in entry.items() if k not in ("version", "n_tokens")]
     tokens = f" over {entry['n_tokens']} tokens" if entry.get("n_tokens") is not None else ""

@@ -26,6 +26,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 import torch
 
+from rollout_service.training.importance import ratio_report
 from rollout_service.training.routing_replay import RoutingStats, carries_routing, replay_routing
 from rollout_service.types import RolloutResult
 
@@ -120,13 +121,16 @@ def _routing(model: torch.nn.Module, results: Sequence[RolloutResult], replay: b
 
 
 
-def logprob_mismatch(results: Sequence[RolloutResult], learner: Sequence[np.ndarray | torch.Tensor]) -> dict:
+def logprob_mismatch(results: Sequence[RolloutResult], learner: Sequence[np.ndarray | torch.Tensor],
+                     ratio_cap: float = 2.0) -> dict:
     """Compare rollout (behaviour) log-probs with a learner's, token by token (the model's tokens only:
     model_token_mask).
 
     Returns mean_abs / max_abs |learner - rollout|, mean_signed (learner - rollout), n_tokens,
     n_sequences, kl (k3 estimate of KL(rollout || learner) on the sampled tokens, >= 0), the mean
-    and max importance ratio exp(learner - rollout), and the rollout policy versions seen."""
+    and max importance ratio exp(learner - rollout) and the share of tokens whose ratio is outside
+    [1/ratio_cap, ratio_cap] (training/importance.py: what masked IS drops), and the rollout policy versions
+    seen."""
     if len(results) != len(learner):
         raise ValueError(f"{len(learner)} learner log-prob arrays for {len(results)} results")
     rollout, mine, versions = [], [], set()
@@ -145,7 +149,8 @@ def logprob_mismatch(results: Sequence[RolloutResult], learner: Sequence[np.ndar
         raise ValueError("rollout log-probs hold -inf/nan: sample with logprobs_mode='scaled' to compare")
     if b.size == 0:
         return {"mean_abs": 0.0, "max_abs": 0.0, "mean_signed": 0.0, "kl": 0.0, "ratio_mean": 1.0,
-                "ratio_max": 1.0, "n_tokens": 0, "n_sequences": len(results), "versions": sorted(versions)}
+                "ratio_max": 1.0, "ratio_outside_share": 0.0, "ratio_cap": ratio_cap, "n_tokens": 0,
+                "n_sequences": len(results), "versions": sorted(versions)}
     diff = a - b
     log_ratio = -diff  # log(rollout / learner) per token, for the k3 estimator
     return {
@@ -153,8 +158,7 @@ def logprob_mismatch(results: Sequence[RolloutResult], learner: Sequence[np.ndar
         "max_abs": float(np.abs(diff).max()),
         "mean_signed": float(diff.mean()),
         "kl": float(np.mean(np.exp(-log_ratio) - 1 + log_ratio)),
-        "ratio_mean": float(np.exp(diff).mean()),
-        "ratio_max": float(np.exp(diff).max()),
+        **ratio_report(b, a, ratio_cap),
         "n_tokens": int(b.size),
         "n_sequences": len(results),
         "versions": sorted(int(v) for v in versions),

@@ -189,3 +189,32 @@ def test_bitwise_check_of_what_ray_workers_report(caplog):
     assert "cannot check" not in caplog.text
     check_bitwise_engine([worker], f32, cpu)
     assert "cannot check" in caplog.text
+
+
+@pytest.mark.parametrize("correction", ["tis", "mis"])
+def test_grpo_with_a_rollout_correction(correction):
+    """rollout_correction: each token weighed by the learner's and the engine's probability ratio; the fidelity
+    report carries the ratio band's share and which correction ran."""
+    torch.manual_seed(0)
+    policy = tiny_hf_model("llama", seed=1)
+    client = RolloutClient.local(policy, backend="torch", dtype="float32", enable_cuda_graphs=False,
+                                 kv_cache_memory_gb=0.01, max_num_seqs=16)
+    cfg = GRPOConfig(group_size=4, prompts_per_step=2, max_tokens=6, lr=1e-3, seed=3, rollout_correction=correction,
+                     correction_cap=1.5)
+    learner = GRPOLearner(policy, client, cfg, prompt_fn=lambda p: [1, 2 + p, 3],
+                          reward_fn=lambda r: float(np.mean([t % 2 == 0 for t in r.token_ids])))
+    before = {k: v.clone() for k, v in learner.policy.state_dict().items()}
+    row = learner.step([0, 1])
+    assert math.isfinite(row["loss"]) and row["trained_samples"] > 0
+    assert any(not torch.equal(v, before[k]) for k, v in learner.policy.state_dict().items())
+    (report,) = [f for f in client.info()["fidelity"] if f["version"] == 0]
+    assert report["rollout_correction"] == correction and report["ratio_cap"] == 1.5
+    assert report["ratio_outside_share"] == 0.0  # fp32 engine and learner on the same weights: ratios ~1
+    client.close()
+
+
+def test_grpo_config_refuses_an_unknown_correction():
+    with pytest.raises(ValueError, match="rollout_correction='is'"):
+        GRPOConfig(rollout_correction="is")
+    with pytest.raises(ValueError, match="correction_cap=1"):
+        GRPOConfig(correction_cap=1)

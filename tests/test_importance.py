@@ -40,3 +40,19 @@ def test_ratio_report():
     assert rep["ratio_max"] == pytest.approx(2.0, rel=1e-5) and rep["ratio_outside_share"] == pytest.approx(3 / 5)  # 0.4, 2.0 and 0.52 < 1/1.9
     assert rep["ratio_mean"] == pytest.approx((1 + 1.8 + 0.4 + 2 + 0.52) / 5, rel=1e-5)
     assert ratio_report([], [])["ratio_max"] is None
+
+
+def test_the_corrected_loss_weighs_each_tokens_gradient_by_its_importance_weight():
+    """With the learner's weights the ones the engine sampled with, the gradient is -A sum_t w_t grad lp_t."""
+    from rollout_service.training.loss import corrected_pg_loss
+    logits = torch.tensor([[0.3, -1.0, 2.0], [1.5, 0.2, -0.4], [0.0, 0.1, 0.2]], requires_grad=True)
+    tokens = torch.tensor([2, 0, 1])
+    lp = torch.log_softmax(logits, -1).gather(1, tokens[:, None])[:, 0]
+    rollout = lp.detach() + torch.tensor([0.0, 0.9, -0.9])  # ratios 1, e^-0.9 = 0.41, e^0.9 = 2.46
+    for mode, w in (("tis", [1.0, 0.4066, 2.0]), ("mis", [1.0, 0.0, 0.0])):
+        logits.grad = None
+        corrected_pg_loss(lp, rollout, 1.5, 0.2, mode, 2.0).backward(retain_graph=True)
+        got = logits.grad.clone()
+        logits.grad = None
+        (-1.5 * (torch.tensor(w) * lp).sum()).backward(retain_graph=True)
+        torch.testing.assert_close(got, logits.grad, rtol=1e-3, atol=1e-6)
