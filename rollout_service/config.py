@@ -79,9 +79,16 @@ class EngineConfig:
     # product on fixed row tiles, attention in one fixed order per query (ops/invariant.py on the torch
     # backend, ops/invariant_cuda.py on the cuda backend, with CUDA graphs).
     batch_invariant: bool = False
+    # "fp8": the attention and MLP projections run as float8 e4m3 products with per-channel weight scales and
+    # per-token activation scales, quantized from the model dtype at load and at every refresh
+    # (model/quantize.py); embeddings, norms, router and LM head stay in the model dtype. Needs a bf16/fp16
+    # model (and FP8 tensor cores on a GPU; the torch backend computes the same arithmetic anywhere).
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         c = "EngineConfig"
+        if self.quantization not in (None, "fp8"):
+            _fail(c, "quantization", self.quantization, "must be None or 'fp8'")
         if self.load_format not in ("auto", "dummy"):
             _fail(c, "load_format", self.load_format, "must be 'auto' or 'dummy'")
         if self.backend not in ENGINE_BACKENDS:

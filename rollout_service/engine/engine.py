@@ -77,7 +77,7 @@ class Engine(DecodeSteps, FaultIsolation):
         loaded = load_model(source, dtype=dtype, device=self.device, backend=self.backend, tokenizer=tokenizer,
                             load_format=config.load_format,
                             exact_prefill_attention=config.exact_prefill_attention,
-                            batch_invariant=config.batch_invariant)
+                            batch_invariant=config.batch_invariant, quantization=config.quantization)
         self.model, self.hf_config, self.tokenizer = loaded.model, loaded.hf_config, loaded.tokenizer
         if config.batch_invariant and self.backend == "cuda":
             self.model.ops.check_model(self.hf_config, next(self.model.parameters()).dtype, config.page_size)
@@ -341,7 +341,9 @@ class Engine(DecodeSteps, FaultIsolation):
             for name, p in self.model.named_parameters():
                 h.update(name.encode())
                 # a copy: exporting a parameter's own storage to numpy would make it non-resizable (sleep)
-                h.update(p.detach().reshape(-1).view(torch.uint8).to("cpu", copy=True).numpy().tobytes())
+                for t in (p, getattr(p, "fp8_scale", None)):  # an FP8 weight runs with its scales
+                    if t is not None:
+                        h.update(t.detach().reshape(-1).view(torch.uint8).to("cpu", copy=True).numpy().tobytes())
         return h.hexdigest()
 
     # ---- sleep / wake (engine/sleep.py) --------------------------------------------------------------
@@ -387,7 +389,7 @@ class Engine(DecodeSteps, FaultIsolation):
             "recomputes": c.recomputes, "preemptions": self.scheduler.num_preemptions,
             "overlapped_steps": c.overlapped_steps,
             "generated_tokens": c.generated_tokens, "backend": self.backend, "device": str(self.device),
-            "batch_invariant": self.config.batch_invariant,
+            "batch_invariant": self.config.batch_invariant, "quantization": self.config.quantization,
             "dtype": str(next(self.model.parameters()).dtype).removeprefix("torch."),
             "sleep_level": self.sleeper.level, "weights": self.sleeper.parking.state,
             "device_memory_bytes": self.sleeper.device_memory(), "graph_capture_s": self.runner.capture_s,

@@ -41,6 +41,12 @@ def fuse_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor |
     return weight, bias
 
 
+def project(ops: Ops, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+            scale: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight.T (+ bias): an FP8 product when the weight was quantized (`scale`: its per-channel scales)."""
+    return ops.linear(x, weight, bias) if scale is None else ops.fp8_linear(x, weight, scale, bias)
+
+
 class RMSNorm(nn.Module):
     """Holds the weight; the computation is the ops backend's."""
 
@@ -69,6 +75,7 @@ class Attention(nn.Module):
         self.qk_norm = flags.qk_norm
         self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self.qkv_sizes = [self.num_heads * self.head_dim] + [self.num_kv_heads * self.head_dim] * 2
+        self.qkv_scale = self.o_scale = None  # per-channel scales once the weights are FP8 (model/quantize.py)
 
     def fuse(self) -> None:
         self.qkv = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
@@ -79,7 +86,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         tokens = x.shape[0]
         if self.qkv is not None:
-            q, k, v = self.ops.linear(x, *self.qkv).split(self.qkv_sizes, dim=-1)
+            q, k, v = project(self.ops, x, *self.qkv, self.qkv_scale).split(self.qkv_sizes, dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q = q.view(tokens, self.num_heads, self.head_dim)
@@ -91,7 +98,7 @@ class Attention(nn.Module):
         q = self.ops.rope_and_write_kv(q, k, v, positions, cos_sin, kv_layer, meta.slot_mapping)
         out = self.ops.attention(q, kv_layer, meta, self.scale)
         out = out.reshape(tokens, self.num_heads * self.head_dim)
-        return self.ops.linear(out, self.o_proj.weight, self.o_proj.bias)
+        return project(self.ops, out, self.o_proj.weight, self.o_proj.bias, self.o_scale)
 
 
 class MLP(nn.Module):
@@ -103,16 +110,19 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden, inter, bias=flags.mlp_bias)
         self.down_proj = nn.Linear(inter, hidden, bias=flags.mlp_bias)
         self.gate_up: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self.gate_up_scale = self.down_scale = None  # per-channel scales once the weights are FP8
 
     def fuse(self) -> None:
         self.gate_up = fuse_linears([self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up is not None:
+        if self.gate_up_scale is not None:
+            x = self.ops.silu_and_mul(project(self.ops, x, *self.gate_up, self.gate_up_scale))
+        elif self.gate_up is not None:
             x = self.ops.gated_linear(x, *self.gate_up)
         else:
             x = F.silu(self.gate_proj(x)) * self.up_proj(x)
-        return self.ops.linear(x, self.down_proj.weight, self.down_proj.bias)
+        return project(self.ops, x, self.down_proj.weight, self.down_proj.bias, self.down_scale)
 
 
 class DecoderLayer(nn.Module):

@@ -22,6 +22,7 @@ from rollout_service.config import DTYPE_ALIASES, DTYPE_NAMES
 from rollout_service.model.decoder import DecoderLM
 from rollout_service.model.gguf_cache import converted_folder, read_gguf
 from rollout_service.model.moe import check_moe_backend
+from rollout_service.model.quantize import check_quantization, quantize_fp8
 from rollout_service.model.registry import arch_flags, moe_spec
 from rollout_service.model.weight_update import apply_named_tensors, resolve_named_tensors
 from rollout_service.ops.backend import resolve_backend, select_ops
@@ -73,8 +74,10 @@ def load_model(
     load_format: str = "auto",
     exact_prefill_attention: bool = False,
     batch_invariant: bool = False,
+    quantization: str | None = None,
 ) -> LoadedModel:
-    """Load weights + config (+ tokenizer when the source has one) into a DecoderLM on `device`."""
+    """Load weights + config (+ tokenizer when the source has one) into a DecoderLM on `device`; quantized
+    when asked (model/quantize.py)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format={load_format!r}; choose one of {LOAD_FORMATS}")
     torch_dtype = resolve_dtype(dtype, device)
@@ -87,10 +90,13 @@ def load_model(
     arch_flags(config)  # unsupported architecture -> ValueError before any allocation
     check_moe_backend(moe_spec(config), config.model_type, backend, batch_invariant)
     model = DecoderLM.empty(config, torch_dtype, device, ops)
+    check_quantization(quantization, torch_dtype, torch.device(device), model.num_moe_layers, batch_invariant)
     if state is None:
         _fill_random(model, config)
     else:
         _load_full_state(model, state)
+    if quantization == "fp8":
+        quantize_fp8(model)
     model.eval()
     return LoadedModel(model, config, tokenizer if tokenizer is not None else found_tokenizer)
 

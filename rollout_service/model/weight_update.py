@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from rollout_service.model.expert_names import ExpertPart, part_view, parts_of, resolve
+from rollout_service.model.quantize import copy_quantized
 
 
 @dataclass(frozen=True)
@@ -136,7 +137,11 @@ def validate_manifest(model: nn.Module, entries: Iterable, partial: bool = False
 
 @torch.no_grad()
 def apply_named_tensors(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Copy validated values in place (cast to the model's dtype and device), keeping parameter identity.
-    Copies into GPU parameters are queued, not waited for: the caller synchronises once at the end."""
+    """Copy validated values in place (cast to the model's dtype and device; quantized into an FP8 parameter:
+    model/quantize.py), keeping parameter identity. Copies into GPU parameters are queued, not waited for: the
+    caller synchronises once at the end."""
     for dest, tensor in pairs:
-        dest.copy_(tensor, non_blocking=dest.is_cuda)
+        if hasattr(dest, "fp8_scale"):
+            copy_quantized(dest, tensor)
+        else:
+            dest.copy_(tensor, non_blocking=dest.is_cuda)

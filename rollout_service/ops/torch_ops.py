@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from rollout_service.ops import attention, moe, norm, rope, sampling
+from rollout_service.ops import attention, fp8, moe, norm, rope, sampling
 
 
 class TorchOps:
@@ -29,6 +29,12 @@ class TorchOps:
     def gated_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """silu_and_mul of the fused gate_up projection: weight [2I, H] holds the gate rows, then the up rows."""
         return self.silu_and_mul(self.linear(x, weight, bias))
+
+    def fp8_linear(self, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ weight.T (+ bias) with an e4m3 weight and per-output-channel scales; x quantized per token
+        (ops/fp8.py)."""
+        return fp8.linear(x, weight, weight_scale, bias)
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of a fused [T, 2I] gate_up projection (gate half first); silu rounds to the dtype."""
