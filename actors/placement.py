@@ -1,16 +1,16 @@
-"""Where the workers run: one placement group with one resource bundle per worker.
+"""Where a worker runs: the resource bundle it reserves (actors/slots.py holds the placement groups of those
+bundles), and the actor started in one.
 
 With `colocate: true` a bundle is shared by a worker and one learner: each takes half of its CPUs and GPUs
 (custom resources and memory stay with the worker), so the two land on the same node and the same GPU.
 """
 from __future__ import annotations
 
-import asyncio
+from typing import Any, Callable
 
-import ray
-from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from actors.slots import Slot
 from rollout_service.config import ServiceConfig
 
 
@@ -31,43 +31,34 @@ def colocated_share(config: ServiceConfig) -> dict:
     return {"num_cpus": bundle.get("CPU", 0) / 2, "num_gpus": bundle.get("GPU", 0) / 2}
 
 
-def learner_options(config: ServiceConfig, pg: object, i: int) -> dict:
-    """`SomeActor.options(**kw)` that put an actor in worker i's bundle, on the half the worker leaves."""
+def learner_options(config: ServiceConfig, slot: Slot) -> dict:
+    """`SomeActor.options(**kw)` that put an actor in a worker's bundle, on the half the worker leaves."""
     return {**colocated_share(config),
-            "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)}
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(slot.group,
+                                                                    placement_group_bundle_index=slot.bundle)}
 
 
-async def create_workers(config: ServiceConfig, reward_actors: list | None = None) -> tuple[list, object]:
-    """Reserve the bundles (or fail with what the cluster lacks), then start one worker per bundle. Each
-    worker gets the service's default reward and the reward actors (actors/reward_pool.py), if any."""
+def start_worker(config: ServiceConfig, slot: Slot, i: int, reward_actors: list,
+                 engine_factory: Callable[[dict], Any] | None = None) -> Any:
+    """Worker i's actor, in `slot`'s bundle, with the service's default reward and the reward actors
+    (actors/reward_pool.py). `engine_factory`: benchmarks only (rollout_service/bench/fabricated.py)."""
     from actors.rollout_worker import RolloutWorkerActor
 
-    n, bundle = int(config.num_workers), worker_bundle(config)
-    pg = placement_group([dict(bundle) for _ in range(n)], strategy=config.placement.strategy,
-                         name=f"{config.name}-workers")
-    try:
-        await asyncio.wait_for(asyncio.wrap_future(pg.ready().future()), config.placement.timeout_s)
-    except asyncio.TimeoutError:
-        remove_placement_group(pg)
-        raise ValueError(
-            f"cannot place {n} rollout worker(s) of {bundle} with strategy {config.placement.strategy} "
-            f"within {config.placement.timeout_s}s; cluster resources: {ray.cluster_resources()}")
+    bundle = worker_bundle(config)
     # (Ray restarts an actor with the options it was created with: a restarted worker keeps its share)
     share = colocated_share(config) if config.colocate else {"num_cpus": bundle.get("CPU", 0),
                                                              "num_gpus": bundle.get("GPU", 0)}
-    workers = []
-    for i in range(n):
-        opts = dict(**share,
-                    resources={k: v for k, v in bundle.items() if k not in ("CPU", "GPU", "memory")},
-                    scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
-                    max_restarts=config.max_restarts, max_task_retries=0,
-                    max_concurrency=config.max_concurrency, name=None,
-                    # transformers' GGUF conversion bar is plain tqdm; through Ray's log forwarding its
-                    # carriage returns become blank "(RolloutWorker pid=...)" lines. tqdm reads this at import.
-                    runtime_env={"env_vars": {"TQDM_DISABLE": "1"}})
-        if "memory" in bundle:
-            opts["memory"] = bundle["memory"]
-        engine = config.engine.to_dict() if isinstance(config.engine.model, str) else vars(config.engine)
-        workers.append(RolloutWorkerActor.options(**opts).remote(dict(engine), i, reward=config.reward,
-                                                                 reward_actors=list(reward_actors or [])))
-    return workers, pg
+    opts = dict(**share,
+                resources={k: v for k, v in bundle.items() if k not in ("CPU", "GPU", "memory")},
+                scheduling_strategy=PlacementGroupSchedulingStrategy(slot.group, placement_group_bundle_index=slot.bundle),
+                max_restarts=config.max_restarts, max_task_retries=0,
+                max_concurrency=config.max_concurrency, name=None,
+                # transformers' GGUF conversion bar is plain tqdm; through Ray's log forwarding its
+                # carriage returns become blank "(RolloutWorker pid=...)" lines. tqdm reads this at import.
+                runtime_env={"env_vars": {"TQDM_DISABLE": "1"}})
+    if "memory" in bundle:
+        opts["memory"] = bundle["memory"]
+    engine = config.engine.to_dict() if isinstance(config.engine.model, str) else vars(config.engine)
+    extra = {"engine_factory": engine_factory} if engine_factory is not None else {}
+    return RolloutWorkerActor.options(**opts).remote(dict(engine), i, reward=config.reward,
+                                                     reward_actors=list(reward_actors), **extra)

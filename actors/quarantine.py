@@ -151,15 +151,23 @@ class Suspect:
 class Quarantine:
     """The router's side: per worker, the user code its last poll reply said was running."""
 
-    def __init__(self, num_workers: int):
-        self._seen = [_Seen() for _ in range(num_workers)]
+    def __init__(self) -> None:
+        self._seen: dict[int, _Seen] = {}
+
+    def _at(self, i: int) -> _Seen:
+        return self._seen.setdefault(i, _Seen())
+
+    def forget(self, i: int) -> None:
+        """Worker i was removed (or replaced): what its process ran no longer matters."""
+        self._seen.pop(i, None)
 
     def confirmation(self, i: int, incarnation: str | None) -> tuple[str | None, int]:
         """What worker i's next poll confirms (a restarted worker ignores its predecessor's confirmation)."""
-        return incarnation, self._seen[i].seq if self._seen[i].incarnation == incarnation else 0
+        s = self._at(i)
+        return incarnation, s.seq if s.incarnation == incarnation else 0
 
     def read(self, i: int, incarnation: str, report: dict) -> None:
-        s = self._seen[i]
+        s = self._at(i)
         if s.incarnation != incarnation:
             self._seen[i] = s = _Seen(incarnation)
         s.seq, s.calls = report["seq"], report["calls"]
@@ -167,14 +175,15 @@ class Quarantine:
     def overdue(self, i: int, timeout_s: float) -> list[list]:
         """Calls on worker i that have run longer than `timeout_s`; marks their requests to be quarantined
         when the worker goes down (the router restarts it)."""
-        late = [c for c in self._seen[i].calls if c[2] > timeout_s]
-        self._seen[i].wedged.update(c[0] for c in late)
+        s = self._at(i)
+        late = [c for c in s.calls if c[2] > timeout_s]
+        s.wedged.update(c[0] for c in late)
         return late
 
     def on_death(self, i: int) -> list[Suspect]:
         """Worker i went down: the requests whose user code it was running (one each), those that caused the
         death only when it is known. Forgets what worker i was running."""
-        s, self._seen[i] = self._seen[i], _Seen()
+        s, self._seen[i] = self._at(i), _Seen()
         whats = {rid: what for rid, what, _, _ in s.calls}
         exited = {rid for rid, _, _, exits in s.calls if exits}
         if s.wedged or exited:  # the others' code did nothing wrong

@@ -2,8 +2,10 @@
 runs, and what happens when the worker goes down. Its requests go to live workers, request by request (but
 those whose user code took it down are quarantined: actors/quarantine.py); Ray restarts it (new incarnation,
 empty engine); it replays the weight refreshes (actors/refresh.py), or waits for the learner's next full
-push; it is paused or put to sleep as the others are; then it serves again. A worker that cannot come back is
-given up with the reason in the log. Nothing a worker or a result does ends a worker's loop.
+push; it is paused or put to sleep as the others are; then it serves again. A worker that cannot come back (no
+restarts left, an engine that fails to build, its node dead: actors/nodes.py) is given up with the reason in the
+log and in info()["gone_reasons"]. Nothing a worker or a result does ends a worker's loop; it ends when the
+worker is given up, replaced or removed (actors/scaling.py).
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from ray.exceptions import ActorDiedError, RayTaskError
 
 from actors.control import Control
 from actors.dispatch import Dispatcher
+from actors.nodes import node_dead, until_node_dead
 from actors.quarantine import Quarantine
 from actors.refresh import RefreshCoordinator
 from actors.remote_errors import ACTOR_DOWN, error_text, is_down
@@ -27,33 +30,42 @@ RESTART_TIMEOUT_S = 900.0  # a worker that Ray has not brought back by then is g
 class Recovery:
     def __init__(self, workers: WorkerTable, dispatcher: Dispatcher, refresh: RefreshCoordinator, control: Control,
                  quarantine: Quarantine, user_code_timeout_s: float, max_restarts: int, counters: dict,
-                 closed: Callable[[], bool], log: Callable[[str], None]):
+                 closed: Callable[[], bool], log: Callable[[str], None], on_gone: Callable[[int], None]):
+        """`on_gone(i)`: worker i was given up (its bundle is released)."""
         self.workers, self.dispatcher, self.refresh, self.control = workers, dispatcher, refresh, control
         self.quarantine, self.user_code_timeout_s, self.max_restarts = quarantine, user_code_timeout_s, max_restarts
-        self.counters, self._closed, self._log = counters, closed, log
+        self.counters, self._closed, self._log, self._on_gone = counters, closed, log, on_gone
+
+    def watching(self, i: int, generation: int) -> bool:
+        """Worker i of that generation is still the router's to watch."""
+        return not self._closed() and self.workers.current(i, generation) and not self.workers.gone[i]
 
     # -- collecting results -----------------------------------------------------------------------
-    async def poll_loop(self, i: int) -> None:
+    async def poll_loop(self, i: int, generation: int = 0) -> None:
         """Collect worker i's results for as long as the service runs. A fault in here is logged and the loop
         goes on: were it to end, the worker would be lost to the service."""
-        while not self._closed() and not self.workers.gone[i]:
+        while self.watching(i, generation):
             try:
-                await self._poll(i)
+                await self._poll(i, generation)
             except Exception as e:
+                if not self.watching(i, generation):
+                    return  # removed meanwhile (actors/scaling.py)
                 self._log(f"worker {i}: {error_text(e)} while collecting its results; carrying on")
                 await asyncio.sleep(0.5)
 
-    async def _poll(self, i: int) -> None:
+    async def _poll(self, i: int, generation: int) -> None:
         w = self.workers
         try:
             incarnation, results, running = await w.handles[i].poll.remote(
                 0.5, self.quarantine.confirmation(i, w.incarnation[i]))
         except ACTOR_DOWN:
-            return await self.worker_down(i)
+            if not self.watching(i, generation):
+                return  # the router ended it (removed)
+            return await self.worker_down(i, generation)
         except RayTaskError as e:  # the engine loop failed: restart the actor
-            return await self._restart(i, f"worker {i} failed ({error_text(e)}); restarting it")
+            return await self._restart(i, generation, f"worker {i} failed ({error_text(e)}); restarting it")
         if incarnation != w.incarnation[i]:  # restarted between two polls
-            return await self.worker_down(i)
+            return await self.worker_down(i, generation)
         self.quarantine.read(i, incarnation, running)
         for r in results:
             try:
@@ -63,17 +75,18 @@ class Recovery:
         late = self.quarantine.overdue(i, self.user_code_timeout_s)
         if late:
             rid, what, seconds, _ = late[0]
-            await self._restart(i, f"worker {i} is wedged: the {what} of request {rid} has run for {seconds:.0f} s "
-                                   f"(user_code_timeout_s={self.user_code_timeout_s:g}); restarting it")
+            await self._restart(i, generation, f"worker {i} is wedged: the {what} of request {rid} has run for "
+                                               f"{seconds:.0f} s (user_code_timeout_s={self.user_code_timeout_s:g}); "
+                                               "restarting it")
 
-    async def _restart(self, i: int, why: str) -> None:
+    async def _restart(self, i: int, generation: int, why: str) -> None:
         self._log(why)
         self.workers.killed[i] = self.workers.incarnation[i]  # until it is gone, that process may answer health()
         ray.kill(self.workers.handles[i], no_restart=False)
-        await self.worker_down(i)
+        await self.worker_down(i, generation)
 
     # -- a worker down ----------------------------------------------------------------------------
-    async def worker_down(self, i: int) -> None:
+    async def worker_down(self, i: int, generation: int) -> None:
         if self.workers.mark_down(i):
             self.counters["worker_deaths"] += 1
         self._quarantine_suspects(i)
@@ -81,7 +94,7 @@ class Recovery:
         if lost:
             self.counters["resubmitted"] += len(lost)
             await self.dispatcher.dispatch(lost)
-        await self._recover(i)
+        await self._recover(i, generation)
 
     def _quarantine_suspects(self, i: int) -> None:
         """Worker i went down while running user code: end the requests it was running for, or give them a
@@ -97,16 +110,18 @@ class Recovery:
                 self.counters["quarantined"] += 1
                 self.dispatcher.fail(t.request.request_id, why)
 
-    async def _recover(self, i: int) -> None:
+    async def _recover(self, i: int, generation: int) -> None:
         """Wait for Ray to restart worker i, give it the current weights and put it back in service; or give it
         up, saying why."""
         deadline = time.monotonic() + RESTART_TIMEOUT_S
-        while not self._closed():
+        while self.watching(i, generation):
             try:
-                if await self._restore(i, await self._health_when_back(i, deadline)):
+                if await self._restore(i, await self._back_unless_node_dead(i, deadline)):
                     return
             except ActorDiedError:
-                return self._give_up(i, f"Ray restarts it no more (max_restarts={self.max_restarts})")
+                node = self.workers.places[i].get("node_id")
+                return self._give_up(i, _node_died(node) if await node_dead(node) else
+                                     f"Ray restarts it no more (max_restarts={self.max_restarts})")
             except asyncio.TimeoutError:
                 return self._give_up(i, f"it was not back {RESTART_TIMEOUT_S:g} s after it went down")
             except _CannotServe as e:
@@ -116,6 +131,20 @@ class Recovery:
             except Exception as e:
                 self._log(f"worker {i} came back but could not be put in service ({error_text(e)}); trying again")
                 await asyncio.sleep(1.0)
+
+    async def _back_unless_node_dead(self, i: int, deadline: float) -> dict:
+        """Worker i's health() once Ray has restarted it; _CannotServe as soon as its node is declared dead."""
+        node = self.workers.places[i].get("node_id")
+        back = asyncio.ensure_future(self._health_when_back(i, deadline))
+        lost = asyncio.ensure_future(until_node_dead(node))
+        try:
+            await asyncio.wait({back, lost}, return_when=asyncio.FIRST_COMPLETED)
+            if back.done():
+                return back.result()
+            raise _CannotServe(_node_died(node))
+        finally:
+            back.cancel()
+            lost.cancel()
 
     async def _health_when_back(self, i: int, deadline: float) -> dict:
         """Worker i's health() as soon as it answers. A call made while Ray restarts the actor fails only ~2 s
@@ -162,12 +191,18 @@ class Recovery:
             has = has if reached is None else reached  # a refresh landed meanwhile: catch up with it
 
     def _give_up(self, i: int, reason: str) -> None:
-        self.workers.gone[i] = True
-        self.workers.mark_down(i)
+        self.workers.mark_gone(i, reason)
         self._log(f"worker {i} is gone for good: {reason}")
         ray.kill(self.workers.handles[i])  # no restart: free its resources
+        self._on_gone(i)
         if all(self.workers.gone):
             self.dispatcher.fail_all("every rollout worker is gone")
+
+    async def admit(self, i: int, h: dict) -> None:
+        """A new worker (actors/scaling.py) whose health() is `h`: brought to the current weights (or left
+        waiting for the learner's next full refresh), paused or asleep as the others are, then serving."""
+        while not await self._restore(i, h):
+            h = await self.workers.handles[i].health.remote()
 
     async def back_in_service(self, i: int) -> None:
         """Worker i runs the current weights: dispatch to it again, starting with requests that waited."""
@@ -177,6 +212,10 @@ class Recovery:
         waiting = ledger.on_worker(None) + ledger.on_worker(i)
         if waiting:
             await self.dispatcher.dispatch(waiting)
+
+
+def _node_died(node: str | None) -> str:
+    return f"its node {node} died (Ray's health checks of its raylet failed); its requests went to the other workers"
 
 
 class _CannotServe(Exception):

@@ -18,7 +18,7 @@ import os
 import threading
 import time
 import uuid
-from typing import Any
+from typing import Any, Callable
 
 import ray
 
@@ -33,7 +33,10 @@ from rollout_service.weights.receiver import WeightReceiver
 
 class RolloutWorker:
     def __init__(self, engine_config: dict, worker_index: int = 0, model_source: Any = None,
-                 reward: str | None = None, reward_actors: list | None = None):
+                 reward: str | None = None, reward_actors: list | None = None,
+                 engine_factory: Callable[[dict], Any] | None = None):
+        """`engine_factory(engine_config)`: builds the engine instead of Engine(...); for the control-plane
+        benchmark's fabricating engine only (rollout_service/bench/fabricated.py), which no config can name."""
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()  # N workers' load bars would interleave in the driver's log
@@ -42,9 +45,8 @@ class RolloutWorker:
         self.incarnation = uuid.uuid4().hex
         self.startup_error: str | None = None
         try:
-            from rollout_service.config import EngineConfig
-            from rollout_service.engine.engine import Engine
-            engine = Engine(EngineConfig.from_dict(dict(engine_config)), model_source=model_source)
+            engine = (engine_factory(dict(engine_config)) if engine_factory is not None
+                      else _build_engine(engine_config, model_source))
         except Exception as e:
             self.startup_error = " ".join(error_text(e).split())
             return
@@ -186,6 +188,12 @@ class RolloutWorker:
         self._watch.close()
         self.host.close()
         self.receiver.leave()
+
+
+def _build_engine(engine_config: dict, model_source: Any) -> Any:
+    from rollout_service.config import EngineConfig
+    from rollout_service.engine.engine import Engine
+    return Engine(EngineConfig.from_dict(dict(engine_config)), model_source=model_source)
 
 
 RolloutWorkerActor = ray.remote(RolloutWorker)

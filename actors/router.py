@@ -7,24 +7,28 @@ the rollout workers and streams their results back. Each concern has its own fil
   resubmitted (or quarantined: actors/quarantine.py), is restarted by Ray, catches up and serves again;
 - actors/refresh.py: weight refreshes, on every worker or none;
 - actors/control.py: pause and resume, sleep and wake-up for a colocated learner;
+- actors/scaling.py: the workers started, added, replaced and removed (actors/slots.py: their placement groups);
 - here: leases (a client that stops renewing its streams or its sleep is gone: they are cancelled or ended),
   fidelity reports, stats and info, start-up and shutdown.
 """
 from __future__ import annotations
 
 import asyncio
+from typing import Any, Callable
 
 import ray
 
 from actors.control import Control
 from actors.dispatch import Dispatcher
 from actors.ledger import Ledger
-from actors.placement import create_workers, learner_options
+from actors.placement import learner_options
 from actors.quarantine import Quarantine
 from actors.recovery import Recovery
 from actors.refresh import RefreshCoordinator
 from actors.remote_errors import error_text
 from actors.reward_pool import create_reward_actors, kill_reward_actors
+from actors.scaling import Scaler
+from actors.slots import Slots
 from actors.workers import WorkerTable
 from rollout_service.config import ServiceConfig
 from rollout_service.fidelity import FidelityLog
@@ -32,15 +36,16 @@ from rollout_service.types import RolloutResult
 
 
 class Router:
-    def __init__(self, config: ServiceConfig):
+    def __init__(self, config: ServiceConfig, engine_factory: Callable[[dict], Any] | None = None):
+        """`engine_factory`: the workers' engine, for the control-plane benchmark only (actors/rollout_worker.py);
+        no config can name one."""
         self.config = config
-        n = int(config.num_workers)
-        self.table = WorkerTable(n)
-        self.placement_group = None
+        self.table = WorkerTable()
+        self.slots = Slots()
         self.reward_actors: list = []
         self.ledger = Ledger()
         self.counters = {"resubmitted": 0, "stale_regenerated": 0, "worker_deaths": 0, "streams_expired": 0,
-                         "sleep_expired": 0, "quarantined": 0}
+                         "sleep_expired": 0, "quarantined": 0, "handed_back": 0}
         self._closed = False
         self._tasks: list[asyncio.Task] = []
         # seconds without a renewal after which a client's streams are cancelled and its sleep ends
@@ -50,40 +55,42 @@ class Router:
                                      self.counters, self._spawn, self._log)
         self.control = Control(self.table, float(config.client_lease_s), self.counters, self._log)
         self.refresh = RefreshCoordinator(self.table, self._log, lambda i: self.recovery.back_in_service(i))
-        self.recovery = Recovery(self.table, self.dispatcher, self.refresh, self.control, Quarantine(n),
+        quarantine = Quarantine()
+        self.recovery = Recovery(self.table, self.dispatcher, self.refresh, self.control, quarantine,
                                  float(config.user_code_timeout_s), config.max_restarts, self.counters,
-                                 lambda: self._closed, self._log)
+                                 lambda: self._closed, self._log, self._release_slot)
+        self.scaler = Scaler(config, self.table, self.slots, self.recovery, self.dispatcher, self.control, quarantine,
+                             self._watch, self.counters, self._log, engine_factory)
 
     @property
     def workers(self) -> list:
         """The workers' actor handles."""
         return self.table.handles
 
-    # -- start-up ---------------------------------------------------------------------------------
+    # -- start-up and scaling (actors/scaling.py) ---------------------------------------------------
     async def start(self) -> str | None:
         """Place the workers (and the reward actors they share, if any) and wait until each has built its
         engine; returns an error message or None."""
-        self.reward_actors = create_reward_actors(self.config)
-        try:
-            self.table.handles, self.placement_group = await create_workers(self.config, self.reward_actors)
-        except ValueError as e:
-            return str(e)
-        healths = await asyncio.gather(*[w.health.remote() for w in self.workers], return_exceptions=True)
-        failed = []
-        for i, h in enumerate(healths):
-            reason = error_text(h) if isinstance(h, BaseException) else h["startup_error"]
-            if reason:
-                failed.append((i, reason))
-            else:
-                self.table.on_health(i, h)
-                self.table.alive[i] = True
-        if failed:
-            (i, reason), more = failed[0], len(failed) - 1
-            return f"rollout worker {i}{f' (and {more} more)' if more else ''} failed to start: {reason}"
-        loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self.recovery.poll_loop(i)) for i in range(len(self.table))]
-        self._tasks.append(loop.create_task(self._lease_loop()))
-        return None
+        self.reward_actors = self.scaler.reward_actors = create_reward_actors(self.config)
+        err = await self.scaler.start(int(self.config.num_workers))
+        if err is None:
+            self._tasks.append(asyncio.get_running_loop().create_task(self._lease_loop()))
+        return err
+
+    async def scale(self, num_workers: int, drain_s: float = 60.0, timeout_s: float | None = None) -> str | None:
+        """num_workers from now on: added, gone ones replaced, the last ones drained and removed; an error
+        message (the service as it was) or None."""
+        if self._closed:
+            return "the service is closed"
+        return await self.scaler.scale(num_workers, drain_s, timeout_s)
+
+    def _watch(self, i: int, generation: int) -> None:
+        self._spawn(self.recovery.poll_loop(i, generation))
+
+    def _release_slot(self, i: int) -> None:
+        if self.table.slots[i] is not None:
+            self.slots.release(self.table.slots[i])
+            self.table.slots[i] = None
 
     # -- requests and streams ---------------------------------------------------------------------
     async def submit(self, items: list) -> dict:
@@ -193,7 +200,9 @@ class Router:
         n = len(self.table)
         if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < n:
             return None, f"colocated_options: worker={i!r} must be an int in [0, {n})"
-        return learner_options(self.config, self.placement_group, i), None
+        if self.table.slots[i] is None:
+            return None, f"colocated_options: worker {i} is gone ({self.table.why_gone[i]}); scale() replaces it"
+        return learner_options(self.config, self.table.slots[i]), None
 
     def report_fidelity(self, version: int, report: dict) -> str | None:
         """A learner's measure of how its log-probs match the rollouts of policy `version`: kept (the last 256)
@@ -213,6 +222,7 @@ class Router:
         t = self.table
         return {"name": self.config.name, "policy_version": self.refresh.version, "num_workers": len(t),
                 "alive": list(t.alive), "awaiting_weights": list(t.awaiting), "gone": list(t.gone),
+                "gone_reasons": list(t.why_gone), "draining": list(t.draining),
                 "in_flight": len(self.ledger.tracked), "streams": len(self.ledger.streams),
                 "paused": self.control.paused, "asleep": self.control.asleep, "loads": self.ledger.loads(len(t)),
                 "duplicates_dropped": self.ledger.duplicates_dropped, "colocate": self.config.colocate,
@@ -229,8 +239,7 @@ class Router:
             except Exception:
                 pass
         kill_reward_actors(self.reward_actors)
-        if self.placement_group is not None:
-            ray.util.remove_placement_group(self.placement_group)
+        self.slots.release_all()
 
     def _spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)

@@ -3,6 +3,7 @@
     rollout-service run --config cluster_configs/local-cpu.yaml   # local Ray, roll out prompts, summary
     rollout-service serve --config cluster_configs/local-cpu.yaml # a named service that outlives the command
     rollout-service stats [--name N] [--wide | --json]            # per-worker stats of a running service
+    rollout-service scale --num-workers N [--name N]              # add or remove workers of a running service
     rollout-service stop [--name N]                               # shut a running service down
     rollout-service bench [...]                                   # the benchmark harness
     rollout-service build-kernels                                 # compile the CUDA kernels ahead of time
@@ -173,6 +174,18 @@ def cmd_stats(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_scale(args: argparse.Namespace) -> int:
+    from rollout_service.backends.ray import RayBackend
+    from rollout_service.client import RolloutClient
+    client = RolloutClient(RayBackend.connect(args.name, namespace=args.namespace, address=args.address))
+    before = client.info()["num_workers"]
+    client.scale(args.num_workers, drain_s=args.drain_s, timeout_s=args.timeout_s)
+    info = client.info()
+    console.print(f"rollout service {args.name!r}: {before} -> {info['num_workers']} worker(s), "
+                  f"{sum(info['alive'])} serving", highlight=False)
+    return 0
+
+
 def cmd_stop(args: argparse.Namespace) -> int:
     from rollout_service.backends.ray import RayBackend
     RayBackend.connect(args.name, namespace=args.namespace, address=args.address).shutdown()
@@ -222,13 +235,22 @@ def parser() -> argparse.ArgumentParser:
     shape.add_argument("--wide", action="store_true", help="more columns: memory, token counts, prefix cache, "
                                                             "device, node (wider than 80 columns)")
     shape.add_argument("--json", action="store_true", help="every counter of the service and its workers, as JSON")
+    sc = sub.add_parser("scale", help="add or remove workers of a running service (removed ones drain first)")
+    add_service_args(sc)
+    sc.add_argument("--num-workers", type=int, required=True, help="workers from now on (gone ones are replaced)")
+    sc.add_argument("--drain-s", type=float, default=60.0,
+                    help="seconds a removed worker may finish its requests before it hands the rest to the others "
+                         "(default: %(default)s)")
+    sc.add_argument("--timeout-s", type=float, default=None,
+                    help="seconds to place and start new workers before giving up, the service unchanged "
+                         "(default: the config's placement.timeout_s)")
     add_service_args(sub.add_parser("stop", help="shut a running service down"))
     sub.add_parser("bench", help="benchmark harness (arguments are passed through)", add_help=False)
     sub.add_parser("build-kernels", help="compile the CUDA kernels into the cache")
     return p
 
 
-COMMANDS = {"run": cmd_run, "serve": cmd_serve, "stats": cmd_stats, "stop": cmd_stop,
+COMMANDS = {"run": cmd_run, "serve": cmd_serve, "stats": cmd_stats, "scale": cmd_scale, "stop": cmd_stop,
             "build-kernels": cmd_build_kernels}
 
 

@@ -38,6 +38,11 @@ def _checked_request(i: int, prompt: Any, sampling: SamplingParams, apply_chat_t
         raise ValueError(f"{what}: {e}") from None
 
 
+def _check_seconds(what: str, v: Any, least: float) -> None:
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or not least <= v < 1e9:  # (NaN fails too)
+        raise ValueError(f"{what}={v!r} must be a number of seconds >= {least:g}")
+
+
 class RolloutClient:
     """Every argument is checked here, in the caller's process: bad input is a ValueError naming it."""
 
@@ -239,6 +244,20 @@ class RolloutClient:
 
     def wake_up(self) -> None:
         self._open.wake_up()
+
+    def scale(self, num_workers: int, *, drain_s: float = 60.0, timeout_s: float | None = None) -> None:
+        """Run `num_workers` rollout workers from now on (a Ray service). New ones (and replacements of workers
+        given up, e.g. with their node) are placed, catch up with the current weights and join paused or asleep
+        as the others are before they serve; if they cannot all be started within `timeout_s` (default: the
+        config's placement.timeout_s), none is and this raises ValueError, the service as it was. Removed ones
+        (the last ones first) get no new requests and finish theirs for up to `drain_s` seconds, then hand the
+        rest to the other workers; nothing is lost."""
+        if not isinstance(num_workers, int) or isinstance(num_workers, bool) or num_workers < 1:
+            raise ValueError(f"scale: num_workers={num_workers!r} must be an int >= 1")
+        _check_seconds("scale: drain_s", drain_s, 0.0)
+        if timeout_s is not None:
+            _check_seconds("scale: timeout_s", timeout_s, 1e-3)
+        self._open.scale(num_workers, float(drain_s), None if timeout_s is None else float(timeout_s))
 
     def pause(self) -> None:
         self._open.pause()

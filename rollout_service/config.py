@@ -169,8 +169,10 @@ class WorkerResources:
 
 @dataclass
 class Placement:
-    """How the workers' resource bundles are spread over nodes: one Ray placement group with one bundle
-    per worker. STRICT_SPREAD = one worker per node; PACK = as few nodes as possible."""
+    """How the workers' resource bundles are spread over nodes: the workers started together share one Ray
+    placement group, one bundle each (a later scale() that needs bundles adds a group: actors/slots.py).
+    STRICT_SPREAD = one worker per node; PACK = as few nodes as possible. `timeout_s`: how long a start or a
+    scale waits for its workers to be placed and built before it fails."""
 
     strategy: str = "PACK"
     timeout_s: float = 120.0

@@ -33,6 +33,9 @@ class Backend(Protocol):
 
     def wake_up(self) -> None: ...
 
+    def scale(self, num_workers: int, drain_s: float, timeout_s: float | None) -> None:
+        """num_workers workers from now on (ValueError, nothing changed, if they cannot all be placed in time)."""
+
     def pause(self) -> None:
         """Hold every engine at its next step boundary until resume()."""
 

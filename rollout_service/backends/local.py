@@ -123,6 +123,10 @@ class LocalBackend:
     def wake_up(self) -> None:
         self.host.wake_up()
 
+    def scale(self, num_workers: int, drain_s: float, timeout_s: float | None) -> None:
+        raise ValueError("scale: an in-process client has one engine; start a Ray service "
+                         "(RolloutClient.launch) to add or remove workers")
+
     def pause(self) -> None:
         self.host.pause()
 

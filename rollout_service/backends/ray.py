@@ -11,6 +11,7 @@ import uuid
 from typing import Any, Iterator
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from rollout_service.backends.ray_cluster import ensure_ray, starts_local_ray
 from rollout_service.backends.ray_resources import resolve_auto
@@ -62,7 +63,11 @@ class RayBackend:
         except ValueError as e:
             if "already runs" in str(e):
                 raise
+        # The router runs on this process's node (the learner's, or the head's for a job), never on a rollout
+        # node: a lost rollout node costs its workers, not the service.
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         router = RouterActor.options(name=cfg.name, namespace=cfg.namespace, num_cpus=0, max_restarts=0,
+                                     scheduling_strategy=here,
                                      lifetime="detached" if cfg.detached else None).remote(cfg)
         try:
             err = ray.get(router.start.remote())
@@ -142,6 +147,11 @@ class RayBackend:
 
     def report_fidelity(self, version: int, report: dict) -> None:
         err = ray.get(self.router.report_fidelity.remote(version, dict(report)))
+        if err is not None:
+            raise ValueError(err)
+
+    def scale(self, num_workers: int, drain_s: float, timeout_s: float | None) -> None:
+        err = ray.get(self.router.scale.remote(num_workers, drain_s, timeout_s))
         if err is not None:
             raise ValueError(err)
 
