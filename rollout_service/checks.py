@@ -9,7 +9,7 @@ import re
 from collections.abc import Mapping
 from typing import Any, Iterable
 
-from rollout_service.wire import MAX_INT32
+from rollout_service.wire import MAX_INT32, is_int
 
 
 def check_text(s: str, what: str) -> None:
@@ -99,3 +99,22 @@ def check_reward_name(name: Any, what: str = "reward") -> str | None:
     if not isinstance(name, str) or not _REWARD_NAME.fullmatch(name):
         raise ValueError(f"{what}={name!r}: must be an importable \"module:function\" name (or None)")
     return name
+
+
+def check_completion(completion: Any, sampling: Any, episode: Any) -> list[int] | None:
+    """A completion to score (RolloutRequest.completion): a non-empty list of token ids, on a plain request of
+    one sample whose sampling needs no history (penalties would depend on each scored prefix)."""
+    if completion is None:
+        return None
+    if isinstance(completion, (str, bytes)) or not isinstance(completion, (list, tuple)) or not completion or \
+            not all(is_int(t) and 0 <= t <= MAX_INT32 for t in completion):
+        raise ValueError("RolloutRequest.completion: must be None or a non-empty list of token ids (ints >= 0)")
+    if episode is not None:
+        raise ValueError("RolloutRequest.completion: an episode generates its turns; it cannot score a completion")
+    penalties = (getattr(sampling, "repetition_penalty", 1.0) != 1.0 or getattr(sampling, "frequency_penalty", 0)
+                 or getattr(sampling, "presence_penalty", 0))
+    if getattr(sampling, "n", 1) != 1 or penalties:
+        raise ValueError("RolloutRequest.completion: scoring takes sampling with n=1 and no penalties")
+    if getattr(sampling, "return_routed_experts", False):
+        raise ValueError("RolloutRequest.completion: scoring does not return routed experts")
+    return [int(t) for t in completion]

@@ -10,7 +10,7 @@ ENGINE_BACKENDS = ("auto", *OPS_BACKENDS)  # what EngineConfig.backend takes: "a
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 DTYPES = (None, *DTYPE_NAMES)
-ON_REFRESH = ("continue", "abort")
+ON_REFRESH = ("continue", "recompute", "abort")
 
 
 def _fail(cls: str, name: str, value: Any, why: str) -> None:
@@ -63,7 +63,7 @@ class EngineConfig:
     # bookkeeping runs while the GPU works; tokens and log-probs are the same either way
     overlap_decode: bool = True
     seed: int = 0
-    on_refresh: str = "continue"
+    on_refresh: str = "continue"  # what a refresh does to sequences in flight: engine/refresh.py
     # Reuse the KV of full pages across requests whose tokens match up to the page's end (shared system
     # prompts, the n samples' prompt on recompute, an episode's history). Keys carry the policy version:
     # after a refresh, KV of the old weights stops matching, unless prefix_cache_across_versions (off: the
@@ -117,6 +117,9 @@ class EngineConfig:
             _fail(c, "kv_cache_memory_gb", self.kv_cache_memory_gb, "must be > 0")
         if self.on_refresh not in ON_REFRESH:
             _fail(c, "on_refresh", self.on_refresh, f"must be one of {ON_REFRESH}")
+        if self.on_refresh == "recompute" and self.prefix_cache_across_versions:
+            _fail(c, "on_refresh", self.on_refresh, "recomputes the KV under the new weights; "
+                  "prefix_cache_across_versions would serve the old KV again (turn one of them off)")
 
     def to_dict(self) -> dict:
         d = asdict(self)

@@ -15,7 +15,7 @@ from typing import Any, Union
 import msgpack
 import numpy as np
 
-from rollout_service.checks import check_metadata, check_reward_name, check_text
+from rollout_service.checks import check_completion, check_metadata, check_reward_name, check_text
 from rollout_service.wire import (FINISH_REASONS, MAX_INT32, WIRE_SCHEMA_VERSION, SHORT, TO_WIRE, check_result_record,
                                   checked_routing, from_i32, is_int, is_real, need, packb, reject_unknown,
                                   routing_from_wire, tuple_key, unpack_record)
@@ -156,7 +156,8 @@ def _checked_messages(messages: list | tuple) -> list[ChatMessage]:
     return [dict(m) for m in messages]
 
 
-_REQUEST_KEYS = {"prompt", "sampling", "request_id", "metadata", "apply_chat_template", "reward"}
+_REQUEST_KEYS = {"prompt", "sampling", "request_id", "metadata", "apply_chat_template", "reward", "completion",
+                 "submitted_version"}
 
 
 @dataclass
@@ -189,7 +190,12 @@ class RolloutRequest:
     `reward`: a "module:function" name; the service calls it on each finished result (fn(result) -> float)
     and fills `RolloutResult.reward`. `episode`: run a multi-turn episode (EpisodeParams); the prompt is
     then taken from the environment and may be None. Episode requests travel pickled (Python API, Ray),
-    not as msgpack."""
+    not as msgpack.
+
+    `completion`: token ids to score instead of generating (RolloutClient.score): the result carries their
+    teacher-forced log-probs under `sampling`'s distribution (temperature, logprobs_mode, top-k), finish_reason
+    "scored". `submitted_version`: the policy version the request was submitted under (the service sets it;
+    engines admit and preempt the oldest first)."""
 
     prompt: Prompt | None
     sampling: SamplingParams = field(default_factory=SamplingParams)
@@ -198,8 +204,15 @@ class RolloutRequest:
     apply_chat_template: bool = True
     reward: str | None = None
     episode: EpisodeParams | None = None
+    completion: list[int] | None = None
+    submitted_version: int | None = None
 
     def __post_init__(self) -> None:
+        self.completion = check_completion(self.completion, self.sampling, self.episode)
+        if self.submitted_version is not None and not (is_int(self.submitted_version)
+                                                       and 0 <= self.submitted_version <= MAX_INT32):
+            raise ValueError(f"RolloutRequest.submitted_version={self.submitted_version!r}: must be None or an int "
+                             "in [0, 2**31)")
         if self.episode is not None and not isinstance(self.episode, EpisodeParams):
             raise ValueError(f"RolloutRequest.episode: must be an EpisodeParams, got {type(self.episode).__name__}")
         if self.prompt is not None or self.episode is None:
@@ -226,7 +239,8 @@ class RolloutRequest:
             raise ValueError(f"request {self.request_id!r}: an episode request (its environment is a Python "
                              "object) travels pickled, not as a msgpack/dict record")
         return {"request_id": self.request_id, "prompt": self.prompt, "sampling": self.sampling.to_dict(),
-                "metadata": self.metadata, "apply_chat_template": self.apply_chat_template, "reward": self.reward}
+                "metadata": self.metadata, "apply_chat_template": self.apply_chat_template, "reward": self.reward,
+                "completion": self.completion, "submitted_version": self.submitted_version}
 
     @classmethod
     def from_dict(cls, d: Any) -> "RolloutRequest":
@@ -237,7 +251,8 @@ class RolloutRequest:
         return cls(prompt=d["prompt"],
                    sampling=SamplingParams() if sampling is None else SamplingParams.from_dict(sampling),
                    request_id=uuid.uuid4().hex if rid is None else rid, metadata=d.get("metadata"),
-                   apply_chat_template=d.get("apply_chat_template", True), reward=d.get("reward"))
+                   apply_chat_template=d.get("apply_chat_template", True), reward=d.get("reward"),
+                   completion=d.get("completion"), submitted_version=d.get("submitted_version"))
 
     def to_msgpack(self) -> bytes:
         return msgpack.packb({"schema": WIRE_SCHEMA_VERSION, "kind": "request", **self.to_dict()})
@@ -267,7 +282,14 @@ class RolloutResult:
     learner's forward over prompt + tokens uses for log p(token i)). The last token's own position produced
     nothing and is not recorded. `prompt_routed_experts` (return_prompt_routed_experts): the same for
     positions 0 .. len(prompt_token_ids) - 2. None when not asked for, or on an "abort" result whose routing
-    was never computed."""
+    was never computed.
+
+    `kv_versions[i]` (KV provenance): the oldest policy version among the KV entries token i attended to
+    when it was sampled; equal to token_versions[i] unless the sample went on across a refresh on KV the
+    old weights computed (EngineConfig.on_refresh "continue"), so a learner can drop or weigh those
+    tokens. `receipt` (batch-invariant engines): sha256 over the producing version's weights digest, the
+    prompt and token ids and the log-prob bytes (rollout_service/receipts.py); InvariantForward.verify
+    recomputes it."""
 
     request_id: str
     sample_index: int
@@ -287,6 +309,8 @@ class RolloutResult:
     turns: list[dict] | None = None
     routed_experts: np.ndarray | None = None
     prompt_routed_experts: np.ndarray | None = None
+    kv_versions: list[int] | None = None
+    receipt: str | None = None
 
     def __post_init__(self) -> None:
         self.logprobs = np.asarray(self.logprobs, dtype=np.float32)
@@ -302,6 +326,8 @@ class RolloutResult:
             raise ValueError(f"RolloutResult.finish_reason={self.finish_reason!r}: must be one of {FINISH_REASONS}")
         if not (len(self.token_ids) == len(self.logprobs) == len(self.token_versions)):
             raise ValueError("RolloutResult: token_ids, logprobs and token_versions must have equal lengths")
+        if self.kv_versions is not None and len(self.kv_versions) != len(self.token_ids):
+            raise ValueError("RolloutResult.kv_versions: must be None or have one entry per token id")
         if self.error is not None and not (isinstance(self.error, str) and self.finish_reason == "abort"):
             raise ValueError(f"RolloutResult.error={self.error!r}: must be None, or a str on an \"abort\" result")
 
@@ -333,6 +359,8 @@ class RolloutResult:
             turns=None if d.get("turns") is None else [dict(t) for t in d["turns"]],
             routed_experts=routing_from_wire(d.get("routed_experts")),
             prompt_routed_experts=routing_from_wire(d.get("prompt_routed_experts")),
+            kv_versions=None if d.get("kv_versions") is None else from_i32(d["kv_versions"]),
+            receipt=d.get("receipt"),
         )
 
     def to_msgpack(self) -> bytes:

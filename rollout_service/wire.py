@@ -13,7 +13,8 @@ import msgpack
 import numpy as np
 
 # "done" and "max_turns" end multi-turn episodes (the environment said done / the turn limit was reached)
-FINISH_REASONS = ("stop", "length", "abort", "done", "max_turns")
+# "scored": a given completion's teacher-forced log-probs (RolloutRequest.completion)
+FINISH_REASONS = ("stop", "length", "abort", "done", "max_turns", "scored")
 WIRE_SCHEMA_VERSION = 1
 MAX_INT32 = 2**31 - 1  # token ids and policy versions travel as int32 (RolloutResult's wire format)
 
@@ -147,9 +148,10 @@ TO_WIRE = {
     "loss_mask": lambda v: None if v is None else bytes(v),
     "turns": lambda v: None if v is None else [{k: _plain(x) for k, x in t.items()} for t in v],
     "routed_experts": _routing_to_wire, "prompt_routed_experts": _routing_to_wire,
+    "kv_versions": lambda v: None if v is None else to_i32(v), "receipt": lambda v: v,
 }
 # absent from records written before they existed
-_RESULT_OPTIONAL = {"error", "reward_error", "loss_mask", "turns", *ROUTING_FIELDS}
+_RESULT_OPTIONAL = {"error", "reward_error", "loss_mask", "turns", *ROUTING_FIELDS, "kv_versions", "receipt"}
 _RESULT_REQUIRED = set(TO_WIRE) - _RESULT_OPTIONAL
 SHORT = reprlib.Repr()
 SHORT.maxstring = SHORT.maxother = 80
@@ -241,6 +243,13 @@ def check_result_record(d: Any) -> None:
               f"must be None or one 0/1 byte per token ({n})", mask)
     if d.get("turns") is not None:
         _check_turns(d["turns"], n)
+    if d.get("kv_versions") is not None:
+        need(_check_ids(d, "kv_versions") == n, "kv_versions", f"must be None or have one entry per token ({n})")
+        kv, tv = np.frombuffer(d["kv_versions"], "<i4"), np.frombuffer(d["token_versions"], "<i4")
+        need(bool((kv <= tv).all()), "kv_versions", "a token's KV cannot be newer than the policy that sampled it")
+    receipt = d.get("receipt")
+    need(receipt is None or (isinstance(receipt, str) and len(receipt) == 64), "receipt",
+         "must be None or a sha256 hex digest (64 characters)", receipt)
     _check_routing_record(d, n)
 
 

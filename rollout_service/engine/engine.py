@@ -23,25 +23,25 @@ from typing import Any
 
 import torch
 
-from rollout_service.checks import check_policy_version, check_request_ids
+from rollout_service.checks import check_request_ids
 from rollout_service.config import EngineConfig
 from rollout_service.engine.episodes import EpisodeGroup, EpisodeRunner
 from rollout_service.engine.isolation import FaultIsolation
 from rollout_service.engine.kv_cache import pages_for, sized_kv_cache
-from rollout_service.engine.model_runner import ModelRunner
+from rollout_service.engine.model_runner import ModelRunner, Prefilled
 from rollout_service.engine.overlap import DecodeSteps, Launched
+from rollout_service.engine.refresh import WeightRefresh
 from rollout_service.engine.routing import check_routing_request, keep_routing, result_routing
 from rollout_service.engine.sampler import Sampler, SamplerOutput
 from rollout_service.engine.scheduler import Batch, Scheduler
+from rollout_service.engine.scoring import complete, record_scores
 from rollout_service.engine.sequence import Sequence, SeqStatus
 from rollout_service.engine.sleep import Sleeper, process_gpu_bytes
 from rollout_service.model.loader import load_model
-from rollout_service.model.weight_update import apply_named_tensors, validate_manifest, validate_named_tensors
 from rollout_service.ops.backend import resolve_backend
 from rollout_service.prompts import PromptProcessor
 from rollout_service.types import RolloutRequest, RolloutResult
 from rollout_service.user_code import Guard, unguarded
-from rollout_service.weights.buckets import named_items, reject_nonfinite
 
 log = logging.getLogger(__name__)
 
@@ -59,13 +59,16 @@ class EngineCounters:
     prefill_steps: int = 0
     prompt_prefills: int = 0      # prompts prefilled for the first time (once per request, whatever n)
     recomputes: int = 0           # prefills redone after preemption
+    refresh_recomputes: int = 0   # sequences whose KV a refresh dropped to recompute (on_refresh="recompute")
     overlapped_steps: int = 0     # decode steps launched before the previous step's tokens were read
     prefilled_tokens: int = 0     # tokens run through prefill (a prefix-cache hit is not)
     generated_tokens: int = 0
+    scored_sequences: int = 0     # completions scored (RolloutRequest.completion)
+    scored_tokens: int = 0        # completion tokens scored, each time a chunk scored it
     recent: deque = field(default_factory=lambda: deque(maxlen=64))  # (time, tokens) for tokens/s
 
 
-class Engine(DecodeSteps, FaultIsolation):
+class Engine(DecodeSteps, FaultIsolation, WeightRefresh):
     def __init__(self, config: EngineConfig | None = None, model_source: Any = None, tokenizer: Any = None,
                  **overrides: Any):
         config = dataclasses.replace(config or EngineConfig(), **overrides)
@@ -108,6 +111,7 @@ class Engine(DecodeSteps, FaultIsolation):
         self._outbox: list[RolloutResult] = []
         self._in_flight: Launched | None = None
         self._seed_rng = random.Random(config.seed)
+        self._digest: str | None = None  # the weights digest of this version, once a receipt needed it
         self._lock = threading.RLock()
 
     # ---- requests -----------------------------------------------------------------------------------
@@ -135,6 +139,8 @@ class Engine(DecodeSteps, FaultIsolation):
             raise
         except Exception as e:  # tokenizers reject what they cannot encode with errors of their own
             raise ValueError(f"the tokenizer rejected the prompt ({type(e).__name__}: {e})") from None
+        if req.completion is not None:
+            return self._prepare_scoring(req, ids)
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len} "
                              "(room for at least one new token is needed)")
@@ -144,6 +150,19 @@ class Engine(DecodeSteps, FaultIsolation):
                              f"{self.kv.blocks.num_usable * self.config.page_size}")
         seed = req.sampling.seed if req.sampling.seed is not None else self._seed_rng.getrandbits(63)
         return Sequence(req.request_id, ids, req.sampling, seed, num_samples=req.sampling.n)
+
+    def _prepare_scoring(self, req: RolloutRequest, ids: list[int]) -> Sequence:
+        """A scoring sequence: prompt + completion, prefilled, never sampled (engine/scoring.py)."""
+        bad = [t for t in req.completion if t >= self.hf_config.vocab_size]
+        if bad:
+            raise ValueError(f"completion token id {bad[0]} out of range [0, {self.hf_config.vocab_size})")
+        total = len(ids) + len(req.completion)
+        if total > self.max_model_len:
+            raise ValueError(f"prompt + completion have {total} tokens; max_model_len is {self.max_model_len}")
+        if pages_for(total, self.config.page_size) > self.kv.blocks.num_usable:
+            raise ValueError(f"prompt + completion need {total} tokens of KV but the whole cache holds "
+                             f"{self.kv.blocks.num_usable * self.config.page_size}")
+        return Sequence(req.request_id, ids + req.completion, req.sampling, 0, score_from=len(ids))
 
     def add_request(self, req: RolloutRequest, seq: Sequence | EpisodeGroup | None = None) -> None:
         """Queue a request; `seq`: what prepare(req) returned (prepared here when None)."""
@@ -205,13 +224,17 @@ class Engine(DecodeSteps, FaultIsolation):
             out += self.step()
         return out
 
-    def _after_prefill(self, batch: Batch, logits: torch.Tensor | None) -> None:
+    def _after_prefill(self, batch: Batch, prefilled: Prefilled) -> None:
         self.counters.prefill_steps += 1
-        to_sample, rows, row = [], [], 0
+        to_sample, rows, row, scored = [], [], 0, []
         self.counters.prefilled_tokens += sum(batch.chunk_lens)
+        self.counters.scored_tokens += record_scores(self.model, self.sampler, batch, prefilled.score_hidden)
         for i, seq in enumerate(batch.seqs):
             seq.num_computed += batch.chunk_lens[i]
             if not batch.completes[i]:
+                continue
+            if seq.score_from is not None:
+                scored.append(seq)
                 continue
             if seq.num_output_tokens:
                 self.counters.recomputes += 1
@@ -222,8 +245,13 @@ class Engine(DecodeSteps, FaultIsolation):
             rows += [row] * len(group)
             row += 1
         self.scheduler.after_prefill(batch, to_sample)
+        for seq in scored:
+            complete(seq, self.policy_version)
+            self.counters.scored_sequences += 1
+            self._outbox += self._finish(seq, "scored")
         if not to_sample:
             return
+        logits = prefilled.logits
         if len(rows) != logits.shape[0]:
             logits = logits[torch.tensor(rows, device=logits.device)]
         self._append(to_sample, self.sampler(logits, to_sample), self.policy_version)
@@ -296,55 +324,11 @@ class Engine(DecodeSteps, FaultIsolation):
         return RolloutResult(
             request_id=seq.request_id, sample_index=sample_index, prompt_token_ids=seq.prompt_token_ids,
             token_ids=list(seq.output_token_ids), logprobs=seq.output_logprobs,
-            token_versions=list(seq.token_versions), finish_reason=seq.finish_reason, text=text,
+            token_versions=list(seq.token_versions), kv_versions=list(seq.kv_versions), finish_reason=seq.finish_reason, text=text,
             top_logprobs=list(seq.output_top) if seq.sampling.logprobs else None, metadata=metadata,
             timings={"queued": seq.t_arrival, "first_token": seq.t_first_token or seq.t_finished,
                      "finished": seq.t_finished}, error=error, **result_routing(self.kv.routing, seq),
         )
-
-    # ---- weights ------------------------------------------------------------------------------------
-    def validate_manifest(self, manifest: Any, partial: bool = False) -> None:
-        """A refresh's names, shapes and dtypes (no data), checked before its bytes move."""
-        validate_manifest(self.model, manifest.entries, partial)
-
-    def check_version(self, version: Any) -> None:
-        check_policy_version(version, self.policy_version)
-
-    def update_weights(self, named_tensors: Any, version: int, partial: bool = False,
-                       check_finite: bool = True) -> None:
-        """Validate every tensor (name, shape, dtype, every weight present unless `partial`, finite unless
-        told otherwise), then swap at a step boundary. In-flight sequences keep their KV and go on with the
-        new weights (token_versions shows the switch), or are aborted if on_refresh="abort". While asleep
-        the weights come back to the device with the new values; wake_up then restores the rest."""
-        self.check_version(version)
-        items = named_items(named_tensors)
-        plan = validate_named_tensors(self.model, items, partial)
-        if check_finite:
-            reject_nonfinite(items)
-        with self._lock:
-            self.sleeper.before_refresh(partial)
-            self._flush()  # its tokens came from the old weights and say so
-            apply_named_tensors(plan)
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)  # the sources may be reused once this returns
-            self.policy_version = version
-            self.kv.blocks.set_version(version)
-            if self.config.on_refresh == "abort":
-                self._outbox += self.abort(list(self._requests))
-
-    def weights_digest(self) -> str:
-        """sha256 of every weight's bytes, in parameter order: two engines (or an engine and a learner's
-        engine-side check) hold bitwise the same weights iff their digests are equal."""
-        import hashlib
-        h = hashlib.sha256()
-        with self._lock:
-            for name, p in self.model.named_parameters():
-                h.update(name.encode())
-                # a copy: exporting a parameter's own storage to numpy would make it non-resizable (sleep)
-                for t in (p, getattr(p, "fp8_scale", None)):  # an FP8 weight runs with its scales
-                    if t is not None:
-                        h.update(t.detach().reshape(-1).view(torch.uint8).to("cpu", copy=True).numpy().tobytes())
-        return h.hexdigest()
 
     # ---- sleep / wake (engine/sleep.py) --------------------------------------------------------------
     @property
@@ -386,9 +370,10 @@ class Engine(DecodeSteps, FaultIsolation):
             "prefilled_tokens": c.prefilled_tokens, "prefix_cache": self._prefix_cache_stats(),
             "tokens_per_s": sum(n for _, n in recent[1:]) / span if span > 0 else 0.0,
             "policy_version": self.policy_version, "steps": c.steps, "prompt_prefills": c.prompt_prefills,
-            "recomputes": c.recomputes, "preemptions": self.scheduler.num_preemptions,
+            "recomputes": c.recomputes, "refresh_recomputes": c.refresh_recomputes, "preemptions": self.scheduler.num_preemptions,
             "overlapped_steps": c.overlapped_steps,
-            "generated_tokens": c.generated_tokens, "backend": self.backend, "device": str(self.device),
+            "generated_tokens": c.generated_tokens, "scored_sequences": c.scored_sequences,
+            "scored_tokens": c.scored_tokens, "backend": self.backend, "device": str(self.device),
             "batch_invariant": self.config.batch_invariant, "quantization": self.config.quantization,
             "dtype": str(next(self.model.parameters()).dtype).removeprefix("torch."),
             "sleep_level": self.sleeper.level, "weights": self.sleeper.parking.state,

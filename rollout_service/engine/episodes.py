@@ -54,6 +54,7 @@ class _Episode:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    kv_versions: list[int] = field(default_factory=list)  # KV provenance (RolloutResult.kv_versions)
     mask: list[int] = field(default_factory=list)
     top: list[dict] = field(default_factory=list)
     turns: list[dict] = field(default_factory=list)
@@ -182,7 +183,7 @@ class EpisodeRunner:
         ep.t_first_token = ep.t_first_token or r.timings.get("first_token")
         start = len(ep.token_ids)
         version = r.token_versions[0] if r.token_versions else self.engine.policy_version
-        self._append(ep, r.token_ids, r.logprobs.tolist(), r.token_versions, 1, r.top_logprobs)
+        self._append(ep, r.token_ids, r.logprobs.tolist(), r.token_versions, 1, r.top_logprobs, r.kv_versions)
         if ep.group.sampling.return_routed_experts:
             ep.routing = extend_episode_routing(ep.routing, r)
         ep.turns.append({"start": start, "end": len(ep.token_ids), "version": version,
@@ -204,7 +205,7 @@ class EpisodeRunner:
         if ep.num_tokens + len(ids) >= self._limit(ep):
             return self._end(ep, "length")  # no room for the answer and a model token after it
         last = ep.versions[-1] if ep.versions else self.engine.policy_version
-        self._append(ep, ids, [0.0] * len(ids), [last] * len(ids), 0, None)
+        self._append(ep, ids, [0.0] * len(ids), [last] * len(ids), 0, None, None)
         return self._next_turn(ep)
 
     def _encode(self, ep: _Episode, obs: Observation, closed_by: int | None) -> list[int]:
@@ -221,10 +222,12 @@ class EpisodeRunner:
 
     @staticmethod
     def _append(ep: _Episode, ids: list[int], logprobs: list[float], versions: list[int], mask: int,
-                top: list[dict] | None) -> None:
+                top: list[dict] | None, kv_versions: list[int] | None) -> None:
+        """kv_versions None: the environment's tokens, which attended to nothing; they take their versions."""
         ep.token_ids += ids
         ep.logprobs += logprobs
         ep.versions += versions
+        ep.kv_versions += kv_versions if kv_versions is not None else versions
         ep.mask += [mask] * len(ids)
         if ep.group.sampling.logprobs:
             ep.top += top if top is not None else [{} for _ in ids]
@@ -242,7 +245,7 @@ class EpisodeRunner:
         routing = routing_fields(known, len(ep.prompt_ids), len(ep.token_ids), ep.group.sampling)
         return [RolloutResult(
             request_id=rid, sample_index=ep.sample, prompt_token_ids=ep.prompt_ids, token_ids=ep.token_ids,
-            logprobs=ep.logprobs, token_versions=ep.versions, finish_reason=reason,
+            logprobs=ep.logprobs, token_versions=ep.versions, kv_versions=ep.kv_versions, finish_reason=reason,
             # as for an engine request: a failed turn's text is left empty (decoding may be what failed)
             text=self.engine.prompts.decode(ep.token_ids) if error is None else "",
             top_logprobs=ep.top if ep.group.sampling.logprobs else None, reward=ep.reward,

@@ -34,7 +34,9 @@ class BlockManager:
     fails, and the scheduler only preempts, once no cached page is left to evict.
 
     KV computed under old weights must not be reused silently: keys carry the policy version (unless
-    `across_versions`), and a sequence whose KV spans a refresh caches nothing more.
+    `across_versions`), and a sequence whose KV spans a refresh caches nothing more. Every page remembers the
+    version it was first written under, so a sequence's `kv_version` is the oldest KV it holds (its tokens'
+    RolloutResult.kv_versions), prefix-cache hits and forks included.
     """
 
     def __init__(self, num_pages: int, page_size: int, copy_page: Callable[[int, int], None],
@@ -47,6 +49,7 @@ class BlockManager:
         self.version = 0
         self.refcount = [0] * num_pages
         self.refcount[0] = 1  # scratch page, never freed
+        self.page_version = [0] * num_pages  # the policy version each page's KV was first written under
         self._free = deque(range(1, num_pages))
         self._key_of: dict[int, int] = {}                    # cached page -> its key
         self._entry: dict[int, tuple[int, tuple, int]] = {}  # key -> (previous key, tokens, version): checked
@@ -87,12 +90,12 @@ class BlockManager:
         seq.pages += [self._take_free() for _ in range(need)]
 
     def match_prefix(self, seq: Sequence) -> list[int]:
-        """The cached pages holding a prefix of `seq`'s tokens (at least one token is left to compute, so that
-        the prefill yields the next token's logits). Looks only; `take_prefix` claims them."""
+        """The cached pages holding a prefix of `seq`'s tokens, up to its `num_reusable` (at least one token is
+        left to compute, so that the prefill yields the logits it needs). Looks only; `take_prefix` claims them."""
         if not self.enable_cache or seq.pages or seq.num_computed:
             return []
         ps, hits, key = self.page_size, [], 0
-        for i in range((seq.num_tokens - 1) // ps):
+        for i in range(seq.num_reusable // ps):
             entry = (key, tuple(seq.token_slice(i * ps, (i + 1) * ps)), self._salt(self.version))
             key = hash(entry)
             page = self._page_of.get(key)
@@ -113,7 +116,7 @@ class BlockManager:
             return
         for p in pages:
             self._ref(p)
-        seq.pages, seq.kv_version = list(pages), self.version
+        seq.pages, seq.kv_version = list(pages), min(self.page_version[p] for p in pages)
         seq.page_keys = [self._key_of[p] for p in pages]
         seq.num_computed = len(pages) * self.page_size
 
@@ -129,6 +132,7 @@ class BlockManager:
         if partial:
             child.pages.append(self._take_free())
             self._copy_page(parent.pages[-1], child.pages[-1])
+            self.page_version[child.pages[-1]] = self.page_version[parent.pages[-1]]
 
     def cache_full_pages(self, seq: Sequence) -> None:
         """Make `seq`'s full, computed pages findable by later sequences (after a prefill, before a free)."""
@@ -180,6 +184,7 @@ class BlockManager:
             self._uncache(page)
             self.stats.evictions += 1
         self.refcount[page] = 1
+        self.page_version[page] = self.version
         return page
 
     def _ref(self, page: int) -> None:

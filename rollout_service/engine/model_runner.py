@@ -2,21 +2,30 @@
 
 Decode steps fill one DecodeInputs (one host-to-device copy) and replay a captured CUDA graph when one
 fits, else run eagerly on the same inputs. Prefill steps build their metadata with make_metadata. Only
-the rows that sample a next token (a sequence's last computed position) reach the LM head.
+the rows that sample a next token (a sequence's last computed position) reach the LM head; a scoring
+sequence's rows come back as hidden states, for engine/scoring.py to take through the LM head in slices.
 """
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 
 from rollout_service.engine.decode_inputs import DecodeInputs
 from rollout_service.engine.kv_cache import KVCache, pages_for
 from rollout_service.engine.scheduler import Batch
+from rollout_service.engine.scoring import score_positions
 from rollout_service.ops.attention import AttentionMetadata, make_metadata
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class Prefilled:
+    logits: torch.Tensor | None        # float32 [sequences that complete, V] (None if none do)
+    score_hidden: torch.Tensor | None  # [scored positions, H] in batch order (None if none)
 
 
 class ModelRunner:
@@ -56,22 +65,22 @@ class ModelRunner:
         return self.model.compute_logits(self.model(input_ids, meta.positions, self.kv.layers, meta))
 
     @torch.inference_mode()
-    def run(self, batch: Batch, input_ids: torch.Tensor | None = None) -> torch.Tensor | None:
-        """Forward one step; returns float32 logits for the sequences that complete (None if none do).
-
-        input_ids (decode only): the step runs one token ahead of what the sequences have recorded, its
-        query ids the previous step's sampled ids, still on the device."""
-        if not batch.is_prefill:
-            return self._decode(batch, input_ids)
-        if input_ids is not None:
-            raise ValueError("input_ids on the device are for decode steps only")
-        input_ids, meta, sample_rows = self._prepare_prefill(batch)
+    def prefill(self, batch: Batch) -> Prefilled:
+        """Forward one prefill step: logits of the sequences that complete, hidden states of scored positions."""
+        input_ids, meta, sample_rows, score_rows = self._prepare_prefill(batch)
         hidden = self.model(input_ids, meta.positions, self.kv.layers, meta)
-        if not sample_rows:
-            return None
-        if len(sample_rows) != hidden.shape[0]:
-            hidden = hidden[torch.tensor(sample_rows, device=hidden.device)]
-        return self.model.compute_logits(hidden)
+        logits = self.model.compute_logits(_take(hidden, sample_rows)) if sample_rows else None
+        return Prefilled(logits, _take(hidden, score_rows) if score_rows else None)
+
+    @torch.inference_mode()
+    def decode(self, batch: Batch, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Forward one decode step; float32 logits, one row per sequence.
+
+        input_ids: the step runs one token ahead of what the sequences have recorded, its query ids the
+        previous step's sampled ids, still on the device."""
+        if batch.is_prefill:
+            raise ValueError("ModelRunner.decode: given a prefill batch")
+        return self._decode(batch, input_ids)
 
     def _decode(self, batch: Batch, input_ids: torch.Tensor | None) -> torch.Tensor:
         seqs = batch.seqs
@@ -91,16 +100,24 @@ class ModelRunner:
             return self.graphs.run(n)
         return self._decode_logits(*inputs.batch(n))
 
-    def _prepare_prefill(self, batch: Batch) -> tuple[torch.Tensor, AttentionMetadata, list[int]]:
+    def _prepare_prefill(self, batch: Batch) -> tuple[torch.Tensor, AttentionMetadata, list[int], list[int]]:
         ps = self.page_size
-        tokens, page_tables, q_lens, kv_lens, sample_rows = [], [], [], [], []
+        tokens, page_tables, q_lens, kv_lens, sample_rows, score_rows = [], [], [], [], [], []
         for i, seq in enumerate(batch.seqs):
             start, end = seq.num_computed, seq.num_computed + batch.chunk_lens[i]
+            offset = len(tokens) - start
             tokens += seq.token_slice(start, end)
             page_tables.append(seq.pages[:pages_for(end, ps)])
             q_lens.append(end - start)
             kv_lens.append(end)
-            if batch.completes[i]:
+            score_rows += [offset + p for p in score_positions(seq, start, end)]
+            if batch.completes[i] and seq.score_from is None:
                 sample_rows.append(len(tokens) - 1)
         meta = make_metadata(page_tables, q_lens, kv_lens, ps, True, self.device)
-        return torch.tensor(tokens, dtype=torch.int64, device=self.device), meta, sample_rows
+        return torch.tensor(tokens, dtype=torch.int64, device=self.device), meta, sample_rows, score_rows
+
+
+def _take(hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    if len(rows) == hidden.shape[0]:
+        return hidden
+    return hidden[torch.tensor(rows, device=hidden.device)]

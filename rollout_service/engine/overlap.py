@@ -75,15 +75,15 @@ class DecodeSteps:
         """Run a scheduled batch: a prefill is recorded here; a decode step is returned launched."""
         if not batch.is_prefill:
             return self._launch(batch)
-        logits = self.runner.run(batch)
+        prefilled = self.runner.prefill(batch)
         self.counters.steps += 1
-        self._after_prefill(batch, logits)
+        self._after_prefill(batch, prefilled)
         return None
 
     def _launch(self, batch: Batch, input_ids: torch.Tensor | None = None) -> Launched:
         """Queue a decode step's forward and sampling on the device (input_ids: one token ahead)."""
         ahead = int(input_ids is not None)
-        logits = self.runner.run(batch, input_ids)
+        logits = self.runner.decode(batch, input_ids)
         self.counters.steps += 1
         out = self.sampler(logits, batch.seqs, ahead=ahead)
         host, copied = copy_to_host(out)

@@ -117,26 +117,56 @@ class Sampler:
         penalised = apply_penalties(logits, [s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs],
                                     rp.repetition, rp.frequency, rp.presence)
         tokens = torch.empty(batch, dtype=torch.int64, device=dev)
-        sources = {"raw": logits}
-        kept_lse = None
+        sources, kept = _distributions(logits, penalised, rp)
         greedy = [i for i in range(batch) if rp.temperature[i] == 0]
         sampled = [i for i in range(batch) if rp.temperature[i] != 0]
         if greedy:
             _assign(tokens, greedy, _rows(penalised, greedy).argmax(dim=1))
         if sampled:
-            scaled = penalised
-            if any(rp.temperature[i] != 1.0 for i in sampled):
-                temps = to_device([t if t != 0 else 1.0 for t in rp.temperature], dev)
-                scaled = penalised / temps.unsqueeze(1)
-            truncated, kept = _truncate(scaled, sampled, rp)
             keys = to_device([row_key(int(s.seed), int(s.sample_index), s.num_output_tokens + ahead)
                               for s in (seqs[i] for i in sampled)], dev, torch.int64)
-            _assign(tokens, sampled, _draw(_rows(truncated, sampled), keys, kept, self.ops))
-            sources.update(scaled=scaled, processed=truncated)
-            if kept is not None:
-                kept_lse = torch.full((batch,), float("nan"), device=dev)
-                _assign(kept_lse, sampled, self.ops.logsumexp(kept[0]))
-        return _report(sources, rp.modes, tokens, min(rp.num_top, vocab), kept_lse, self.ops)
+            _assign(tokens, sampled, _draw(_rows(sources["processed"], sampled), keys, kept, self.ops))
+        return _report(sources, rp.modes, tokens, min(rp.num_top, vocab), _kept_lse(kept, sampled, batch, self.ops),
+                       self.ops)
+
+    def score(self, logits: torch.Tensor, seqs: list[Sequence], targets: list[int]) -> SamplerOutput:
+        """The log-prob of targets[b] (and the top alternatives) under row b's distribution, as __call__ reports
+        a token it drew there: the same arithmetic, so a scored token's log-prob is bitwise the one its rollout
+        reported where the logits are bitwise the same (batch-invariant mode). Scoring takes no penalties."""
+        logits = _checked(logits, seqs)
+        rp = _RowParams.of(seqs)
+        if rp.penalised:
+            raise ValueError("Sampler.score: penalties depend on each scored prefix; scoring takes none")
+        tokens = to_device(targets, logits.device, torch.int64)
+        sources, kept = _distributions(logits, logits, rp)
+        sampled = [i for i in range(len(seqs)) if rp.temperature[i] != 0]
+        return _report(sources, rp.modes, tokens, min(rp.num_top, logits.shape[1]),
+                       _kept_lse(kept, sampled, len(seqs), self.ops), self.ops)
+
+
+def _distributions(logits: torch.Tensor, penalised: torch.Tensor, rp: _RowParams):
+    """({"raw", "scaled", "processed"}: the rows' distributions before normalisation, kept) where kept is
+    _truncate's (the surviving tokens of every sampled row, when few)."""
+    sources = {"raw": logits}
+    sampled = [i for i in range(logits.shape[0]) if rp.temperature[i] != 0]
+    if not sampled:
+        return sources, None
+    scaled = penalised
+    if any(rp.temperature[i] != 1.0 for i in sampled):
+        temps = to_device([t if t != 0 else 1.0 for t in rp.temperature], logits.device)
+        scaled = penalised / temps.unsqueeze(1)
+    truncated, kept = _truncate(scaled, sampled, rp)
+    sources.update(scaled=scaled, processed=truncated)
+    return sources, kept
+
+
+def _kept_lse(kept, sampled: list[int], batch: int, ops: Ops) -> torch.Tensor | None:
+    """The "processed" normaliser of the sampled rows from their kept tokens alone (NaN elsewhere)."""
+    if kept is None:
+        return None
+    lse = torch.full((batch,), float("nan"), device=kept[0].device)
+    _assign(lse, sampled, ops.logsumexp(kept[0]))
+    return lse
 
 
 def _checked(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

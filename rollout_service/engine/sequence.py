@@ -24,7 +24,8 @@ class Sequence:
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, seed: int,
-                 sample_index: int = 0, num_samples: int = 1, arrival: float | None = None):
+                 sample_index: int = 0, num_samples: int = 1, arrival: float | None = None,
+                 score_from: int | None = None):
         self.seq_id = next(_ids)
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -32,6 +33,10 @@ class Sequence:
         self.output_logprobs: list[float] = []
         self.output_top: list[dict[int, float]] = []
         self.token_versions: list[int] = []
+        self.kv_versions: list[int] = []          # kv_version when each output token was sampled
+        self.score_from = score_from
+        self.scores: list[float] = []            # log-prob of completion token j, scoring sequences only
+        self.score_top: list[dict[int, float]] = []
         self.sampling = sampling
         self.seed = seed
         self.sample_index = sample_index
@@ -39,7 +44,7 @@ class Sequence:
         self.num_samples = num_samples
         self.pages: list[int] = []
         self.page_keys: list[int] = []  # prefix-cache keys of the leading full pages (kv_cache.BlockManager)
-        self.kv_version = 0             # policy version its KV was first computed under
+        self.kv_version = 0             # the oldest policy version among its pages' KV (kv_cache.BlockManager)
         self.num_computed = 0
         # routing of positions [0, len) kept when a preemption freed its pages (engine/routing.py)
         self.routing_prefix = None
@@ -63,6 +68,12 @@ class Sequence:
         return self.status == SeqStatus.FINISHED
 
     @property
+    def num_reusable(self) -> int:
+        """How many leading tokens may take their KV from the prefix cache: all but the last (its logits give
+        the next token), or for a scoring sequence those before the position that predicts the completion."""
+        return self.num_tokens - 1 if self.score_from is None else self.score_from - 1
+
+    @property
     def last_token(self) -> int:
         return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
 
@@ -79,6 +90,7 @@ class Sequence:
         self.output_token_ids.append(token_id)
         self.output_logprobs.append(logprob)
         self.token_versions.append(version)
+        self.kv_versions.append(self.kv_version)
         if top is not None:
             self.output_top.append(top)
 

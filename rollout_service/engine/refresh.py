@@ -1,0 +1,81 @@
+"""A weight refresh inside the engine: the swap at a step boundary, and what it does to the work in flight.
+
+EngineConfig.on_refresh says what happens to sequences part-way through:
+  "continue":  they keep their KV and go on with the new weights: token_versions shows the switch, and
+               kv_versions shows that later tokens still attend to KV the old weights computed;
+  "recompute": they keep their tokens but let go of their KV, and are prefilled again under the new weights
+               before their next token (a preemption of every sequence): their later tokens' kv_versions are
+               the new version, at the price of that prefill;
+  "abort":     they finish now, "abort", with the tokens so far.
+A completion being scored (engine/scoring.py) always starts again: a score is one version's.
+
+A part of Engine (engine/engine.py), kept apart so the refresh reads on its own.
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import torch
+
+from rollout_service.checks import check_policy_version
+from rollout_service.engine.scoring import restart_partial
+from rollout_service.engine.sequence import Sequence
+from rollout_service.model.weight_update import apply_named_tensors, validate_manifest, validate_named_tensors
+from rollout_service.weights.buckets import named_items, reject_nonfinite
+
+
+class WeightRefresh:
+    """Engine's refresh (a mixin: the state is the engine's)."""
+
+    def validate_manifest(self, manifest: Any, partial: bool = False) -> None:
+        """A refresh's names, shapes and dtypes (no data), checked before its bytes move."""
+        validate_manifest(self.model, manifest.entries, partial)
+
+    def check_version(self, version: Any) -> None:
+        check_policy_version(version, self.policy_version)
+
+    def update_weights(self, named_tensors: Any, version: int, partial: bool = False,
+                       check_finite: bool = True) -> None:
+        """Validate every tensor (name, shape, dtype, every weight present unless `partial`, finite unless
+        told otherwise), then swap at a step boundary; in-flight work as on_refresh says (module docstring).
+        While asleep the weights come back to the device with the new values; wake_up restores the rest."""
+        self.check_version(version)
+        items = named_items(named_tensors)
+        plan = validate_named_tensors(self.model, items, partial)
+        if check_finite:
+            reject_nonfinite(items)
+        with self._lock:
+            self.sleeper.before_refresh(partial)
+            self._flush()  # its tokens came from the old weights and say so
+            apply_named_tensors(plan)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # the sources may be reused once this returns
+            self.policy_version = version
+            self._digest = None
+            restart_partial(self.scheduler.waiting, self._release)
+            if self.config.on_refresh == "recompute":
+                sched = self.scheduler
+                self.counters.refresh_recomputes += len(sched.running) + sum(1 for s in sched.waiting if s.pages)
+                sched.preempt_all()
+            self.kv.blocks.set_version(version)
+            if self.config.on_refresh == "abort":
+                self._outbox += self.abort(list(self._requests))
+
+    def _release(self, seq: Sequence) -> None:
+        """Free a waiting sequence's pages (its routing kept, as a preemption does): it is prefilled again."""
+        self.scheduler.on_preempt(seq)
+        self.kv.blocks.free(seq)
+
+    def weights_digest(self) -> str:
+        """sha256 of every weight's bytes, in parameter order: two engines (or an engine and a learner's
+        engine-side check) hold bitwise the same weights iff their digests are equal."""
+        h = hashlib.sha256()
+        with self._lock:
+            for name, p in self.model.named_parameters():
+                h.update(name.encode())
+                # a copy: exporting a parameter's own storage to numpy would make it non-resizable (sleep)
+                for t in (p, getattr(p, "fp8_scale", None)):  # an FP8 weight runs with its scales
+                    if t is not None:
+                        h.update(t.detach().reshape(-1).view(torch.uint8).to("cpu", copy=True).numpy().tobytes())
+        return h.hexdigest()
