@@ -1,12 +1,13 @@
-"""The router's requests: accepted all or none, sent to the least-loaded live worker (by outstanding tokens),
-their results matched back and delivered to their streams once each, stale ones regenerated, failed or
-aborted ones ended with their reason (actors/ledger.py holds the book).
+"""The router's requests: accepted all or none, sent to a live worker (where their prefix is cached, as load
+allows: actors/affinity.py), their results matched back and delivered to their streams once each, stale ones
+regenerated, failed or aborted ones ended with their reason (actors/ledger.py holds the book).
 """
 from __future__ import annotations
 
 import asyncio
 from typing import Callable, Coroutine
 
+from actors.affinity import Affinity
 from actors.ledger import Ledger, Tracked, decode_request
 from actors.remote_errors import ACTOR_DOWN, error_text, is_down
 from actors.workers import WorkerTable
@@ -18,9 +19,10 @@ MAX_STALE_REGENERATIONS = 8
 
 class Dispatcher:
     def __init__(self, workers: WorkerTable, ledger: Ledger, version: Callable[[], int], max_staleness: int | None,
-                 counters: dict, spawn: Callable[[Coroutine], None], log: Callable[[str], None]):
+                 counters: dict, spawn: Callable[[Coroutine], None], log: Callable[[str], None],
+                 affinity: Affinity):
         """`version()`: the policy version the workers serve now; `spawn`: run a coroutine in the background."""
-        self.workers, self.ledger, self._version = workers, ledger, version
+        self.workers, self.ledger, self._version, self.affinity = workers, ledger, version, affinity
         self.max_staleness = max_staleness
         self.counters, self._spawn, self._log = counters, spawn, log
 
@@ -62,8 +64,8 @@ class Dispatcher:
         return reqs, errors
 
     async def dispatch(self, tracked: list[Tracked], atomic: bool = False) -> list[tuple[str, str]]:
-        """Send each request (as a new job) to the least-loaded live worker; with none alive they wait (worker
-        None) until one comes back. `atomic` (a client's batch): a worker queues its share all or none and the
+        """Send each request (as a new job) to a live worker (actors/affinity.py); with none alive they wait
+        (worker None) until one comes back. `atomic` (a client's batch): a worker queues its share all or none and the
         errors are returned for the caller to drop the batch. Otherwise (a resubmission) each request stands
         alone: one that fails ends with its error, the others go on. Returns (request_id, error) pairs."""
         live = self.workers.live()
@@ -74,7 +76,7 @@ class Dispatcher:
         loads = self.ledger.loads(len(self.workers))
         batches: dict[int, list[RolloutRequest]] = {}
         for t in sorted(tracked, key=lambda t: -t.cost_per_sample * t.missing):
-            i = min(live, key=lambda j: loads[j])
+            i = self.affinity.choose(t.request, t.cost_per_sample * t.missing, live, loads)
             batches.setdefault(i, []).append(self.ledger.new_job(t, i, self._version()))
             loads[i] += t.cost_per_sample * t.missing
         calls = [self.workers.handles[i].submit.remote(jobs, atomic) for i, jobs in batches.items()]

@@ -89,6 +89,7 @@ class Recovery:
     async def worker_down(self, i: int, generation: int) -> None:
         if self.workers.mark_down(i):
             self.counters["worker_deaths"] += 1
+        self.dispatcher.affinity.forget(i)  # it comes back with an empty cache
         self._quarantine_suspects(i)
         lost = self.dispatcher.ledger.on_worker(i)
         if lost:

@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 import ray
 
+from actors.affinity import Affinity
 from actors.control import Control
 from actors.dispatch import Dispatcher
 from actors.ledger import Ledger
@@ -52,7 +53,8 @@ class Router:
         self.stream_lease_s = float(config.client_lease_s)
         self.fidelity = FidelityLog(self._log)
         self.dispatcher = Dispatcher(self.table, self.ledger, lambda: self.refresh.version, config.max_staleness,
-                                     self.counters, self._spawn, self._log)
+                                     self.counters, self._spawn, self._log,
+                                     Affinity(config.engine.page_size, enabled=config.routing == "prefix"))
         self.control = Control(self.table, float(config.client_lease_s), self.counters, self._log)
         self.refresh = RefreshCoordinator(self.table, self._log, lambda i: self.recovery.back_in_service(i))
         quarantine = Quarantine()
@@ -227,6 +229,7 @@ class Router:
                 "paused": self.control.paused, "asleep": self.control.asleep, "loads": self.ledger.loads(len(t)),
                 "duplicates_dropped": self.ledger.duplicates_dropped, "colocate": self.config.colocate,
                 "client_lease_s": self.control.lease_s, "fidelity": self.fidelity.entries(),
+                "routing": {"mode": self.config.routing, **self.dispatcher.affinity.counts},
                 "reward": self.config.reward, "reward_workers": self.config.reward_workers, **self.counters}
 
     async def shutdown(self) -> None:

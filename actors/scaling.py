@@ -85,6 +85,7 @@ class Scaler:
                 self.workers.append()
             self.workers.renew(i)
             self.quarantine.forget(i)
+            self.dispatcher.affinity.forget(i)
             self.workers.slots[i] = slot
             self.slots.hold(slot)
             self.workers.handles[i] = start_worker(self.config, slot, i, self.reward_actors, self.engine_factory)
@@ -141,6 +142,7 @@ class Scaler:
                 if self.workers.slots[i] is not None:
                     self.slots.release(self.workers.slots[i])
                 self.quarantine.forget(i)
+                self.dispatcher.affinity.forget(i)
             self.workers.truncate(min(indices))
 
     async def _hand_back(self, i: int) -> None:

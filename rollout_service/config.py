@@ -170,6 +170,9 @@ class WorkerResources:
             _fail(c, "custom", self.custom, "use num_cpus / num_gpus / memory_gb for CPU, GPU and memory")
 
 
+ROUTINGS = ("prefix", "load")
+
+
 @dataclass
 class Placement:
     """How the workers' resource bundles are spread over nodes: the workers started together share one Ray
@@ -224,6 +227,9 @@ class ServiceConfig:
     user_code_timeout_s: a reward function or environment call that runs longer than this in a rollout worker
         has wedged it: the worker is restarted and that request finishes with the error, never run again
         (actors/quarantine.py). Rewards computed in reward actors are not timed.
+    routing: "prefix" (default): a request goes to the worker whose prefix cache most likely holds the start
+        of its prompt, unless that worker is overloaded, else by load (actors/affinity.py); "load": by load only
+        (the fewest outstanding tokens).
     """
 
     name: str = "rollout_service"
@@ -247,6 +253,7 @@ class ServiceConfig:
     reward: str | None = None
     reward_workers: int = 0
     user_code_timeout_s: float = 300.0
+    routing: str = "prefix"
 
     def __post_init__(self) -> None:
         c = "ServiceConfig"
@@ -278,6 +285,8 @@ class ServiceConfig:
         for name in ("address", "prompts", "output"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
                 _fail(c, name, getattr(self, name), "must be a string or null")
+        if self.routing not in ROUTINGS:
+            _fail(c, "routing", self.routing, f"must be one of {ROUTINGS}")
         if not _is_count(self.reward_workers) or self.reward_workers < 0:
             _fail(c, "reward_workers", self.reward_workers, "must be an int >= 0")
         if self.reward is not None:
