@@ -39,6 +39,7 @@ own router, in that forward, would have picked at least one other expert.
 """
 from __future__ import annotations
 
+import logging
 import time
 from contextlib import nullcontext
 from dataclasses import asdict
@@ -60,6 +61,8 @@ from rollout_service.training.engine_match import check_bitwise_engine, engine_n
 from rollout_service.training.loss import corrected_pg_loss, ppo_clip_loss, ratio_deviation
 from rollout_service.training.memory import describe, is_out_of_memory
 from rollout_service.types import EpisodeParams, RolloutRequest, RolloutResult, SamplingParams
+
+log = logging.getLogger(__name__)
 
 
 class GRPOLearner:
@@ -274,6 +277,7 @@ class GRPOLearner:
                 if full_mismatch:
                     extra["full"] = logprob_mismatch(results, learner_logprobs(
                         self.policy, results, micro_batch=self.config.micro_batch, recompute=self.recompute))
+                extra["receipts"] = self.verify_receipts(results)
                 stats = self.train_on(results, rewards)
                 extra["learner_memory"] = memory_figures(self.device)
                 self._release_cached_memory()  # the engine wakes into what the learner held as cache
@@ -294,6 +298,20 @@ class GRPOLearner:
             f"({describe(figures)}; the rollout workers, asleep, held {engine['device_memory_bytes'] / 2**30:.2f} GiB). "
             f"The workers were woken and serve policy version {self.version}. Lower micro_batch, set "
             f"gradient_checkpointing, or use optimizer='adafactor'.", {**figures, "engine": engine}) from None
+
+    def verify_receipts(self, results: Sequence[RolloutResult]) -> dict | None:
+        """Bitwise mode: check up to config.verify_receipts of the results sampled by the weights the learner
+        holds now (one version: self.version) with InvariantForward.verify; the others cannot be, and count
+        as skipped. None outside bitwise mode."""
+        if self.invariant is None:
+            return None
+        mine = [r for r in results if r.receipt is not None and set(r.token_versions) == {self.version}]
+        picked = mine[:self.config.verify_receipts]
+        verdicts = self.invariant.verify(picked, self.config.temperature) if picked else []
+        failed = [(r, v) for r, v in zip(picked, verdicts) if not v.ok]
+        for r, v in failed[:3]:
+            log.warning("receipt of %s#%d failed verification: %s", r.request_id, r.sample_index, v.reason)
+        return {"verified": len(verdicts) - len(failed), "failed": len(failed), "skipped": len(results) - len(picked)}
 
     def _release_cached_memory(self) -> None:
         if self.device.type == "cuda":
@@ -332,7 +350,7 @@ class GRPOLearner:
             "kl_rollout_learner": mm["kl"], "ratio_max": mm["ratio_max"],
             "ratio_first_minibatch_max_abs_dev": stats["ratio_first_minibatch_max_abs_dev"],
             "ratio_first_minibatch_tokens": stats["ratio_first_minibatch_tokens"],
-            "learner_bitwise": self.config.bitwise, "routing_replay": self.config.routing_replay,
+            "learner_bitwise": self.config.bitwise, "receipts": extra.get("receipts"), "routing_replay": self.config.routing_replay,
             "routing_differing_share": mm.get("routing_differing_share"),
             "staleness": (self.version - 1) - oldest,
             "rollout_tokens": gen_tokens, "rollout_span_s": span,

@@ -41,6 +41,8 @@ class GRPOConfig:
     max_total_tokens: int = 1024       # episodes: tokens per episode, first prompt included
     bitwise: bool = False              # recompute with the batch-invariant engine's numerics (actors/grpo.py):
                                        # needs EngineConfig.batch_invariant and the engine's dtype and device type
+    verify_receipts: int = 4           # bitwise mode: results per step whose receipt and log-probs the learner
+                                       # checks (InvariantForward.verify), those sampled by the weights it holds
     routing_replay: bool = False       # mixture-of-experts policies: rollouts return their routed experts (prompt
                                        # included) and the learner's forward replays them (training/routing_replay.py)
     rollout_correction: str | None = None  # "tis" | "mis": weigh each token by the learner's and the engine's
@@ -71,6 +73,9 @@ class GRPOConfig:
             raise ValueError(f"GRPOConfig.optimizer={self.optimizer!r}: choose one of {OPTIMIZERS}")
         if self.colocate not in (True, False, "auto"):
             raise ValueError(f"GRPOConfig.colocate={self.colocate!r}: must be true, false or 'auto'")
+        if not isinstance(self.verify_receipts, int) or isinstance(self.verify_receipts, bool) \
+                or self.verify_receipts < 0:
+            raise ValueError(f"GRPOConfig.verify_receipts={self.verify_receipts!r}: must be an int >= 0")
         for name in ("bitwise", "routing_replay"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"GRPOConfig.{name}={getattr(self, name)!r}: must be true or false")

@@ -1,6 +1,7 @@
 """GRPO learner, logprob mismatch report and the arithmetic task set (tiny random models; seconds)."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -150,6 +151,13 @@ def test_bitwise_learner_ratio_is_exactly_one_against_a_batch_invariant_engine()
     assert first["mismatch_max"] == 0.0 and first["mismatch_full_max"] == 0.0 and first["ratio_max"] == 1.0
     # fp32 weights pushed as they are: on-policy after the update too
     assert rows[1]["step"] == 2 and rows[1]["ratio_first_minibatch_max_abs_dev"] == 0.0
+    # each step checks 4 of its 8 rollouts' receipts (config.verify_receipts) against the weights it holds
+    assert [row["receipts"] for row in rows] == [{"verified": 4, "failed": 0, "skipped": 4}] * 2
+    results, _ = learner.rollout([0, 1])
+    lp = results[0].logprobs.copy()
+    lp[-1] += 1e-3
+    tampered = [dataclasses.replace(results[0], logprobs=lp)] + results[1:]
+    assert learner.verify_receipts(tampered) == {"verified": 3, "failed": 1, "skipped": 4}
     client.close()
 
 
@@ -158,7 +166,7 @@ def test_default_learner_ratio_is_only_close_to_one():
     (nonzero in every tiny llama/qwen2/qwen3 set-up measured at temperature 1.0 and 0.7)."""
     client, learner = _bitwise_setup(bitwise=False)
     row = learner.step([0, 1])
-    assert not row["learner_bitwise"] and row["ratio_first_minibatch_tokens"] > 0
+    assert not row["learner_bitwise"] and row["ratio_first_minibatch_tokens"] > 0 and row["receipts"] is None
     assert 0.0 < row["ratio_first_minibatch_max_abs_dev"] < 1e-4
     client.close()
 

@@ -40,6 +40,7 @@ from rollout_service.engine.sleep import Sleeper, process_gpu_bytes
 from rollout_service.model.loader import load_model
 from rollout_service.ops.backend import resolve_backend
 from rollout_service.prompts import PromptProcessor
+from rollout_service.receipts import receipt_of
 from rollout_service.types import RolloutRequest, RolloutResult
 from rollout_service.user_code import Guard, unguarded
 
@@ -321,7 +322,7 @@ class Engine(DecodeSteps, FaultIsolation, WeightRefresh):
         text = self.prompts.decode(seq.output_token_ids) if error is None else ""
         if seq.stop_text_end is not None:
             text = text[:seq.stop_text_end]
-        return RolloutResult(
+        result = RolloutResult(
             request_id=seq.request_id, sample_index=sample_index, prompt_token_ids=seq.prompt_token_ids,
             token_ids=list(seq.output_token_ids), logprobs=seq.output_logprobs,
             token_versions=list(seq.token_versions), kv_versions=list(seq.kv_versions), finish_reason=seq.finish_reason, text=text,
@@ -329,6 +330,9 @@ class Engine(DecodeSteps, FaultIsolation, WeightRefresh):
             timings={"queued": seq.t_arrival, "first_token": seq.t_first_token or seq.t_finished,
                      "finished": seq.t_finished}, error=error, **result_routing(self.kv.routing, seq),
         )
+        if self.config.batch_invariant and error is None:  # rollout_service/receipts.py
+            result.receipt = receipt_of(result, self.weights_digest())
+        return result
 
     # ---- sleep / wake (engine/sleep.py) --------------------------------------------------------------
     @property

@@ -13,7 +13,6 @@ A part of Engine (engine/engine.py), kept apart so the refresh reads on its own.
 """
 from __future__ import annotations
 
-import hashlib
 from typing import Any
 
 import torch
@@ -22,6 +21,7 @@ from rollout_service.checks import check_policy_version
 from rollout_service.engine.scoring import restart_partial
 from rollout_service.engine.sequence import Sequence
 from rollout_service.model.weight_update import apply_named_tensors, validate_manifest, validate_named_tensors
+from rollout_service.receipts import weights_digest
 from rollout_service.weights.buckets import named_items, reject_nonfinite
 
 
@@ -48,11 +48,11 @@ class WeightRefresh:
         with self._lock:
             self.sleeper.before_refresh(partial)
             self._flush()  # its tokens came from the old weights and say so
+            self._digest = None
             apply_named_tensors(plan)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # the sources may be reused once this returns
             self.policy_version = version
-            self._digest = None
             restart_partial(self.scheduler.waiting, self._release)
             if self.config.on_refresh == "recompute":
                 sched = self.scheduler
@@ -68,14 +68,12 @@ class WeightRefresh:
         self.kv.blocks.free(seq)
 
     def weights_digest(self) -> str:
-        """sha256 of every weight's bytes, in parameter order: two engines (or an engine and a learner's
-        engine-side check) hold bitwise the same weights iff their digests are equal."""
-        h = hashlib.sha256()
+        """sha256 of every weight by name (rollout_service/receipts.py): two engines, or an engine and a learner
+        holding the same tensors under the same names, hold bitwise the same weights iff their digests are
+        equal. An FP8 weight counts with its scales. Kept until the next refresh."""
         with self._lock:
-            for name, p in self.model.named_parameters():
-                h.update(name.encode())
-                # a copy: exporting a parameter's own storage to numpy would make it non-resizable (sleep)
-                for t in (p, getattr(p, "fp8_scale", None)):  # an FP8 weight runs with its scales
-                    if t is not None:
-                        h.update(t.detach().reshape(-1).view(torch.uint8).to("cpu", copy=True).numpy().tobytes())
-        return h.hexdigest()
+            if self._digest is None:
+                named = list(self.model.named_parameters())
+                scales = [(f"{n}.fp8_scale", p.fp8_scale) for n, p in named if getattr(p, "fp8_scale", None) is not None]
+                self._digest = weights_digest(named + scales)
+            return self._digest

@@ -19,6 +19,7 @@ experts' weights and the router's softmax, not through the choice.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
@@ -30,10 +31,22 @@ from rollout_service.model.registry import arch_flags, moe_spec
 from rollout_service.ops import moe, norm
 from rollout_service.ops.backend import resolve_backend, select_ops
 from rollout_service.ops.rope import apply_rope, build_cos_sin_cache, rope_head_dim
+from rollout_service.receipts import receipt_of, weights_digest
 from rollout_service.training.routing_replay import check_routing, packed_routing
 from rollout_service.types import RolloutResult
 
-Routing = tuple[torch.Tensor, torch.Tensor]  # (expert ids [T, moe_layers, k], replayed rows bool [T])
+Routing = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass
+class Verdict:
+    """InvariantForward.verify's answer for one result: ok, or why not. `first_diff`: the first token whose
+    recomputed log-prob is not bitwise the result's, `delta` the difference there (recomputed - reported)."""
+
+    ok: bool
+    reason: str = ""
+    first_diff: int | None = None
+    delta: float | None = None  # (expert ids [T, moe_layers, k], replayed rows bool [T])
 
 
 def reference_self_attention(q, k, v, cos_sin: torch.Tensor, lens: list[int], scale: float) -> torch.Tensor:
@@ -243,3 +256,30 @@ class InvariantForward:
         lse = exact(self.ops.logsumexp, lambda x: x.logsumexp(dim=1), logits)
         token_logprobs = logits.gather(1, targets[:, None])[:, 0] - lse
         return list(token_logprobs.split([len(r.token_ids) for r in results]))
+
+    @torch.no_grad()
+    def verify(self, results: Sequence[RolloutResult], temperature: float = 1.0,
+               digest: str | None = None) -> list[Verdict]:
+        """Check batch-invariant rollouts against the policy's current weights (those of the results' version):
+        each result's receipt must be what its content and these weights give (rollout_service/receipts.py),
+        and its log-probs bitwise this forward's. `digest`: the weights digest to expect (default: the
+        policy's own, by parameter name). One Verdict per result, in order."""
+        digest = digest or weights_digest(self.policy.named_parameters())
+        out = []
+        for r in results:
+            if r.receipt is None:
+                out.append(Verdict(False, "no receipt (not from a batch-invariant engine, an episode, or "
+                                          "spans a refresh)"))
+                continue
+            (mine,) = self.logprobs([r], temperature)
+            got = mine.float().cpu().numpy()
+            differs = (got.view("<i4") != r.logprobs.astype("<f4").view("<i4")).nonzero()[0]
+            if len(differs):
+                i = int(differs[0])
+                out.append(Verdict(False, f"log-prob of token {i} differs", i, float(got[i] - r.logprobs[i])))
+            elif receipt_of(r, digest) != r.receipt:
+                out.append(Verdict(False, "the receipt does not match the result and these weights (other "
+                                          "weights, another version, or a changed field)"))
+            else:
+                out.append(Verdict(True))
+        return out
