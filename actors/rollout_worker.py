@@ -27,6 +27,7 @@ from actors.remote_errors import error_text
 from actors.reward_pool import RewardPool
 from rollout_service.host import EngineHost
 from rollout_service.types import RolloutRequest, RolloutResult
+from rollout_service.weights.cuda_ipc import visible_gpus
 from rollout_service.weights.group import GroupSpec
 from rollout_service.weights.receiver import WeightReceiver
 
@@ -179,6 +180,7 @@ class RolloutWorker:
         if self.startup_error is not None:
             return h
         return {**h, "alive": self.host.alive, "error": self.host.error, "device": str(self.engine.device),
+                "gpus": visible_gpus(),
                 "policy_version": self.engine.policy_version, "weight_group": self.receiver.group_id()}
 
     def shutdown(self) -> None:

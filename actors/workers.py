@@ -72,7 +72,7 @@ class WorkerTable:
 
     def on_health(self, i: int, h: dict) -> None:
         self.incarnation[i] = h["incarnation"]
-        self.places[i] = {"node_id": h.get("node_id"), "device": h.get("device", "cpu")}
+        self.places[i] = {"node_id": h.get("node_id"), "device": h.get("device", "cpu"), "gpus": h.get("gpus", [])}
 
     def mark_down(self, i: int) -> bool:
         """Worker i went down; whether it was up (a death to count)."""

@@ -7,7 +7,7 @@ import torch
 
 from rollout_service.weights import Buckets, named_items, pack, plan, reject_nonfinite, unpack, views
 from rollout_service.weights.buckets import reuse_or_allocate
-from rollout_service.weights.transport import WorkerPlace, choose_transport
+from rollout_service.weights.transport import WorkerPlace, choose_transport, ipc_refusal
 
 
 def _state(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -96,12 +96,48 @@ def places(*specs: tuple[str, str]) -> list[WorkerPlace]:
 def test_auto_picks_ipc_then_broadcast_then_object_store():
     cuda_items = [("w", torch.zeros(2).as_subclass(FakeCuda))]
     gpus = places((NODE, "cuda:0"), (NODE, "cuda:0"))
-    assert choose_transport("auto", cuda_items, NODE, gpus, has_group=True) == "cuda_ipc"
+    seeing = [WorkerPlace(w.index, w.node_id, w.device, (LEARNER_GPU,)) for w in gpus]
+    assert choose_transport("auto", cuda_items, NODE, seeing, True, learner_gpu=LEARNER_GPU) == "cuda_ipc"
     assert choose_transport("auto", cuda_items, NODE, places((NODE, "cuda:0"), ("node-b", "cuda:0")), True) == "broadcast"
     assert choose_transport("auto", CPU_ITEMS, NODE, gpus, has_group=True) == "broadcast"
     assert choose_transport("auto", CPU_ITEMS, NODE, gpus, has_group=False) == "object_store"
     assert choose_transport("auto", cuda_items, NODE, places((NODE, "cpu")), has_group=False) == "object_store"
     assert choose_transport("object_store", cuda_items, NODE, gpus, has_group=True) == "object_store"
+
+
+LEARNER_GPU, OTHER_GPU = "GPU-aaaa", "GPU-bbbb"
+
+
+def test_cuda_ipc_reaches_only_workers_that_see_the_learners_gpu():
+    """Ray shows a GPU worker its own GPU only: a worker on another GPU of the node cannot open the learner's
+    buckets (it would map them as if on its own GPU), so auto does not pick CUDA IPC and asking for it is
+    refused, naming the worker and what it sees. A worker that sees the learner's GPU (the colocated one, or
+    one started with every GPU visible) is reached by peer access."""
+    cuda_items = [("w", torch.zeros(2).as_subclass(FakeCuda))]
+    colocated = WorkerPlace(0, NODE, "cuda:0", (LEARNER_GPU,))
+    other_gpu = WorkerPlace(1, NODE, "cuda:0", (OTHER_GPU,))
+    all_visible = WorkerPlace(1, NODE, "cuda:1", (LEARNER_GPU, OTHER_GPU))
+    unreported = WorkerPlace(1, NODE, "cuda:0")
+    assert ipc_refusal(cuda_items, NODE, LEARNER_GPU, [colocated, all_visible]) is None
+    assert choose_transport("auto", cuda_items, NODE, [colocated, all_visible], False, LEARNER_GPU) == "cuda_ipc"
+    for workers in ([colocated, other_gpu], [colocated, unreported]):
+        assert choose_transport("auto", cuda_items, NODE, workers, True, LEARNER_GPU) == "broadcast"
+        assert choose_transport("auto", cuda_items, NODE, workers, False, LEARNER_GPU) == "object_store"
+    with pytest.raises(ValueError, match=f"learner's GPU \\({LEARNER_GPU}\\) visible to every worker; worker 1 runs "
+                                         f"on another GPU and sees only {OTHER_GPU}. Use transport 'broadcast'"):
+        choose_transport("cuda_ipc", cuda_items, NODE, [colocated, other_gpu], False, LEARNER_GPU)
+    with pytest.raises(ValueError, match="worker 1 runs on another GPU and sees only no GPU it reported"):
+        choose_transport("cuda_ipc", cuda_items, NODE, [colocated, unreported], False, LEARNER_GPU)
+
+
+def test_a_worker_that_cannot_see_the_learners_gpu_refuses_the_handles():
+    """The worker's own check (cuda_ipc._local_index): never a fallback to its own GPU's index."""
+    from rollout_service.weights.cuda_ipc import _local_index, visible_gpus
+    seen = visible_gpus()
+    with pytest.raises(ValueError, match=f"learner's GPU {LEARNER_GPU} is not visible to this worker"):
+        _local_index(LEARNER_GPU, torch.device("cuda", 0))
+    if seen:  # (on a GPU machine: a visible GPU is found by its UUID)
+        assert _local_index(seen[-1], torch.device("cuda", 0)) == len(seen) - 1
 
 
 def test_explicit_transports_that_cannot_work_are_refused():

@@ -4,8 +4,9 @@ Learner side: the tensors are copied (device to device) into a few GPU buckets t
 the learner keeps them (reused by every refresh of the same layout), and each bucket is shared once by a
 CUDA IPC handle (torch's CUDA tensor reduction: a handle + offset, no tensor data is pickled). Worker side:
 the handles are opened once per bucket allocation and cached, and every refresh copies from the mapped
-buckets straight into the engine's parameters, device to device. A worker on another GPU of the node
-opens the same handles on its own device and reads over NVLink/PCIe (peer access).
+buckets straight into the engine's parameters, device to device. A worker on another GPU of the node reads
+over NVLink/PCIe (peer access) when its process can see the learner's GPU; one that cannot (Ray's default:
+a GPU worker sees its own GPU only) is refused (transport.py ipc_refusal, and here again on the worker).
 
 The learner synchronises its copies before it hands the handles out, and every worker synchronises its
 reads before its refresh call returns, so the learner may refill the buckets as soon as update_weights
@@ -25,6 +26,14 @@ _DEVICE_ARG = 6  # index of the device in torch's rebuild_cuda_tensor arguments
 
 def device_uuid(device: torch.device) -> str:
     return str(torch.cuda.get_device_properties(device).uuid)
+
+
+def visible_gpus() -> list[str]:
+    """UUIDs of the GPUs this process can see (none without CUDA): a worker reports them so the learner knows
+    whether CUDA IPC from its GPU can reach it."""
+    if not torch.cuda.is_available():
+        return []
+    return [device_uuid(torch.device("cuda", i)) for i in range(torch.cuda.device_count())]
 
 
 class IpcSender:
@@ -87,11 +96,14 @@ class IpcReader:
 
 
 def _local_index(uuid_str: str, device: torch.device) -> int:
-    """This process's index of the learner's GPU when it sees it; else its own GPU (peer access)."""
-    for i in range(torch.cuda.device_count()):
-        if device_uuid(torch.device("cuda", i)) == uuid_str:
-            return i
-    return device.index if device.index is not None else torch.cuda.current_device()
+    """This process's index of the learner's GPU. A process that cannot see it is refused: rebuilding the
+    handle under another index would claim the memory lives on that GPU (the learner checks this first, from
+    what the workers reported; this is the worker's own check)."""
+    seen = visible_gpus()
+    if uuid_str in seen:
+        return seen.index(uuid_str)
+    raise ValueError(f"update_weights: transport 'cuda_ipc': the learner's GPU {uuid_str} is not visible to this "
+                     f"worker on {device} (it sees {', '.join(seen)}); use transport 'broadcast' or 'object_store'")
 
 
 def _rebuild(handle: Any, device_index: int) -> torch.Tensor:

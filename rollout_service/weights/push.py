@@ -17,7 +17,7 @@ import torch
 
 from rollout_service.weights.buckets import (DEFAULT_BUCKET_BYTES, Buckets, Manifest, plan, reject_nonfinite,
                                              reuse_or_allocate)
-from rollout_service.weights.cuda_ipc import IpcSender
+from rollout_service.weights.cuda_ipc import IpcSender, device_uuid
 from rollout_service.weights.group import COLLECTIVES, GroupSpec, WeightGroup, free_port
 from rollout_service.weights.object_store import ObjectStoreSender
 from rollout_service.weights.transport import REGROUP, WorkerPlace, choose_transport
@@ -44,10 +44,10 @@ class WeightPusher:
         """Push a new policy to every worker (all or none); returns the transport used. `items`: (name, tensor)
         pairs, as the client normalised them."""
         t0 = time.perf_counter()
-        places = [WorkerPlace(t["index"], t.get("node_id"), t.get("device", "cpu"))
+        places = [WorkerPlace(t["index"], t.get("node_id"), t.get("device", "cpu"), tuple(t.get("gpus") or ()))
                   for t in ray.get(self.router.weight_targets.remote())]
         kind = choose_transport(transport, items, ray.get_runtime_context().get_node_id(), places,
-                                self.group is not None)
+                                self.group is not None, _learner_gpu(items))
         if check_finite:
             reject_nonfinite(items)
         manifest = self.plan(items)
@@ -193,3 +193,11 @@ class WeightPusher:
     def close(self) -> None:
         self._leave()
         self._free()
+
+
+def _learner_gpu(items: Items) -> str | None:
+    """The UUID of the GPU the learner's tensors are on (the first one's; CUDA IPC wants them all on one), or None
+    off CUDA: what a worker must see for CUDA IPC to reach it."""
+    if not items or items[0][1].device.type != "cuda":
+        return None
+    return device_uuid(items[0][1].device)
