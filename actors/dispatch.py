@@ -38,6 +38,9 @@ class Dispatcher:
             return {"errors": [(-1, "empty batch")]}
         if all(self.workers.gone):
             return {"errors": [(-1, "no rollout worker is alive")]}
+        for r in reqs:  # the engines admit the oldest first; a regeneration keeps its request's version
+            if r.submitted_version is None:
+                r.submitted_version = self._version()
         sid, tracked = self.ledger.open_stream(reqs)
         try:
             errors = await self.dispatch(tracked, atomic=True)

@@ -11,6 +11,7 @@ DTYPE_NAMES = ("float32", "bfloat16", "float16")
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 DTYPES = (None, *DTYPE_NAMES)
 ON_REFRESH = ("continue", "recompute", "abort")
+SCHEDULING = ("staleness", "fifo")
 
 
 def _fail(cls: str, name: str, value: Any, why: str) -> None:
@@ -64,6 +65,10 @@ class EngineConfig:
     overlap_decode: bool = True
     seed: int = 0
     on_refresh: str = "continue"  # what a refresh does to sequences in flight: engine/refresh.py
+    # Which waiting sequence is admitted first and which running one is preempted first: "staleness" orders
+    # by the policy version the request was submitted under (oldest first), then arrival, so samples that a
+    # refresh is making stale finish before newer ones start; "fifo" by arrival alone (engine/scheduler.py).
+    scheduling: str = "staleness"
     # Reuse the KV of full pages across requests whose tokens match up to the page's end (shared system
     # prompts, the n samples' prompt on recompute, an episode's history). Keys carry the policy version:
     # after a refresh, KV of the old weights stops matching, unless prefix_cache_across_versions (off: the
@@ -117,6 +122,8 @@ class EngineConfig:
             _fail(c, "kv_cache_memory_gb", self.kv_cache_memory_gb, "must be > 0")
         if self.on_refresh not in ON_REFRESH:
             _fail(c, "on_refresh", self.on_refresh, f"must be one of {ON_REFRESH}")
+        if self.scheduling not in SCHEDULING:
+            _fail(c, "scheduling", self.scheduling, f"must be one of {SCHEDULING}")
         if self.on_refresh == "recompute" and self.prefix_cache_across_versions:
             _fail(c, "on_refresh", self.on_refresh, "recomputes the KV under the new weights; "
                   "prefix_cache_across_versions would serve the old KV again (turn one of them off)")

@@ -90,7 +90,7 @@ class Engine(DecodeSteps, FaultIsolation, WeightRefresh):
         self.eos_ids = self.prompts.eos_ids(self.hf_config)
         self.kv = sized_kv_cache(self.model, config, self.device, self.max_model_len)
         self.scheduler = Scheduler(self.kv.blocks, config.page_size, config.max_num_seqs,
-                                   config.max_num_batched_tokens)
+                                   config.max_num_batched_tokens, config.scheduling == "staleness")
         self.scheduler.on_preempt = lambda seq: keep_routing(self.kv.routing, seq)
         # Graphs fix every buffer at its largest shape; only the CUDA kernels read the pages through CSR
         # indices whose cost follows the real lengths (the torch reference gathers whole padded tables).
@@ -123,7 +123,10 @@ class Engine(DecodeSteps, FaultIsolation, WeightRefresh):
         if not isinstance(req, RolloutRequest):
             raise ValueError(f"expected a RolloutRequest, got {type(req).__name__}")
         try:
-            return self._prepare(req.validated())
+            req = req.validated()
+            if req.submitted_version is None:  # in-process: submitted now, under the weights served now
+                req.submitted_version = self.policy_version
+            return self._prepare(req)
         except ValueError as e:
             raise ValueError(f"request {req.request_id!r}: {e}") from None
 
@@ -150,7 +153,8 @@ class Engine(DecodeSteps, FaultIsolation, WeightRefresh):
             raise ValueError(f"request needs up to {longest} tokens of KV but the whole cache holds "
                              f"{self.kv.blocks.num_usable * self.config.page_size}")
         seed = req.sampling.seed if req.sampling.seed is not None else self._seed_rng.getrandbits(63)
-        return Sequence(req.request_id, ids, req.sampling, seed, num_samples=req.sampling.n)
+        return Sequence(req.request_id, ids, req.sampling, seed, num_samples=req.sampling.n,
+                        submitted_version=req.submitted_version)
 
     def _prepare_scoring(self, req: RolloutRequest, ids: list[int]) -> Sequence:
         """A scoring sequence: prompt + completion, prefilled, never sampled (engine/scoring.py)."""
@@ -163,7 +167,8 @@ class Engine(DecodeSteps, FaultIsolation, WeightRefresh):
         if pages_for(total, self.config.page_size) > self.kv.blocks.num_usable:
             raise ValueError(f"prompt + completion need {total} tokens of KV but the whole cache holds "
                              f"{self.kv.blocks.num_usable * self.config.page_size}")
-        return Sequence(req.request_id, ids + req.completion, req.sampling, 0, score_from=len(ids))
+        return Sequence(req.request_id, ids + req.completion, req.sampling, 0, score_from=len(ids),
+                        submitted_version=req.submitted_version)
 
     def add_request(self, req: RolloutRequest, seq: Sequence | EpisodeGroup | None = None) -> None:
         """Queue a request; `seq`: what prepare(req) returned (prepared here when None)."""

@@ -170,7 +170,8 @@ class EpisodeRunner:
                                            seed=turn_seed(ep.group.seed, ep.sample, turn),
                                            return_prompt_routed_experts=sp.return_routed_experts)
             req = RolloutRequest(prompt=ep.prompt_ids + ep.token_ids, sampling=sampling, apply_chat_template=False,
-                                 request_id=f"{ep.group.request_id}/{ep.sample}/{turn}")
+                                 request_id=f"{ep.group.request_id}/{ep.sample}/{turn}",
+                                 submitted_version=ep.group.request.submitted_version)
             self.engine.add_request(req)
         except ValueError as e:
             return self._end(ep, "abort", f"turn {turn} of the episode: {e}")

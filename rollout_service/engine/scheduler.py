@@ -5,8 +5,14 @@ longer than what is left of the budget is chunked) or a decode (one token for ev
 Prefill goes first so new work joins the batch as soon as there are pages for it; a new sequence whose
 prefix is in the prefix cache starts with those pages and prefills only the rest. When decode runs out of
 pages (cached pages nobody holds are evicted first, by the block manager) the newest running sequence is
-preempted: its pages are freed and it is requeued at the front, to be recomputed later. Nothing is ever
-dropped. Pages themselves are the block manager's (kv_cache.py): this file only decides what runs.
+preempted: its pages are freed and it is requeued, to be recomputed later. Nothing is ever dropped. Pages
+themselves are the block manager's (kv_cache.py): this file only decides what runs.
+
+"Newest" and the waiting order follow EngineConfig.scheduling. "staleness": by the policy version a request
+was submitted under, then arrival, so that after a refresh the samples of older versions are admitted and
+kept running before newer ones (an episode's later turn or a resubmitted request goes ahead of prompts
+submitted under newer weights, and finishes before it grows stale). "fifo": by arrival alone (a preempted
+sequence goes back to the front).
 """
 from __future__ import annotations
 
@@ -33,9 +39,15 @@ class Batch:
                               for s, c in zip(self.seqs, self.chunk_lens or [1] * len(self.seqs))]
 
 
+def staleness_key(seq: Sequence) -> tuple[int, float, int]:
+    return seq.submitted_version, seq.t_arrival, seq.seq_id
+
+
 class Scheduler:
-    def __init__(self, blocks: BlockManager, page_size: int, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, blocks: BlockManager, page_size: int, max_num_seqs: int, max_num_batched_tokens: int,
+                 staleness_first: bool = True):
         self.blocks = blocks
+        self.staleness_first = staleness_first
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -46,7 +58,27 @@ class Scheduler:
         self.on_preempt: Callable[[Sequence], None] = lambda seq: None
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        if self.staleness_first:
+            self._insert(seq)
+        else:
+            self.waiting.append(seq)
+
+    def _insert(self, seq: Sequence) -> None:
+        """Into `waiting` in staleness order (scanning from the back: a new arrival is usually the newest)."""
+        key, i = staleness_key(seq), len(self.waiting)
+        while i and staleness_key(self.waiting[i - 1]) > key:
+            i -= 1
+        self.waiting.insert(i, seq)
+
+    def _victim(self, pending: deque[Sequence], seq: Sequence) -> Sequence:
+        """The running sequence to preempt so that `seq` can grow: the newest of those not yet scheduled."""
+        if not pending:
+            return seq
+        victim = max(pending, key=staleness_key) if self.staleness_first else pending[-1]
+        if self.staleness_first and staleness_key(seq) > staleness_key(victim):
+            return seq
+        pending.remove(victim)
+        return victim
 
     def schedule(self) -> Batch | None:
         return self._schedule_prefill() or self._schedule_decode()
@@ -87,11 +119,12 @@ class Scheduler:
             seq = pending.popleft()
             if seq.num_tokens > len(seq.pages) * ps:  # this step's token starts a new page
                 while not self.blocks.can_allocate(1):
-                    self._preempt(pending.pop() if pending else seq)
-                    if seq.status == SeqStatus.WAITING:
+                    victim = self._victim(pending, seq)
+                    self._preempt(victim)
+                    if victim is seq:
                         break
                 if seq.status == SeqStatus.WAITING:
-                    break
+                    continue
                 self.blocks.grow(seq, seq.num_tokens)
             scheduled.append(seq)
         self.running = scheduled
@@ -126,7 +159,10 @@ class Scheduler:
         self.on_preempt(seq)
         self.blocks.free(seq)
         seq.status = SeqStatus.WAITING
-        self.waiting.appendleft(seq)
+        if self.staleness_first:
+            self._insert(seq)
+        else:
+            self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
     def after_prefill(self, batch: Batch, new_running: list[Sequence]) -> None:

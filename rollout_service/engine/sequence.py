@@ -25,8 +25,9 @@ class Sequence:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, seed: int,
                  sample_index: int = 0, num_samples: int = 1, arrival: float | None = None,
-                 score_from: int | None = None):
+                 score_from: int | None = None, submitted_version: int = 0):
         self.seq_id = next(_ids)
+        self.submitted_version = submitted_version  # the scheduler's staleness order (engine/scheduler.py)
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
@@ -97,7 +98,7 @@ class Sequence:
     def fork(self, sample_index: int) -> "Sequence":
         """A sibling sample sharing this sequence's prompt (pages are shared by the caller)."""
         child = Sequence(self.request_id, self.prompt_token_ids, self.sampling, self.seed, sample_index,
-                         arrival=self.t_arrival)
+                         arrival=self.t_arrival, submitted_version=self.submitted_version)
         child.num_computed = self.num_computed
         child.routing_prefix = self.routing_prefix  # never written in place: shared
         child.status = self.status
