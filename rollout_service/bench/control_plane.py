@@ -1,0 +1,192 @@
+"""The control plane, measured: the router (and the workers' hosts and the client around it) driven by many
+workers whose engines cost nothing (rollout_service/bench/fabricated.py, a benchmark-only test double).
+
+- requests/s: requests of 1-token answers, submitted in batches of `batch` per stream, fabricated at once;
+- results/s: W workers each fabricating W2's rate (256 samples of 256 tokens per batch, 100k tokens/s);
+- CPU per request and per result: the router's process (/proc), the workers' and the client's, over each run;
+- latency added: one 1-token request at a time, submit to result, on an idle service (the engine's part is
+  one fabricated step, microseconds), beside one bare Ray actor call.
+
+`python scripts/bench_router.py` writes benchmarks/results/<date>-<hardware>-control-plane.{json,md}.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from typing import Any
+
+from .fabricated import Fabricate
+from .service_bench import write_results
+
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process so far, all its threads."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK
+
+
+def start(workers: int, fabricate: Fabricate, name: str, custom: dict | None = None) -> tuple[Any, int, list[int]]:
+    """A service of fabricating workers: (its RayBackend, the router's pid, the workers' pids). `custom`: the
+    custom resource each worker reserves (the benchmark's own Ray instance has `bench_worker`); the workers
+    take no CPU of Ray's, so 64 of them fit a 2-core machine."""
+    import ray
+
+    from actors.router import RouterActor
+    from rollout_service.backends.ray import RayBackend
+    from rollout_service.config import ServiceConfig
+
+    cfg = ServiceConfig(name=name, namespace="rollout_service_bench", num_workers=workers,
+                        resources={"num_cpus": 0, "num_gpus": 0, "custom": custom or {"bench_worker": 1}},
+                        placement={"strategy": "PACK", "timeout_s": 600}, max_restarts=0)
+    router = RouterActor.options(name=name, namespace=cfg.namespace, num_cpus=0,
+                                 max_restarts=0).remote(cfg, engine_factory=fabricate)
+    err = ray.get(router.start.remote())
+    if err:
+        ray.get(router.shutdown.remote())
+        ray.kill(router)
+        raise RuntimeError(err)
+    pid = ray.get(router.__ray_call__.remote(lambda r: os.getpid()))
+    pids = ray.get([w.__ray_call__.remote(lambda w: os.getpid()) for w in ray.get(
+        router.__ray_call__.remote(lambda r: r.workers))])
+    return RayBackend(router, name, owner=True, namespace=cfg.namespace), pid, pids
+
+
+def drive(backend: Any, requests: list, batch: int) -> tuple[int, int]:
+    """Submit in streams of `batch` requests (every stream open at once), then read them all: (results read,
+    distinct (request_id, sample_index) among them)."""
+    streams = [backend.submit(requests[k:k + batch]) for k in range(0, len(requests), batch)]
+    seen, count = set(), 0
+    for s in streams:
+        for r in s:
+            seen.add((r.request_id, r.sample_index))
+            count += 1
+    return count, len(seen)
+
+
+def throughput(workers: int, fabricate: Fabricate, count: int, max_tokens: int, batch: int, n: int = 1,
+               custom: dict | None = None, idle_s: float = 2.0) -> dict:
+    """One run: `count` requests of n samples of `max_tokens` tokens through a service of `workers` workers.
+    The router's CPU on the idle service over `idle_s` first (its long polls of every worker) is reported
+    apart, and taken out of the per-result figure: it grows with the workers and the wall time, not the load."""
+    from rollout_service.types import RolloutRequest, SamplingParams
+
+    backend, router_pid, worker_pids = start(workers, fabricate, f"bench-cp-{workers}-{max_tokens}", custom)
+    try:
+        sampling = SamplingParams(n=n, temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        warm = [RolloutRequest([1, 2, 3, 4, 5, 6, 7, 8], sampling, request_id=f"w{k}") for k in range(workers * 4)]
+        drive(backend, warm, batch)
+        reqs = [RolloutRequest([1, 2, 3, 4, 5, 6, 7, 8], sampling, request_id=f"r{k}") for k in range(count)]
+        idle0 = cpu_seconds(router_pid)
+        time.sleep(idle_s)
+        idle = (cpu_seconds(router_pid) - idle0) / idle_s
+        cpu0 = (cpu_seconds(router_pid), sum(cpu_seconds(p) for p in worker_pids), time.process_time())
+        t0 = time.perf_counter()
+        results, distinct = drive(backend, reqs, batch)
+        seconds = time.perf_counter() - t0
+        cpu1 = (cpu_seconds(router_pid), sum(cpu_seconds(p) for p in worker_pids), time.process_time())
+    finally:
+        backend.close()
+    router, worker, client = (b - a for a, b in zip(cpu0, cpu1))
+    busy = max(router - idle * seconds, 0.0)  # the router's CPU for the load itself
+    # results per second of router CPU: what one router could carry with a core of its own
+    return {"workers": workers, "n": n, "requests": count, "results": results, "expected": count * n,
+            "duplicates": results - distinct, "max_tokens": max_tokens,
+            "step_ms": fabricate.step_s * 1e3, "batch": batch, "seconds": round(seconds, 3),
+            "requests_per_s": round(count / seconds), "results_per_s": round(results / seconds),
+            "router_cpu_s": round(router, 3), "router_util": round(router / seconds, 3),
+            "router_us_per_request": round(1e6 * router / count, 1),
+            "router_us_per_result": round(1e6 * router / results, 1),
+            "router_results_per_cpu_s": round(results / router) if router else None,
+            "router_idle_cpu_share": round(idle, 3), "router_busy_us_per_result": round(1e6 * busy / results, 1),
+            "workers_us_per_result": round(1e6 * worker / results, 1),
+            "client_us_per_result": round(1e6 * client / results, 1)}
+
+
+def latency(rounds: int, custom: dict | None = None) -> dict:
+    """Submit-to-result of one 1-token request at a time on an idle 2-worker service, and a bare actor call."""
+    import ray
+
+    from rollout_service.types import RolloutRequest, SamplingParams
+
+    backend, _, _ = start(2, Fabricate(), "bench-cp-latency", custom)
+    try:
+        one = SamplingParams(temperature=0.0, max_tokens=1)
+        worker = ray.get(backend.router.__ray_call__.remote(lambda r: r.workers[0]))
+        times, bare = [], []
+        for k in range(rounds + 10):
+            t0 = time.perf_counter()
+            list(backend.submit([RolloutRequest([1, 2, 3], one, request_id=f"l{k}")]))
+            t1 = time.perf_counter()
+            ray.get(worker.health.remote())
+            t2 = time.perf_counter()
+            if k >= 10:  # (the first calls warm the paths up)
+                times.append(t1 - t0)
+                bare.append(t2 - t1)
+    finally:
+        backend.close()
+    q = statistics.quantiles(times, n=100)
+    median, call = statistics.median(times), statistics.median(bare)
+    return {"rounds": rounds, "median_ms": round(1e3 * median, 2), "p90_ms": round(1e3 * q[89], 2),
+            "p99_ms": round(1e3 * q[98], 2), "bare_actor_call_median_ms": round(1e3 * call, 2),
+            "added_ms": round(1e3 * (median - call), 2)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    import ray
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--tag", default="control-plane")
+    p.add_argument("--workers", default="4,16,64", help="worker counts of the results/s runs")
+    p.add_argument("--quick", action="store_true")
+    args = p.parse_args(argv)
+    counts = [int(w) for w in args.workers.split(",")]
+    w2 = Fabricate(step_s=0.00256, max_num_seqs=256)
+    runs = []
+    ray.init(num_cpus=os.cpu_count(), resources={"bench_worker": max(counts + [8])}, include_dashboard=False,
+             log_to_driver=False, namespace="rollout_service_bench")
+    try:
+        lat = latency(20 if args.quick else 200)
+        print(lat, flush=True)
+        for workers, n in ((2, 1), (8, 1), (8, 8)):  # n = 8: the per-request and per-result costs apart
+            runs.append(throughput(workers, Fabricate(), (2_000 if args.quick else 20_000) // n, 1, 512, n=n))
+            print(runs[-1], flush=True)
+        for workers in counts:
+            count = workers * 256 * (1 if args.quick else 4)
+            runs.append(throughput(workers, w2, count, 256, 256))
+            print(runs[-1], flush=True)
+    finally:
+        ray.shutdown()
+    write_results(args.out, args.tag, {"latency": lat}, runs, _markdown(lat, runs))
+    return 0
+
+
+def _markdown(lat: dict, runs: list[dict]) -> list[str]:
+    lines = [f"Latency, one 1-token request at a time, idle 2-worker service, submit to result: median "
+             f"{lat['median_ms']} ms, p90 {lat['p90_ms']} ms, p99 {lat['p99_ms']} ms; a bare Ray actor call "
+             f"{lat['bare_actor_call_median_ms']} ms; added {lat['added_ms']} ms ({lat['rounds']} rounds).", "",
+             "Fabricating engines (rollout_service/bench/fabricated.py): 1-token answers with no step time measure "
+             "requests/s; 256-token answers at 2.56 ms a step, 256 at a time, are W2's rate per worker "
+             "(100k tokens/s, ~390 results/s). CPU from /proc (10 ms ticks); every process shares this machine's "
+             "cores, so results/s is what the whole machine sustained and the router's CPU per result is the "
+             "figure that carries to other machines. router results/CPU-s: what one router could carry with a "
+             "core of its own. idle: the router's CPU share on the idle service (its long polls of every worker), "
+             "taken out of the net figure.", "",
+             "| workers | n | tokens/result | fabricated step | requests | results/s | requests/s | router CPU share "
+             "(idle) | router µs/request | router µs/result (net of idle) | router results/CPU-s | workers µs/result | "
+             "client µs/result | lost / duplicated |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in runs:
+        lines.append(f"| {r['workers']} | {r['n']} | {r['max_tokens']} | {r['step_ms']:.2f} ms | {r['requests']:,} | "
+                     f"{r['results_per_s']:,} | {r['requests_per_s']:,} | {r['router_util']:.2f} "
+                     f"({r['router_idle_cpu_share']:.2f}) | {r['router_us_per_request']} | "
+                     f"{r['router_us_per_result']} ({r['router_busy_us_per_result']}) | "
+                     f"{r['router_results_per_cpu_s']:,} | {r['workers_us_per_result']} | "
+                     f"{r['client_us_per_result']} | {r['expected'] - r['results'] + r['duplicates']} / "
+                     f"{r['duplicates']} |")
+    return lines
