@@ -48,8 +48,8 @@ class Stream:
 
 
 def cost_estimate(req: RolloutRequest) -> int:
-    """Outstanding-token cost of one sample: prompt tokens (estimated for text) + max_tokens; an episode's
-    token limit."""
+    """Outstanding-token cost of one sample: prompt tokens (estimated for text) + max_tokens, or + the
+    completion a scoring request prefills; an episode's token limit."""
     p = req.prompt
     if req.episode is not None:
         return req.episode.max_total_tokens
@@ -59,7 +59,7 @@ def cost_estimate(req: RolloutRequest) -> int:
         prompt = sum(len(m["content"]) // 4 + 4 for m in p)
     else:
         prompt = len(p)
-    return prompt + req.sampling.max_tokens
+    return prompt + (req.sampling.max_tokens if req.completion is None else len(req.completion))
 
 
 def decode_request(item) -> RolloutRequest:

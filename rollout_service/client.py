@@ -15,6 +15,7 @@ from rollout_service.config import EngineConfig
 from rollout_service.fidelity import check_fidelity
 from rollout_service.prompts import prompt_items
 from rollout_service.reward_fns import resolve
+from rollout_service.score_requests import score_requests
 from rollout_service.types import EpisodeParams, Prompt, RolloutRequest, RolloutResult, SamplingParams
 from rollout_service.weights.buckets import named_items
 from rollout_service.weights.transport import TRANSPORTS
@@ -123,6 +124,18 @@ class RolloutClient:
                  metadata: Seq[Any] | None = None, reward: str | None = None) -> list[RolloutResult]:
         """All results, prompt-major: prompt 0's n samples, then prompt 1's, ... `reward`: as stream()."""
         return self._in_order(self.requests(prompts, sampling, apply_chat_template, metadata, reward))
+
+    def score(self, sequences: Any, sampling: SamplingParams | None = None, *, apply_chat_template: bool = True,
+              metadata: Seq[Any] | None = None) -> list[RolloutResult]:
+        """Teacher-forced log-probs of given completions, prefill only, on the service's workers beside the
+        rollouts (through the prefix cache: the completions of one prompt prefill it once). `sequences`: a
+        RolloutResult or a (prompt, completion_ids) tuple, or a list of them (a result's metadata comes
+        along). `sampling` (n=1, no penalties) picks the distribution as for rollouts: temperature,
+        logprobs_mode, `logprobs` for top-k. One result per sequence, in their order, finish_reason
+        "scored": `logprobs[i]` of completion token i, computed by the one policy version its
+        `token_versions` name (the current one; a refresh during scoring starts that sequence again)."""
+        return self._in_order(score_requests(sequences, sampling, apply_chat_template,
+                                             None if metadata is None else list(metadata)))
 
     def _in_order(self, reqs: list[RolloutRequest]) -> list[RolloutResult]:
         """Every result of `reqs`, request-major (in their order), each request's samples by index."""

@@ -61,6 +61,22 @@ def test_seeded_results_equal_local_client(client, local):
     assert all(s["generated_tokens"] > 0 for s in client.stats())
 
 
+def test_score_through_the_service_equals_local(client, local):
+    """client.score over Ray: the workers' prefill scores of rollouts and pairs, in order, as in-process."""
+    rollouts = client.generate(_requests(_prompts(4, seed=3), n=2, temperature=1.0, max_tokens=8, ignore_eos=True))
+    pairs = [(p, list(range(5, 5 + len(p) % 7 + 1))) for p in _prompts(3, seed=4)]
+    sampling = SamplingParams(temperature=0.7, logprobs=2)
+    got, want = client.score(rollouts + pairs, sampling), local.score(rollouts + pairs, sampling)
+    assert len(got) == len(want) == 11
+    for g, w in zip(got, want):
+        assert g.finish_reason == "scored" and (g.prompt_token_ids, g.token_ids) == (w.prompt_token_ids, w.token_ids)
+        np.testing.assert_allclose(g.logprobs, w.logprobs, rtol=1e-5, atol=1e-5)
+        assert set(g.token_versions) == {0} and list(g.top_logprobs[0]) == list(w.top_logprobs[0])
+    with pytest.raises(ValueError, match="n=3"):
+        client.score(pairs, SamplingParams(n=3))
+    assert client.score(pairs[:1])[0].finish_reason == "scored"  # still serving
+
+
 def test_stream_yields_each_result_once_as_it_finishes(client):
     short = [RolloutRequest(p, SamplingParams(n=2, max_tokens=2, ignore_eos=True), request_id=f"s{i}")
              for i, p in enumerate(_prompts(4, seed=1))]

@@ -168,3 +168,44 @@ def test_bad_completions_are_refused_by_name(llama):
     assert r.finish_reason == "scored" and len(r.logprobs) == 24
     back = RolloutRequest.from_msgpack(RolloutRequest(prompt=[1], completion=[2, 3], submitted_version=4).to_msgpack())
     assert back.completion == [2, 3] and back.submitted_version == 4
+
+
+def test_client_score_takes_results_and_pairs_in_order(llama):
+    """RolloutClient.score in-process: results (their metadata along) and (prompt, completion) pairs, one
+    result each in their order, against transformers' forward; bad input named, the client still serves."""
+    from rollout_service import RolloutClient
+    client = RolloutClient.local(llama, backend="torch", dtype="float32", device="cpu", num_pages=128)
+    sampling = SamplingParams(temperature=1.0, max_tokens=9, ignore_eos=True, n=2, seed=3)
+    rollouts = client.generate([p for p, _ in seqs(3, seed=8)], sampling, metadata=["a", "b", "c"])
+    pairs = seqs(2, seed=9)
+    got = client.score(rollouts + pairs)
+    assert len(got) == len(rollouts) + len(pairs)
+    for want, r in zip([(x.prompt_token_ids, x.token_ids) for x in rollouts] + pairs, got):
+        assert (r.prompt_token_ids, r.token_ids, r.finish_reason) == (*want, "scored")
+        np.testing.assert_allclose(r.logprobs, hf_logprobs(llama, *want)[1].numpy(), atol=1e-4)
+        assert set(r.token_versions) == {0}
+    assert [r.metadata for r in got[:6]] == ["a", "a", "b", "b", "c", "c"]
+    (one,) = client.score(rollouts[0], SamplingParams(temperature=0.5, logprobs=2))
+    assert len(one.top_logprobs) == len(rollouts[0].token_ids)
+    for bad, words in [([], "empty"), ("text", "expected a RolloutResult"), ([(1, 2, 3)], "sequence 0"),
+                       ([([1, 2], [])], "sequence 0: RolloutRequest.completion")]:
+        with pytest.raises(ValueError, match=words):
+            client.score(bad)
+    with pytest.raises(ValueError, match="n=2"):
+        client.score(pairs, SamplingParams(n=2))
+    with pytest.raises(ValueError, match="metadata"):
+        client.score(pairs, metadata=["only one"])
+    client.update_weights(llama.state_dict(), version=2)
+    assert client.score(pairs[:1])[0].token_versions == [2] * len(pairs[0][1])
+    client.close()
+
+
+def test_client_score_in_batch_invariant_mode_is_bitwise_the_rollouts(llama):
+    from rollout_service import RolloutClient
+    client = RolloutClient.local(llama, backend="torch", dtype="float32", device="cpu", num_pages=128,
+                                 batch_invariant=True, page_size=8)
+    sampling = SamplingParams(temperature=0.8, max_tokens=10, ignore_eos=True, n=3, seed=1)
+    rollouts = client.generate([p for p, _ in seqs(3, seed=10)], sampling)
+    for r, s in zip(rollouts, client.score(rollouts, SamplingParams(temperature=0.8))):
+        assert s.logprobs.tobytes() == r.logprobs.tobytes()
+    client.close()
