@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tag", default="staleness")
     args = p.parse_args(argv)
     shape = StreamShape()
-    hf = load_bench_model(args.model, torch.device("cpu"), torch.float32).model
+    hf = load_bench_model(args.model, torch.device("cpu"), torch.float32).hf_model
     weights = {k: v.clone() for k, v in hf.state_dict().items()}
     rows = []
     for scheduling in ("fifo", "staleness"):
