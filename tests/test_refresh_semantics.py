@@ -125,3 +125,24 @@ def test_kv_versions_on_the_wire():
         RolloutResult.from_dict(bad)
     with pytest.raises(ValueError, match="kv_versions"):
         RolloutResult("a", 0, [1], [3, 4], [0, 0], [0, 0], "length", kv_versions=[0])
+
+
+def test_the_rl_semantics_bench_measures_what_it_says(models):
+    """rollout_service/bench/rl_semantics.py on a tiny shape: scores agree with transformers, each prompt's
+    prefill is shared by its completions; recompute leaves no token on stale KV and prefills more."""
+    from rollout_service.bench.rl_semantics import Shape, refresh, score
+    old, _, _ = models
+    s = Shape(score_prompts=2, score_n=3, score_prompt=40, score_completion=20, score_batch=2, w2n_prompts=2,
+              w2n_n=2, w2n_prompt=16, w2n_new=24, refresh_every=8)
+
+    def make(**o):
+        return Engine(model_source=old, device="cpu", num_pages=128, **o)
+    sc = score(old, make, s)
+    assert sc["sequences"] == 6 and sc["scored_tokens"] == 120 and sc["max_abs_dev"] < 1e-4
+    # each prompt's first 2 pages (32 of its 40 tokens) prefilled once, not once per completion
+    assert sc["prefilled_tokens"] == 2 * 60 + 4 * (60 - 32)
+    weights = {k: v.clone() for k, v in old.state_dict().items()}
+    cont, rec = refresh(make, weights, s, "continue"), refresh(make, weights, s, "recompute")
+    assert cont["refreshes"] == rec["refreshes"] == 2 and cont["tokens"] == rec["tokens"] == 96
+    assert cont["stale_kv_tokens"] > 0 and rec["stale_kv_tokens"] == 0
+    assert rec["refresh_recomputes"] == 8 and rec["prefilled_tokens"] > cont["prefilled_tokens"]

@@ -88,7 +88,10 @@ class Scheduler:
         seqs, chunks = [], []
         reserved = 0  # pages the forks of this batch's finished prompts will take after the step
         num_seqs = len(self.running)
+        heads: set[tuple[int, ...]] = set()
         for seq in self.waiting:
+            if self._defer(seq, heads):
+                continue
             num_seqs += seq.num_samples
             if budget == 0 or (num_seqs > self.max_num_seqs and (seqs or self.running)):
                 break
@@ -112,6 +115,18 @@ class Scheduler:
             if chunk < remaining:
                 break  # a chunked prompt is always the last of the batch
         return Batch(True, seqs, chunks) if seqs else None
+
+    def _defer(self, seq: Sequence, heads: set[tuple[int, ...]]) -> bool:
+        """Whether a scoring sequence waits a step because a batch-mate is prefilling its first page now: the
+        next step takes that prefix from the cache, so the completions of one prompt, sent together,
+        prefill it once. (Sampling sequences share a prompt by forking instead.)"""
+        if seq.score_from is None or seq.pages or seq.num_reusable < self.page_size:
+            return False
+        head = tuple(seq.prompt_token_ids[:self.page_size])
+        if head not in heads:
+            heads.add(head)
+            return False
+        return not self.blocks.match_prefix(seq)
 
     def _schedule_decode(self) -> Batch | None:
         scheduled, pending, ps = [], deque(self.running), self.page_size
