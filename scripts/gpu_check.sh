@@ -9,7 +9,7 @@
 #   env: PYTHON (default python3), OUT, GPU_CHECK_BUDGET_S (default 530),
 #        GPU_CHECK_MODELS (default qwen2.5-0.5b,llama3-8b), GPU_CHECK_ARGS (extra harness arguments),
 #        GPU_CHECK_RESULTS (default benchmarks/results), GPU_CHECK_TAG (suffix of the result files),
-#        GPU_CHECK_BENCH (the benchmark steps, in order: default w7,w6,w3,w4,w2p,wbi,main; the budget cuts the last ones)
+#        GPU_CHECK_BENCH (the benchmark steps, in order: default w7,rls,w6,w3,w4,w2p,wbi,main; the budget cuts the last ones)
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -26,7 +26,7 @@ START=$(date +%s)
 LOG=${OUT:-/tmp}/gpu_check.log
 mkdir -p "$RESULTS" "$(dirname "$LOG")"
 MARK=$(mktemp); touch "$MARK"
-BENCH_STEPS=${GPU_CHECK_BENCH:-w7,w6,w3,w4,w2p,wbi,main}
+BENCH_STEPS=${GPU_CHECK_BENCH:-w7,rls,w6,w3,w4,w2p,wbi,main}
 left() { echo $(( BUDGET - ($(date +%s) - START) )); }
 wanted() { [[ ",$BENCH_STEPS," == *",$1,"* ]]; }
 declare -A STATUS
@@ -57,6 +57,14 @@ W7_S=$(( $(left) > 120 ? ($(left) > 210 ? 180 : $(left) - 30) : 0 ))
 if wanted w7 && [ "$W7_S" -gt 0 ]; then
   step bench_w7 "$W7_S" "$PY" scripts/bench.py --model qwen2.5-0.5b --workloads W7,WDS --budget-s $(( W7_S - 20 )) \
     --out "$RESULTS" --tag "w7${TAG}"
+fi
+
+# The RL semantics' cost on qwen2.5-0.5b: client.score's engine path vs the transformers recompute (64 sequences
+# of 1k tokens), and on_refresh continue vs recompute on W2n's shape with a refresh every 64 decode steps.
+RLS_S=$(( $(left) > 300 ? 90 : 0 ))
+if wanted rls && [ "$RLS_S" -gt 0 ]; then
+  step bench_rls "$RLS_S" "$PY" scripts/bench_rl_semantics.py --model qwen2.5-0.5b --device cuda --out "$RESULTS" \
+    --tag "rl-semantics${TAG}"
 fi
 
 # W6 (one colocated GRPO step per model: a Ray service with a learner actor on the same GPU) on its own, first:

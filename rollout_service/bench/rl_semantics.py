@@ -7,7 +7,7 @@
 - refresh: W2n's shape (prompts x n, sampled) with a refresh every `refresh_every` decode steps, on_refresh
   "continue" vs "recompute" (every in-flight sequence's KV prefilled again under the new weights).
 
-`python scripts/bench_rl_semantics.py [--model smollm2-135m] [--quick]` writes
+`python scripts/bench_rl_semantics.py [--model smollm2-135m] [--device cpu|cuda] [--quick]` writes
 benchmarks/results/<date>-<hardware>-rl-semantics.{json,md}.
 """
 from __future__ import annotations
@@ -49,10 +49,10 @@ def _hf_scores(hf: Any, seqs: list, batch: int) -> list[torch.Tensor]:
     out = []
     for i in range(0, len(seqs), batch):
         chunk = seqs[i:i + batch]
-        ids = torch.tensor([p + c for p, c in chunk])
+        ids = torch.tensor([p + c for p, c in chunk], device=hf.device)
         logits = hf(ids).logits[:, len(chunk[0][0]) - 1:-1].float()
         lp = torch.log_softmax(logits, -1).gather(2, ids[:, len(chunk[0][0]):, None])[..., 0]
-        out += list(lp)
+        out += list(lp.cpu())  # (the copy waits for the device: the timing covers the work)
     return out
 
 
@@ -109,31 +109,37 @@ def main(argv: list[str] | None = None) -> int:
     from .service_bench import write_results
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--tag", default="rl-semantics")
     p.add_argument("--quick", action="store_true", help="tiny shapes: a smoke run")
     args = p.parse_args(argv)
     shape = Shape(score_prompts=2, score_n=2, score_prompt=16, score_completion=48, w2n_prompts=2, w2n_n=2,
                   w2n_new=24, refresh_every=8) if args.quick else Shape()
-    hf = load_bench_model(args.model, torch.device("cpu"), torch.float32).hf_model
+    bm = load_bench_model(args.model, torch.device(args.device))  # float32 on the CPU, bf16 on a GPU
+    hf = bm.hf_model
     weights = {k: v.clone() for k, v in hf.state_dict().items()}
 
     def make_engine(**o: Any) -> Any:
-        return Engine(model_source=hf, device="cpu", dtype="float32", kv_cache_memory_gb=4.0, **o)
+        return Engine(model_source=hf, device=args.device, dtype=str(bm.dtype).removeprefix("torch."),
+                      kv_cache_memory_gb=4.0, **o)
 
     rows = [{"measure": "score", **score(hf, make_engine, shape)}]
     print(rows[-1], flush=True)
     for mode in ("continue", "recompute"):
         rows.append({"measure": "refresh", **refresh(make_engine, weights, shape, mode)})
         print(rows[-1], flush=True)
-    write_results(args.out, args.tag, {"shape": asdict(shape), "model": args.model}, rows, _markdown(rows, shape))
+    meta = {"shape": asdict(shape), "model": args.model, "device": args.device, "dtype": str(bm.dtype)}
+    if args.device == "cuda":
+        meta["hardware"] = torch.cuda.get_device_name()
+    write_results(args.out, args.tag, meta, rows, _markdown(rows, shape))
     return 0
 
 
 def _markdown(rows: list[dict], s: Shape) -> list[str]:
     sc = rows[0]
-    lines = [f"Shape: {asdict(s)}; float32 on the CPU, one in-process engine and the same model object in "
-             "transformers.", "",
+    lines = [f"Shape: {asdict(s)}; one in-process engine and the same model object in transformers (float32 on "
+             "a CPU, bf16 on a GPU).", "",
              "| score | sequences | tokens | engine s | transformers s | engine / transformers | max abs dev |",
              "|---|---|---|---|---|---|---|",
              f"| | {sc['sequences']} | {sc['scored_tokens']:,} | {sc['engine_s']} | {sc['hf_s']} | "
