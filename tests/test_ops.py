@@ -74,6 +74,34 @@ def test_prefill_matches_dense_causal(heads):
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("q_lens,kv_lens", [([6, 6, 6], [6, 6, 6]), ([3, 3], [10, 10])])
+def test_prefill_of_equal_sequences_in_one_call_matches_dense(q_lens, kv_lens):
+    # sequences of one shape take one SDPA call for all of them (fresh prompts, and chunks on a cached prefix)
+    out, ref = run_paged(q_lens=q_lens, kv_lens=kv_lens, heads=(6, 2))
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_ops_write_kv_and_rope_reuse_per_step_tables_only_for_the_same_inputs():
+    """TorchOps keeps the slot rows and the rope rows a step's layers share: a new or modified positions /
+    slot tensor gets its own."""
+    ops = select_ops("torch")
+    gen = torch.Generator().manual_seed(3)
+    cos_sin = build_cos_sin_cache(LlamaConfig(head_dim=8, hidden_size=32, num_attention_heads=4), 64)
+    q, k = torch.randn(3, 4, 8, generator=gen), torch.randn(3, 2, 8, generator=gen)
+    positions = torch.tensor([5, 9, 2])
+    for _ in range(2):
+        assert all(torch.equal(a, b) for a, b in zip(ops.rope(q, k, positions, cos_sin),
+                                                     apply_rope(q, k, positions, cos_sin)))
+        positions.add_(7)  # in place: the version counter moves
+    other = torch.tensor([1, 2, 3])
+    assert torch.equal(ops.rope(q, k, other, cos_sin)[0], apply_rope(q, k, other, cos_sin)[0])
+    for slots in (torch.tensor([21, 2, 7]), torch.tensor([3, 17, 8])):
+        kv, ref = torch.zeros(6, 2, 2, PAGE, 8), torch.zeros(6, 2, 2, PAGE, 8)
+        ops.write_kv(kv, k, k * 2, slots)
+        write_kv(ref, k, k * 2, slots)
+        assert torch.equal(kv, ref) and int((kv != 0).sum()) == 2 * k.numel()
+
+
 def test_prefill_with_cached_prefix_matches_dense():
     # Chunks that start mid-page and cross page boundaries on top of cached tokens.
     out, ref = run_paged(q_lens=[5, 3, 9], kv_lens=[11, 4, 30])

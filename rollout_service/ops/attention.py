@@ -5,7 +5,7 @@ KV cache layout (one tensor per layer): [num_pages, 2, num_kv_heads, page_size, 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +31,9 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # int32 [B, max_pages], rows padded with 0
     max_q_len: int
     max_kv_len: int
+    # What the torch reference derives from the fields above once per step and shares across the layers
+    # (gather indices, masks); the fields must not change while this object is in use.
+    derived: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:
@@ -41,14 +44,30 @@ class AttentionMetadata:
         return self.slot_mapping.shape[0]
 
 
-def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store this step's K/V [T, Hk, D] at their slots, in place."""
+def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
+             rows: torch.Tensor | None = None) -> None:
+    """Store this step's K/V [T, Hk, D] at their slots, in place. rows: kv_rows(kv_layer, slot_mapping), when the
+    caller keeps it for every layer of a step (the cache contiguous)."""
+    if rows is not None:
+        flat = kv_layer.view(-1, kv_layer.shape[4])
+        flat[rows[0]] = k.to(kv_layer.dtype)
+        flat[rows[1]] = v.to(kv_layer.dtype)
+        return
     page_size = kv_layer.shape[3]
     page = slot_mapping // page_size
     offset = slot_mapping % page_size
     # Advanced indices split by a slice put the token dim first: the target view is [T, Hk, D].
     kv_layer[page, 0, :, offset] = k.to(kv_layer.dtype)
     kv_layer[page, 1, :, offset] = v.to(kv_layer.dtype)
+
+
+def kv_rows(kv_layer: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+    """int64 [2, T, Hk]: the rows of kv_layer.view(-1, D) where each token's K (0) and V (1) heads go."""
+    _, _, num_kv_heads, page_size, _ = kv_layer.shape
+    page, offset = slot_mapping // page_size, slot_mapping % page_size
+    heads = torch.arange(num_kv_heads, device=slot_mapping.device) * page_size
+    k_rows = (page * (2 * num_kv_heads * page_size) + offset)[:, None] + heads[None, :]
+    return torch.stack([k_rows, k_rows + num_kv_heads * page_size])
 
 
 def paged_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float,
@@ -74,24 +93,51 @@ def gather_pages_by_head(kv_layer: torch.Tensor, block_tables: torch.Tensor) -> 
     return tiles[k_tile].view(shape), tiles[k_tile + num_kv_heads].view(shape)
 
 
+def _decode_plan(kv_layer: torch.Tensor, meta: AttentionMetadata, compute_dtype: torch.dtype) -> tuple:
+    """(tiles index [2, B, Hk, P], additive mask [B * Hk, 1, L] (0 or -inf), invalid [B, 1, L - start, 1], start):
+    made once per step. Keys at or past a row's length (stale page tails, padding pages) are masked; from
+    `start` on some row has such keys, and their K and V are zeroed in the gathered copy (they may hold anything,
+    even NaN, and 0 * NaN is NaN). start is the shortest length where the host knows it for free (CPU), else 0."""
+    key = ("decode", kv_layer.shape, compute_dtype)
+    # a CUDA graph computes it itself (a capture reuses the metadata of its warm-up runs)
+    capturing = kv_layer.is_cuda and torch.cuda.is_current_stream_capturing()
+    plan = None if capturing else meta.derived.get(key)
+    if plan is None:
+        _, _, num_kv_heads, page_size, _ = kv_layer.shape
+        tables = meta.block_tables.long()
+        batch, length = tables.shape[0], tables.shape[1] * page_size
+        heads = torch.arange(num_kv_heads, device=tables.device)
+        k_tile = tables[:, None, :] * (2 * num_kv_heads) + heads[None, :, None]  # [B, Hk, P]
+        index = torch.stack([k_tile, k_tile + num_kv_heads])
+        key_pos = torch.arange(length, device=tables.device)
+        invalid = key_pos[None, :] >= meta.kv_lens[:, None]  # [B, L]
+        mask = torch.zeros(batch, 1, length, dtype=compute_dtype, device=tables.device)
+        mask.masked_fill_(invalid[:, None, :], float("-inf"))
+        start = int(meta.kv_lens.min()) if tables.device.type == "cpu" and batch else 0
+        plan = (index, mask.repeat_interleave(num_kv_heads, dim=0), invalid[:, None, start:, None], start)
+        if not capturing:
+            meta.derived[key] = plan
+    return plan
+
+
 def _decode_attention(
     q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float, compute_dtype: torch.dtype
 ) -> torch.Tensor:
-    # One query per sequence; no host syncs, so this path can be captured in a CUDA graph. The q heads of a
-    # kv head attend as one [group, L] matmul (GQA without repeating K/V).
+    # One query per sequence; no host syncs on a GPU, so this path can be captured in a CUDA graph. The q heads
+    # of a kv head attend as one [group, L] product (GQA without repeating K/V). K and V come in one gather.
     batch = meta.block_tables.shape[0]
-    num_kv_heads, head_dim = kv_layer.shape[2], kv_layer.shape[4]
+    _, _, num_kv_heads, page_size, head_dim = kv_layer.shape
     num_q_heads = q.shape[1]
-    k, v = (t.to(compute_dtype) for t in gather_pages_by_head(kv_layer, meta.block_tables))
-    length = k.shape[2]
-    valid = torch.arange(length, device=q.device)[None, :] < meta.kv_lens[:, None]  # [B, L]
-    qg = q.to(compute_dtype).view(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
-    scores = torch.matmul(qg, k.transpose(-1, -2)).mul_(scale)  # [B, Hk, group, L]
-    scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
+    index, mask, invalid, start = _decode_plan(kv_layer, meta, compute_dtype)
+    kv = kv_layer.view(-1, page_size, head_dim)[index].to(compute_dtype)  # [2, B, Hk, P, ps, D], our own copy
+    length = index.shape[3] * page_size
+    if start < length:
+        kv.view(2, batch, num_kv_heads, length, head_dim)[:, :, :, start:].masked_fill_(invalid, 0.0)
+    kv = kv.view(2, batch * num_kv_heads, length, head_dim)
+    qg = q.to(compute_dtype).view(batch * num_kv_heads, num_q_heads // num_kv_heads, head_dim)
+    scores = torch.baddbmm(mask, qg, kv[0].transpose(1, 2), alpha=scale)  # [B * Hk, group, L]
     probs = torch.softmax(scores, dim=-1)
-    # Padded pages and stale page tails may hold anything (even NaN): zero them so 0 * garbage stays 0.
-    v.masked_fill_(~valid[:, None, :, None], 0.0)  # v is the gather's own copy
-    return torch.matmul(probs, v).reshape(batch, num_q_heads, head_dim).to(q.dtype)
+    return torch.bmm(probs, kv[1]).view(batch, num_q_heads, head_dim).to(q.dtype)
 
 
 def _prefill_attention(
@@ -99,31 +145,51 @@ def _prefill_attention(
 ) -> torch.Tensor:
     _, _, num_kv_heads, page_size, head_dim = kv_layer.shape
     num_q_heads = q.shape[1]
-    qo_indptr = meta.qo_indptr.tolist()
-    kv_indptr = meta.kv_indptr.tolist()
-    kv_lens = meta.kv_lens.tolist()
+    lists = meta.derived.get("prefill lists")
+    if lists is None:  # host copies once per step, not per layer
+        lists = meta.derived["prefill lists"] = (meta.qo_indptr.tolist(), meta.kv_indptr.tolist(),
+                                                 meta.kv_lens.tolist())
+    qo_indptr, kv_indptr, kv_lens = lists
+    batch = len(kv_lens)
+    q_len = qo_indptr[1] - qo_indptr[0] if batch else 0
+    if batch > 1 and q_len and all(n == kv_lens[0] for n in kv_lens) and all(
+            qo_indptr[b + 1] - qo_indptr[b] == q_len for b in range(batch)):
+        # every sequence the same shape (as a batch of equal prompts): one SDPA call for all of them
+        kv_len = kv_lens[0]
+        pages = meta.kv_indices.long().view(batch, -1)
+        kv = kv_layer[pages].permute(2, 0, 3, 1, 4, 5).reshape(2, batch, num_kv_heads, -1, head_dim)
+        o = _causal_sdpa(q.view(batch, q_len, num_q_heads, head_dim).transpose(1, 2), kv[:, :, :, :kv_len],
+                         scale, compute_dtype)
+        return o.transpose(1, 2).reshape(q.shape).to(q.dtype)
     out = torch.empty_like(q)
     for b, kv_len in enumerate(kv_lens):
         q_start, q_end = qo_indptr[b], qo_indptr[b + 1]
-        q_len = q_end - q_start
-        if q_len == 0:
+        if q_end == q_start:
             continue
         pages = meta.kv_indices[kv_indptr[b] : kv_indptr[b + 1]].long()
         kv = kv_layer[pages].permute(1, 2, 0, 3, 4).reshape(2, num_kv_heads, -1, head_dim)[:, :, :kv_len]
-        kv = kv.to(compute_dtype)
+        o = _causal_sdpa(q[q_start:q_end].transpose(0, 1), kv, scale, compute_dtype)
+        out[q_start:q_end] = o.transpose(0, 1).to(q.dtype)
+    return out
+
+
+def _causal_sdpa(q: torch.Tensor, kv: torch.Tensor, scale: float, compute_dtype: torch.dtype) -> torch.Tensor:
+    """Causal attention of q [..., Hq, Lq, D], the last Lq positions of sequences whose K and V are kv
+    [2, ..., Hk, L, D]; [..., Hq, Lq, D] in compute_dtype."""
+    q_len, kv_len = q.shape[-2], kv.shape[-2]
+    group = q.shape[-3] // kv.shape[-3]
+    kv = kv.to(compute_dtype)
+    if group != 1:
+        # GQA by repeated K/V heads (as transformers does on the CPU): SDPA's enable_gqa takes its slow unfused
+        # path on the CPU
+        kv = kv.repeat_interleave(group, dim=-3)
+    causal = None
+    if q_len != kv_len:
         # The queries are the sequence's last q_len tokens: query i sits at position kv_len - q_len + i.
         q_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)
         causal = torch.arange(kv_len, device=q.device)[None, :] <= q_pos[:, None]
-        o = F.scaled_dot_product_attention(
-            q[q_start:q_end].transpose(0, 1).to(compute_dtype),
-            kv[0],
-            kv[1],
-            attn_mask=causal,
-            scale=scale,
-            enable_gqa=num_q_heads != num_kv_heads,
-        )
-        out[q_start:q_end] = o.transpose(0, 1).to(q.dtype)
-    return out
+    return F.scaled_dot_product_attention(q.to(compute_dtype), kv[0], kv[1], attn_mask=causal,
+                                          is_causal=causal is None, scale=scale)
 
 
 def make_metadata(

@@ -71,11 +71,20 @@ def apply_rope(
     q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q [T, Hq, D] and k [T, Hk, D] by their positions [T]; returns new tensors."""
-    cos, sin = cos_sin[positions].to(q.dtype).unsqueeze(1).chunk(2, dim=-1)  # each [T, 1, D/2]
-    return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    tables = rope_tables(positions, cos_sin, q.dtype)
+    return rotate(q, tables), rotate(k, tables)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # Same arithmetic as HF's x * cos + rotate_half(x) * sin, written per half.
+def rope_tables(positions: torch.Tensor, cos_sin: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) rows of the positions [T], each [T, 1, D] full width in `dtype`: cos repeated in both halves,
+    sin negated in the first half, so that rotate() is x * cos + swap_halves(x) * sin."""
+    cos, sin = cos_sin[positions].to(dtype).unsqueeze(1).chunk(2, dim=-1)  # each [T, 1, D/2]
+    return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
+
+
+def rotate(x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """x [T, H, D] rotated by rope_tables' (cos, sin): the bits of HF's x * cos + rotate_half(x) * sin (the first
+    half x1 * cos - x2 * sin, the second x2 * cos + x1 * sin: a + (-b) is a - b exactly)."""
+    cos, sin = tables
     x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    return x * cos + torch.cat([x2, x1], dim=-1) * sin

@@ -8,6 +8,10 @@ import torch.nn.functional as F
 from rollout_service.ops import attention, fp8, moe, norm, rope, sampling
 
 
+def _capturing(t: torch.Tensor) -> bool:
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 class TorchOps:
     name = "torch"
     # moe_experts reads each expert's row count on the host (ops/moe.py): a decode step with MoE layers cannot
@@ -55,10 +59,33 @@ class TorchOps:
     def rope(
         self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return rope.apply_rope(q, k, positions, cos_sin)
+        tables = self._per_step("rope", (positions, cos_sin), q.dtype,
+                                lambda: rope.rope_tables(positions, cos_sin, q.dtype))
+        return rope.rotate(q, tables), rope.rotate(k, tables)
 
     def write_kv(self, kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        attention.write_kv(kv_layer, k, v, slot_mapping)
+        rows = None
+        if kv_layer.is_contiguous():
+            rows = self._per_step("kv_rows", (slot_mapping,), kv_layer.shape,
+                                  lambda: attention.kv_rows(kv_layer, slot_mapping))
+        attention.write_kv(kv_layer, k, v, slot_mapping, rows)
+
+    def _per_step(self, name: str, inputs: tuple[torch.Tensor, ...], extra, make):
+        """What `make` derives from `inputs`, made once for the layers of a step: kept while the same tensor
+        objects come back unmodified (their version counters unchanged; inference tensors have none) with the
+        same `extra`. A step's
+        metadata is new tensors each step, so this never outlives the step it was made for. Never kept across a
+        CUDA graph capture: a graph must compute it itself, for every replay."""
+        if _capturing(inputs[0]):
+            return make()
+        cache = self.__dict__.setdefault("_step_cache", {})
+        key = tuple((id(t), -1 if t.is_inference() else t._version) for t in inputs) + (extra,)
+        hit = cache.get(name)
+        if hit is not None and hit[0] == key and all(a is b for a, b in zip(hit[1], inputs)):
+            return hit[2]
+        value = make()
+        cache[name] = (key, inputs, value)  # holds the inputs: their ids cannot be reused meanwhile
+        return value
 
     def rope_and_write_kv(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
