@@ -188,3 +188,19 @@ def test_sleep_forgets_the_cache_and_wake_serves_again(llama):
 def test_enable_prefix_cache_must_be_a_bool(llama):
     with pytest.raises(ValueError, match="enable_prefix_cache"):
         client(llama, enable_prefix_cache="yes")
+
+
+@pytest.mark.parametrize("enable", [True, False])
+def test_prompts_sent_together_prefill_their_shared_system_prompt_once(llama, enable):
+    """A batch of prompts behind one system prompt (a GRPO batch): the first one prefills the shared pages,
+    the others wait a step and take them from the cache (with the cache off nothing waits)."""
+    system = ids(5 * PS // 2, seed=40)  # 2 full pages and a half
+    prompts = [system + ids(5, seed=41 + i) for i in range(4)]
+    c = client(llama, enable_prefix_cache=enable)
+    got = c.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    full = 2 * PS  # the shared full pages
+    want = len(prompts[0]) + 3 * (len(prompts[0]) - full) if enable else 4 * len(prompts[0])
+    assert c.engine.stats()["prefilled_tokens"] == want
+    for p, r in zip(prompts, got):
+        assert r.token_ids == hf_greedy(llama, p, 4)
+    c.close()

@@ -117,10 +117,11 @@ class Scheduler:
         return Batch(True, seqs, chunks) if seqs else None
 
     def _defer(self, seq: Sequence, heads: set[tuple[int, ...]]) -> bool:
-        """Whether a scoring sequence waits a step because a batch-mate is prefilling its first page now: the
-        next step takes that prefix from the cache, so the completions of one prompt, sent together,
-        prefill it once. (Sampling sequences share a prompt by forking instead.)"""
-        if seq.score_from is None or seq.pages or seq.num_reusable < self.page_size:
+        """Whether a new sequence waits a step because a batch-mate is prefilling its first page now: the next
+        step takes that prefix from the cache, so prompts sent together that share a system prompt, or the
+        completions of one prompt being scored, prefill the shared part once. (The n samples of one request
+        share its prompt by forking instead.)"""
+        if not self.blocks.enable_cache or seq.pages or seq.num_computed or seq.num_reusable < self.page_size:
             return False
         head = tuple(seq.prompt_token_ids[:self.page_size])
         if head not in heads:
