@@ -83,14 +83,15 @@ def paged_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMeta
 
 def gather_pages_by_head(kv_layer: torch.Tensor, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's pages of K and V as [B, Hk, P * page_size, D] in the cache's dtype. Gathered per (page, head)
-    tile, which lands them directly in that order: one copy, no transpose."""
+    tile, which lands them directly in that order: one copy (of whole tiles as rows: index_select), no transpose."""
     _, _, num_kv_heads, page_size, head_dim = kv_layer.shape
     batch, max_pages = block_tables.shape
-    tiles = kv_layer.view(-1, page_size, head_dim)  # [num_pages * 2 * Hk, ps, D]
+    tiles = kv_layer.view(-1, page_size * head_dim)  # [num_pages * 2 * Hk, ps * D]
     heads = torch.arange(num_kv_heads, device=kv_layer.device)
     k_tile = block_tables.long()[:, None, :] * (2 * num_kv_heads) + heads[None, :, None]  # [B, Hk, P]
-    shape = (batch, num_kv_heads, max_pages * page_size, head_dim)
-    return tiles[k_tile].view(shape), tiles[k_tile + num_kv_heads].view(shape)
+    index = torch.stack([k_tile, k_tile + num_kv_heads]).view(-1)
+    kv = torch.index_select(tiles, 0, index).view(2, batch, num_kv_heads, max_pages * page_size, head_dim)
+    return kv[0], kv[1]
 
 
 def _decode_plan(kv_layer: torch.Tensor, meta: AttentionMetadata, compute_dtype: torch.dtype) -> tuple:
@@ -129,9 +130,17 @@ def _decode_attention(
     _, _, num_kv_heads, page_size, head_dim = kv_layer.shape
     num_q_heads = q.shape[1]
     index, mask, invalid, start = _decode_plan(kv_layer, meta, compute_dtype)
-    kv = kv_layer.view(-1, page_size, head_dim)[index].to(compute_dtype)  # [2, B, Hk, P, ps, D], our own copy
     length = index.shape[3] * page_size
-    if start < length:
+    # whole (page, head) tiles as rows: index_select copies rows, several times faster than tensor indexing; into
+    # one buffer per step (each layer's copy is dead once its products are done)
+    tiles = kv_layer.view(-1, page_size * head_dim)
+    buffer = meta.derived.get(("decode buffer", tiles.dtype))
+    if buffer is None or buffer.device != tiles.device or buffer.shape[0] != index.numel():
+        buffer = torch.empty(index.numel(), tiles.shape[1], dtype=tiles.dtype, device=tiles.device)
+        if not (tiles.is_cuda and torch.cuda.is_current_stream_capturing()):
+            meta.derived[("decode buffer", tiles.dtype)] = buffer
+    kv = torch.index_select(tiles, 0, index.view(-1), out=buffer).to(compute_dtype)  # [2 * B * Hk * P, ps * D]
+    if start < length:  # (on a copy: our buffer, or .to's)
         kv.view(2, batch, num_kv_heads, length, head_dim)[:, :, :, start:].masked_fill_(invalid, 0.0)
     kv = kv.view(2, batch * num_kv_heads, length, head_dim)
     qg = q.to(compute_dtype).view(batch * num_kv_heads, num_q_heads // num_kv_heads, head_dim)
@@ -157,7 +166,8 @@ def _prefill_attention(
         # every sequence the same shape (as a batch of equal prompts): one SDPA call for all of them
         kv_len = kv_lens[0]
         pages = meta.kv_indices.long().view(batch, -1)
-        kv = kv_layer[pages].permute(2, 0, 3, 1, 4, 5).reshape(2, batch, num_kv_heads, -1, head_dim)
+        kv = _pages(kv_layer, pages.view(-1)).view(batch, -1, *kv_layer.shape[1:])
+        kv = kv.permute(2, 0, 3, 1, 4, 5).reshape(2, batch, num_kv_heads, -1, head_dim)
         o = _causal_sdpa(q.view(batch, q_len, num_q_heads, head_dim).transpose(1, 2), kv[:, :, :, :kv_len],
                          scale, compute_dtype)
         return o.transpose(1, 2).reshape(q.shape).to(q.dtype)
@@ -167,10 +177,15 @@ def _prefill_attention(
         if q_end == q_start:
             continue
         pages = meta.kv_indices[kv_indptr[b] : kv_indptr[b + 1]].long()
-        kv = kv_layer[pages].permute(1, 2, 0, 3, 4).reshape(2, num_kv_heads, -1, head_dim)[:, :, :kv_len]
+        kv = _pages(kv_layer, pages).permute(1, 2, 0, 3, 4).reshape(2, num_kv_heads, -1, head_dim)[:, :, :kv_len]
         o = _causal_sdpa(q[q_start:q_end].transpose(0, 1), kv, scale, compute_dtype)
         out[q_start:q_end] = o.transpose(0, 1).to(q.dtype)
     return out
+
+
+def _pages(kv_layer: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+    """kv_layer[pages] (pages int64 [N]) by index_select over whole pages as rows (a faster copy)."""
+    return torch.index_select(kv_layer.view(kv_layer.shape[0], -1), 0, pages).view(-1, *kv_layer.shape[1:])
 
 
 def _causal_sdpa(q: torch.Tensor, kv: torch.Tensor, scale: float, compute_dtype: torch.dtype) -> torch.Tensor:
