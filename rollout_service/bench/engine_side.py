@@ -101,14 +101,20 @@ def engine_ms_per_step(client, bm: BenchModel, prompt: list[int], max_new: int) 
         return 1000 * (full.seconds - first) / (max_new - 1), full
     from rollout_service import RolloutRequest
 
-    engine.add_request(RolloutRequest(prompt=list(prompt), sampling=sampling(max_new)))
-    sync(bm.device)
-    t0 = time.perf_counter()
-    stamps, results = [], []
-    while engine.has_unfinished() and len(stamps) < 4 * max_new + 64:
-        results += engine.step()
-        stamps.append(time.perf_counter())
-    sync(bm.device)
+    # The client's own stepping thread is paused meanwhile: it would otherwise step the same engine too
+    # (taking turns with this loop, and maybe the result).
+    client.pause()
+    try:
+        engine.add_request(RolloutRequest(prompt=list(prompt), sampling=sampling(max_new)))
+        sync(bm.device)
+        t0 = time.perf_counter()
+        stamps, results = [], []
+        while engine.has_unfinished() and len(stamps) < 4 * max_new + 64:
+            results += engine.step()
+            stamps.append(time.perf_counter())
+        sync(bm.device)
+    finally:
+        client.resume()
     if len(results) != 1 or len(results[0].token_ids) != max_new:
         raise RuntimeError(f"engine step loop gave {[len(r.token_ids) for r in results]} tokens, "
                            f"expected [{max_new}]")
