@@ -6,11 +6,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import select
+import queue
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -25,10 +27,19 @@ print(json.dumps(sorted(n["Resources"].get("rollout_node", 0) for n in ray.nodes
 """
 
 
-def readline(proc: subprocess.Popen, timeout: float = 180.0) -> str:
-    """The script's next line of output, or "" if none comes in time (a hung start fails, not hangs, the test)."""
-    ready, _, _ = select.select([proc.stdout], [], [], timeout)
-    return proc.stdout.readline() if ready else ""
+def line_reader(proc: subprocess.Popen) -> Callable[[], str]:
+    """A function giving the script's next line of output, or "" if none comes within 180 s (a hung start
+    fails the test rather than hanging it). A thread reads the pipe: select() on the file would not see
+    lines already in its read buffer."""
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(x) for x in iter(proc.stdout.readline, "")], daemon=True).start()
+
+    def readline() -> str:
+        try:
+            return lines.get(timeout=180.0)
+        except queue.Empty:
+            return ""
+    return readline
 
 
 @pytest.mark.slow
@@ -39,10 +50,11 @@ def test_local_cluster_starts_three_nodes_that_a_client_joins_and_stops_on_sigte
     proc = subprocess.Popen([sys.executable, "scripts/local_cluster.py", "--store-mb", "80"], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
-        first = readline(proc)
+        readline = line_reader(proc)
+        first = readline()
         m = re.match(r"Ray cluster of 3 nodes at (\S+) ", first)
         assert m, f"unexpected first line: {first!r}"
-        printed = first + "".join(readline(proc) for _ in range(6))
+        printed = first + "".join(readline() for _ in range(6))
         assert f"rollout-service serve --config cluster_configs/multi-node.yaml --address {m[1]}" in printed
         joined = subprocess.run([sys.executable, "-c", JOIN, m[1]], cwd=ROOT, env=env, capture_output=True,
                                 text=True, timeout=120)
@@ -50,5 +62,5 @@ def test_local_cluster_starts_three_nodes_that_a_client_joins_and_stops_on_sigte
         assert json.loads(joined.stdout.strip().splitlines()[-1]) == [0, 1.0, 1.0]
     finally:
         proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 0 and "cluster stopped" in out
+        proc.wait(timeout=120)
+    assert proc.returncode == 0 and readline() == "cluster stopped\n"
