@@ -91,9 +91,10 @@ def _check_abort_of_unneeded_groups(client) -> None:
 
 
 def _check_failed_groups(client) -> None:
-    """A reward error in a group: the group is failed, not dropped; the call goes on."""
+    """A reward error in a group: the group is failed, not dropped; the call goes on. (The good groups' rewards
+    take 0.2 s each, so failed groups are judged before the third good one whatever the threads' order.)"""
     fail = "rollout_service.reward_examples:failing_reward"
-    meta = [{"fail": i % 2 == 0} for i in range(12)]
+    meta = [{"fail": True} if i % 2 == 0 else {"fail": False, "sleep_s": 0.2} for i in range(12)]
     res = client.generate_groups([[9, i + 1] for i in range(12)], SP, keep=lambda g: True, target_groups=3,
                                  reward=fail, metadata=meta)
     _check_counts(res, SP.n)
