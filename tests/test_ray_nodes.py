@@ -75,7 +75,9 @@ def test_a_killed_node_loses_nothing_and_a_node_that_joins_serves_the_current_we
     info = svc.info()
     assert victim in info["gone_reasons"][1] and "died" in info["gone_reasons"][1], info["gone_reasons"]
     assert reported_after < 20, f"a lost node took {reported_after:.0f} s to be reported"
-    assert info["resubmitted"] >= 1 and info["duplicates_dropped"] >= 0 and not node_alive(victim)
+    # (how many requests were resubmitted is not asserted: on a loaded machine worker 1 may deliver its last
+    # result between the check above and the kill; what was on it is covered by "each sample once" above)
+    assert not node_alive(victim)
     assert svc.stats()[1]["gone_reason"] == info["gone_reasons"][1]
 
     joined = add_rollout_node(rollout_nodes)
