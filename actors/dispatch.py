@@ -11,6 +11,7 @@ from actors.affinity import Affinity
 from actors.ledger import Ledger, Tracked, decode_request
 from actors.remote_errors import ACTOR_DOWN, error_text, is_down
 from actors.workers import WorkerTable
+from rollout_service.result_payloads import Header
 from rollout_service.types import RolloutRequest, RolloutResult
 
 # a request regenerated this often, because each time a refresh came before it finished, never would: it fails
@@ -54,10 +55,10 @@ class Dispatcher:
         return {"stream": sid, "lease_s": lease_s}
 
     def _decode(self, items: list) -> tuple[list[RolloutRequest], list[tuple[int, str]]]:
-        reqs, errors, seen = [], [], set()
+        reqs, errors, seen, checked = [], [], set(), {}
         for i, item in enumerate(items):
             try:
-                r = decode_request(item)
+                r = decode_request(item, checked)
                 if r.request_id in self.ledger.tracked or r.request_id in seen:
                     raise ValueError(f"request_id {r.request_id!r} is already in flight")
                 seen.add(r.request_id)
@@ -78,11 +79,13 @@ class Dispatcher:
             return []
         loads = self.ledger.loads(len(self.workers))
         batches: dict[int, list[RolloutRequest]] = {}
+        streams: dict[int, list[str]] = {}  # each job's delivery group: its stream
         for t in sorted(tracked, key=lambda t: -t.cost_per_sample * t.missing):
             i = self.affinity.choose(t.request, t.cost_per_sample * t.missing, live, loads)
             batches.setdefault(i, []).append(self.ledger.new_job(t, i, self._version()))
+            streams.setdefault(i, []).append(t.stream)
             loads[i] += t.cost_per_sample * t.missing
-        calls = [self.workers.handles[i].submit.remote(jobs, atomic) for i, jobs in batches.items()]
+        calls = [self.workers.handles[i].submit.remote(jobs, atomic, streams[i]) for i, jobs in batches.items()]
         outcomes = await asyncio.gather(*calls, return_exceptions=True)
         errors = []
         for jobs, out in zip(batches.values(), outcomes):
@@ -101,24 +104,43 @@ class Dispatcher:
 
     # -- results ----------------------------------------------------------------------------------
     def on_result(self, r: RolloutResult) -> None:
-        """A worker's result: delivered to its stream, unless it is a late copy (dropped) or stale (its
-        request is regenerated with the current weights, once per refresh)."""
-        t = self.ledger.is_new(r)
-        if t is None:
-            return
-        k, version = self.max_staleness, self._version()
-        if k is None or not r.token_versions or r.finish_reason == "abort" or version - min(r.token_versions) <= k:
+        """A result the router holds whole (one handed back by an abort): delivered to its stream as it is."""
+        t = self._accept(r.request_id, r.sample_index, r.finish_reason,
+                         min(r.token_versions) if r.token_versions else None)
+        if t is not None:
             self.ledger.deliver(t, r)
-            return
+
+    def on_header(self, h: Header, payload) -> None:
+        """A polled result's header: its stream gets the payload's ref and the result's place in it."""
+        t = self._accept(h.job_id, h.sample_index, h.finish_reason, h.oldest_version)
+        if t is not None:
+            self.ledger.deliver_ref(t, h, payload)
+
+    def _accept(self, job_id: str, sample_index: int, finish_reason: str, oldest: int | None) -> Tracked | None:
+        """The request a worker's result is to be delivered to; None if it is a late copy (dropped) or stale (its
+        request is regenerated with the current weights, once per refresh)."""
+        t = self.ledger.is_new(job_id, sample_index)
+        if t is None:
+            return None
+        k, version = self.max_staleness, self._version()
+        if k is None or oldest is None or finish_reason == "abort" or version - oldest <= k:
+            return t
         if t.fresh_as_of >= version:  # regenerate once per refresh, not once per stale sample
-            return
+            return None
         t.fresh_as_of, t.regenerations = version, t.regenerations + 1
         if t.regenerations > MAX_STALE_REGENERATIONS:
             self._spawn(self.abort_jobs([t]))
             self.fail(t.request.request_id, _starved(t.regenerations - 1, k))
-            return
+            return None
         self.counters["stale_regenerated"] += 1
         self._spawn(self._regenerate(t))
+        return None
+
+    def regenerate_lost(self, ts: list[Tracked]) -> None:
+        """Requests with samples delivered whose payload was lost with its node before the client read it (they
+        are missing again: actors/ledger.py): generated again."""
+        for t in ts:
+            self._spawn(self._regenerate(t))
 
     async def _regenerate(self, t: Tracked) -> None:
         old = (t.worker, t.jobs[-1]) if t.worker is not None else None

@@ -5,18 +5,26 @@ Each dispatch of a request is a "job" with its own engine request id, so the sam
 flight twice (resubmitted after a fault, regenerated when stale) and every result still maps back
 to it. A (request_id, sample_index) is delivered once; later copies are dropped.
 
+A stream holds results the router has whole (aborts) and, for polled ones, the payload's ref and the result's
+place in it (rollout_service/result_payloads.py): the client fetches those. A stream whose last read handed out
+refs ends only at the client's next read, which reports the samples whose payload was lost (its node died): they
+are missing again, and the router generates them anew.
+
 A stream is leased: reading it or renewing it (the client process does so while it holds the stream)
 extends the lease; a stream whose lease ran out has lost its client and is cancelled by the router.
 """
 from __future__ import annotations
 
 import asyncio
-import dataclasses
+import copy
 import itertools
 import time
 import uuid
 from dataclasses import dataclass, field
 
+from typing import Any
+
+from rollout_service.result_payloads import Batch, Header
 from rollout_service.types import RolloutRequest, RolloutResult
 
 
@@ -40,8 +48,9 @@ class Tracked:
 @dataclass
 class Stream:
     expected: int
-    request_ids: list[str]
-    results: list[RolloutResult] = field(default_factory=list)
+    requests: dict[str, RolloutRequest]   # by request id, until the stream ends (a lost payload reopens one)
+    # whole, or (payload, header, client request id)
+    results: list[RolloutResult | tuple[Any, Header, str]] = field(default_factory=list)
     delivered: int = 0
     event: asyncio.Event = field(default_factory=asyncio.Event)
     renewed: float = field(default_factory=time.monotonic)  # when its client last read or renewed it
@@ -62,13 +71,13 @@ def cost_estimate(req: RolloutRequest) -> int:
     return prompt + (req.sampling.max_tokens if req.completion is None else len(req.completion))
 
 
-def decode_request(item) -> RolloutRequest:
+def decode_request(item, checked: dict | None = None) -> RolloutRequest:
     """A checked RolloutRequest of the router's own from a request, a dict or msgpack bytes (untrusted:
     never unpickled; a request object is checked again, since its fields may have been set after it was
-    built)."""
+    built). `checked`: RolloutRequest.validated's, for the requests of one batch."""
     try:
         if isinstance(item, RolloutRequest):
-            return item.validated()
+            return item.validated(checked)
         if isinstance(item, (bytes, bytearray, memoryview)):
             return RolloutRequest.from_msgpack(bytes(item))
         if isinstance(item, dict):
@@ -90,7 +99,7 @@ class Ledger:
 
     def open_stream(self, reqs: list[RolloutRequest]) -> tuple[str, list[Tracked]]:
         sid = uuid.uuid4().hex
-        self.streams[sid] = Stream(sum(r.sampling.n for r in reqs), [r.request_id for r in reqs])
+        self.streams[sid] = Stream(sum(r.sampling.n for r in reqs), {r.request_id: r for r in reqs})
         ts = [Tracked(r, sid, cost_estimate(r)) for r in reqs]
         self.tracked.update((t.request.request_id, t) for t in ts)
         return sid, ts
@@ -98,7 +107,7 @@ class Ledger:
     def close_stream(self, sid: str) -> list[Tracked]:
         """Forget a stream and its requests; returns those that were still running (to abort their jobs)."""
         s = self.streams.pop(sid, None)
-        running = [self.tracked[r] for r in (s.request_ids if s else []) if r in self.tracked]
+        running = [self.tracked[r] for r in (s.requests if s else ()) if r in self.tracked]
         for t in running:
             self.forget(t)
         return running
@@ -119,16 +128,18 @@ class Ledger:
         t.jobs.append(job_id)
         t.worker, t.fresh_as_of = worker, version
         self._job_owner[job_id] = t.request.request_id
-        return dataclasses.replace(t.request, request_id=job_id)
+        job = copy.copy(t.request)  # (checked when it was accepted: replace() would check it all again)
+        job.request_id = job_id
+        return job
 
     def owner(self, job_id: str) -> Tracked | None:
         rid = self._job_owner.get(job_id)
         return self.tracked.get(rid) if rid is not None else None
 
-    def is_new(self, r: RolloutResult) -> Tracked | None:
+    def is_new(self, job_id: str, sample_index: int) -> Tracked | None:
         """The request a worker's result belongs to, or None (counted) if it is a late duplicate."""
-        t = self.owner(r.request_id)
-        if t is None or r.sample_index in t.delivered:
+        t = self.owner(job_id)
+        if t is None or sample_index in t.delivered:
             self.duplicates_dropped += 1
             return None
         return t
@@ -136,14 +147,44 @@ class Ledger:
     def deliver(self, t: Tracked, r: RolloutResult) -> None:
         r.request_id = t.request.request_id
         r.metadata = t.request.metadata
-        t.delivered.add(r.sample_index)
+        self._append(t, r.sample_index, r)
+
+    def deliver_ref(self, t: Tracked, h: Header, payload: Any) -> None:
+        """A polled result, left in its payload for the client to fetch."""
+        self._append(t, h.sample_index, (payload, h, t.request.request_id))
+
+    def _append(self, t: Tracked, sample_index: int, item: RolloutResult | tuple[Any, Header, str]) -> None:
+        t.delivered.add(sample_index)
         s = self.streams.get(t.stream)
         if s is not None:
-            s.results.append(r)
+            s.results.append(item)
             s.delivered += 1
             s.event.set()
         if t.missing == 0:
             self.forget(t)
+
+    def reopen(self, sid: str, lost: list[tuple[str, int]]) -> list[Tracked]:
+        """The client could not fetch these delivered samples (their payload's node died): missing again. Returns
+        their requests, to be generated again."""
+        s, out = self.streams.get(sid), {}
+        for rid, index in lost if s is not None else ():
+            req = s.requests.get(rid)
+            if req is None:
+                continue
+            t = self.tracked.get(rid)
+            if t is not None and t.stream != sid:  # its id was reused by a request in flight in another stream
+                s.results.append(RolloutResult(rid, index, [], [], [], [], "abort", metadata=req.metadata, error=(
+                    "its result was lost with its worker's node before it was read, and its request_id is in "
+                    "flight again in another stream, so it cannot be generated again")))
+                s.event.set()
+                continue
+            if t is None:  # it had been delivered whole and forgotten
+                t = self.tracked[rid] = Tracked(req, sid, cost_estimate(req), set(range(req.sampling.n)))
+            if index in t.delivered:
+                t.delivered.discard(index)
+                s.delivered -= 1
+                out[rid] = t
+        return list(out.values())
 
     def forget(self, t: Tracked) -> None:
         self.tracked.pop(t.request.request_id, None)
@@ -171,7 +212,10 @@ class Ledger:
                 loads[t.worker] += t.cost_per_sample * t.missing
         return loads
 
-    async def next_results(self, sid: str, timeout: float) -> tuple[list[RolloutResult], bool]:
+    async def next_results(self, sid: str, timeout: float) -> tuple[list[RolloutResult], list[Batch], bool]:
+        """The stream's results since the last call (waiting up to `timeout` for one): those held whole, the others
+        as payload batches; and whether the stream is complete (it is then forgotten). A call that hands out
+        batches never completes it: the client's next call, which reports what it could not fetch, does."""
         s = self.streams.get(sid)
         if s is None:
             raise ValueError(f"unknown stream {sid!r}: finished, closed, or cancelled when its client stopped "
@@ -182,9 +226,16 @@ class Ledger:
                 await asyncio.wait_for(s.event.wait(), timeout)
             except asyncio.TimeoutError:
                 pass
-        out, s.results = s.results, []
+        items, s.results = s.results, []
         s.event.clear()
-        done = s.delivered >= s.expected
+        whole = [x for x in items if isinstance(x, RolloutResult)]
+        batches: dict[tuple[int, str | None], Batch] = {}
+        for x in items:
+            if not isinstance(x, RolloutResult):
+                payload, h, rid = x
+                batches.setdefault((id(payload), h.group), (payload, h.group, []))[2].append(
+                    (h.position, rid, h.sample_index))
+        done = s.delivered >= s.expected and not batches
         if done:
             del self.streams[sid]
-        return out, done
+        return whole, list(batches.values()), done

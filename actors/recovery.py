@@ -25,6 +25,10 @@ from actors.remote_errors import ACTOR_DOWN, error_text, is_down
 from actors.workers import WorkerTable
 
 RESTART_TIMEOUT_S = 900.0  # a worker that Ray has not brought back by then is given up (a model load fits)
+# A busy worker's results come in batches, one poll at most every max(20 ms, workers / 1000 s): the router's cost
+# is per poll far more than per result (scripts/bench_router.py), so its busy polls stay under ~1000/s however
+# many workers it has; 20-64 ms is little next to a rollout's seconds. A lone result is not held back.
+MIN_BATCH_S, MAX_POLLS_PER_S = 0.02, 1000.0
 
 
 class Recovery:
@@ -56,8 +60,9 @@ class Recovery:
     async def _poll(self, i: int, generation: int) -> None:
         w = self.workers
         try:
-            incarnation, results, running = await w.handles[i].poll.remote(
-                0.5, self.quarantine.confirmation(i, w.incarnation[i]))
+            head, payload = w.handles[i].poll.options(num_returns=2).remote(
+                0.5, self.quarantine.confirmation(i, w.incarnation[i]), max(MIN_BATCH_S, len(w) / MAX_POLLS_PER_S))
+            incarnation, headers, running = await head
         except ACTOR_DOWN:
             if not self.watching(i, generation):
                 return  # the router ended it (removed)
@@ -67,9 +72,11 @@ class Recovery:
         if incarnation != w.incarnation[i]:  # restarted between two polls
             return await self.worker_down(i, generation)
         self.quarantine.read(i, incarnation, running)
-        for r in results:
+        self.counters["polls"] += 1
+        self.counters["polled_results"] += len(headers)
+        for h in headers:  # the payload stays unread: it goes to the client (rollout_service/result_payloads.py)
             try:
-                self.dispatcher.on_result(r)
+                self.dispatcher.on_header(h, payload)
             except Exception as e:  # one bad result must not cost the others
                 self._log(f"worker {i}: a result could not be handled ({error_text(e)}); dropped")
         late = self.quarantine.overdue(i, self.user_code_timeout_s)

@@ -26,6 +26,7 @@ from actors.quarantine import UserCodeWatch, announce_exits
 from actors.remote_errors import error_text
 from actors.reward_pool import RewardPool
 from rollout_service.host import EngineHost
+from rollout_service.result_payloads import Header, pack
 from rollout_service.types import RolloutRequest, RolloutResult
 from rollout_service.weights.cuda_ipc import visible_gpus
 from rollout_service.weights.group import GroupSpec
@@ -55,6 +56,8 @@ class RolloutWorker:
         self.last_refresh: dict[str, float] = {}  # seconds of each phase of the last refresh, for stats()
         self._cv = threading.Condition()          # guards the outbox; poll waits on it
         self._outbox: list[RolloutResult] = []
+        self._groups: dict[str, list] = {}     # job id -> [its delivery group, samples still to come]
+        self._last_batch = 0.0                 # when poll last returned results
         self._stop = False
         # user code (rewards in this process, environments) is announced to the router before it runs
         self._watch = UserCodeWatch(self._cv)
@@ -71,30 +74,65 @@ class RolloutWorker:
             self._cv.notify_all()
 
     # -- requests ---------------------------------------------------------------------------------
-    def submit(self, requests: list[RolloutRequest], atomic: bool = True) -> list[str | None]:
+    def submit(self, requests: list[RolloutRequest], atomic: bool = True,
+               groups: list[str] | None = None) -> list[str | None]:
         """Queue requests, all or none when `atomic` (a client's batch), else each one that passes (a
-        resubmission: one bad request must not hold back the others). One error message (or None) per request."""
-        return self.host.submit(requests, atomic)
+        resubmission: one bad request must not hold back the others). `groups`: each request's delivery group
+        (its results are packed with the group's in poll's payload). One error message (or None) per request."""
+        if groups is not None:
+            with self._cv:  # before the host can finish one
+                self._groups.update((r.request_id, [g, r.sampling.n]) for r, g in zip(requests, groups))
+        errors = self.host.submit(requests, atomic)
+        if groups is not None:
+            with self._cv:
+                for r, err in zip(requests, errors):
+                    if err is not None:
+                        self._groups.pop(r.request_id, None)
+        return errors
 
-    def poll(self, timeout: float = 1.0, confirmed: tuple[str | None, int] | None = None
-             ) -> tuple[str, list[RolloutResult], dict]:
+    @ray.method(num_returns=2)
+    def poll(self, timeout: float = 1.0, confirmed: tuple[str | None, int] | None = None, batch_s: float = 0.0
+             ) -> tuple[tuple[str, list[Header], dict], dict]:
         """Wait up to `timeout` s for finished results, or for user code to start or end; returns
-        (incarnation, results, the user code running: actors/quarantine.py) and clears the results.
-        `confirmed`: (incarnation, change) of the last user-code report the router has read."""
+        ((incarnation, the results' headers, the user code running: actors/quarantine.py), the results' payload)
+        and clears the results. Results found less than `batch_s` after the last ones returned wait out the rest of
+        it, with others joining them, unless the engine has nothing else to finish. `confirmed`: (incarnation, change) of the last user-code report the router
+        has read."""
         deadline = time.monotonic() + timeout
         with self._cv:
             if confirmed is not None and confirmed[0] == self.incarnation:
                 self._watch.confirm(confirmed[1])
-            while not self._outbox and not self._stop and not self._watch.unreported:
-                left = deadline - time.monotonic()
+            while not self._stop and not self._watch.unreported:
+                now = time.monotonic()
+                if not self._outbox:
+                    left = deadline - now
+                else:  # a lone result (nothing else running) goes at once
+                    left = self._last_batch + batch_s - now if self.host.busy else 0
                 if left <= 0:
                     break
                 self._cv.wait(left)
             out, self._outbox = self._outbox, []
             report = self._watch.report()
+            if out:
+                self._last_batch = time.monotonic()
+            results = [r for r in out if isinstance(r, RolloutResult)]
+            headers, payload = pack(results, self._group_of)
+        if len(results) < len(out):  # (nothing of ours puts them there; the others must still go out)
+            print(f"[rollout_service.worker {self.worker_index}] dropped {len(out) - len(results)} thing(s) in the "
+                  "outbox that are not results", flush=True)
         if not self.host.alive:  # the router restarts the worker; the requests it held go to the others
             raise RuntimeError(f"worker {self.worker_index} engine loop failed: {self.host.error or 'it ended'}")
-        return self.incarnation, out, report
+        return (self.incarnation, headers, report), payload
+
+    def _group_of(self, job_id: str) -> str | None:
+        """The job's delivery group, forgotten with its last sample. (with self._cv held)"""
+        entry = self._groups.get(job_id)
+        if entry is None:
+            return None
+        entry[1] -= 1
+        if entry[1] <= 0:
+            del self._groups[job_id]
+        return entry[0]
 
     def abort(self, request_ids: list[str]) -> list[RolloutResult]:
         """Abort now; the partial results are returned here (not through poll), with those that finished just
@@ -104,6 +142,8 @@ class RolloutWorker:
         with self._cv:
             done = [r for r in self._outbox if r.request_id in ids]
             self._outbox = [r for r in self._outbox if r.request_id not in ids]
+            for rid in ids:
+                self._groups.pop(rid, None)
         return done + results
 
     # -- weights (the learner's side is RolloutClient.update_weights; the protocol is actors/refresh.py) --

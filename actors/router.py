@@ -46,7 +46,8 @@ class Router:
         self.reward_actors: list = []
         self.ledger = Ledger()
         self.counters = {"resubmitted": 0, "stale_regenerated": 0, "worker_deaths": 0, "streams_expired": 0,
-                         "sleep_expired": 0, "quarantined": 0, "handed_back": 0}
+                         "sleep_expired": 0, "quarantined": 0, "handed_back": 0, "payloads_lost": 0,
+                         "polls": 0, "polled_results": 0}
         self._closed = False
         self._tasks: list[asyncio.Task] = []
         # seconds without a renewal after which a client's streams are cancelled and its sleep ends
@@ -104,14 +105,22 @@ class Router:
             return {"errors": [(-1, f"the service is asleep (sleep level {c.asleep}): call wake_up() first")]}
         return await self.dispatcher.submit(items, self.stream_lease_s)
 
-    async def next_results(self, sid: str, timeout: float = 1.0) -> tuple[list[RolloutResult], bool, bool]:
-        """Results of stream `sid` delivered since the last call (waits up to `timeout` for one); whether the
-        stream is complete (it is then forgotten); whether no worker can serve until the learner pushes weights
-        (a restarted worker after a broadcast refresh)."""
-        out, done = await self.ledger.next_results(sid, timeout)
-        if not out and not done and all(self.table.gone):
+    async def next_results(self, sid: str, timeout: float = 1.0, lost: list[tuple[str, int]] = ()
+                           ) -> tuple[list[RolloutResult], list, bool, bool]:
+        """Results of stream `sid` delivered since the last call (waits up to `timeout` for one): those the router
+        holds whole, and payload batches for the client to fetch (rollout_service/result_payloads.py); whether
+        the stream is complete (it is then forgotten); whether no worker can serve until the learner pushes
+        weights (a restarted worker after a broadcast refresh). `lost`: the (request_id, sample_index) of the
+        last call's batches whose payload the client could not fetch: they are generated again."""
+        if lost:
+            self.counters["payloads_lost"] += len(lost)
+            self._log(f"stream {sid}: {len(lost)} result(s) lost with their node before the client read them; "
+                      "generating them again")
+            self.dispatcher.regenerate_lost(self.ledger.reopen(sid, [tuple(x) for x in lost]))
+        whole, batches, done = await self.ledger.next_results(sid, timeout)
+        if not whole and not batches and not done and all(self.table.gone):
             raise RuntimeError("every rollout worker is dead; the stream cannot finish")
-        return out, done, not any(self.table.alive) and any(self.table.awaiting)
+        return whole, batches, done, not any(self.table.alive) and any(self.table.awaiting)
 
     async def close_stream(self, sid: str) -> None:
         await self.dispatcher.close_stream(sid)

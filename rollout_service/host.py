@@ -50,6 +50,12 @@ class EngineHost:
         """The stepping thread runs (or was stopped by close()); False once it has failed."""
         return self.error is None and (self._stop or self._thread.is_alive())
 
+    @property
+    def busy(self) -> bool:
+        """The engine holds unfinished requests: more results are coming. Read without the engine's lock (held
+        for a whole step): a glance at its queues, which may be a step old."""
+        return self.engine.has_unfinished()
+
     # -- the stepping thread ----------------------------------------------------------------------
     def _loop(self) -> None:
         while True:

@@ -1,5 +1,9 @@
 """ResultStream: what RayBackend.submit returns, an iterator over one stream of results in the router.
 
+Each read gets the results the router holds whole and, for the others, where their payload is: this process
+fetches it from the worker's node (rollout_service/result_payloads.py) and reports on its next read what was lost
+with a node, for the router to generate again.
+
 A stream holds requests in flight on the workers, so its end must reach the router however its consumer
 goes: read to the end (the router then forgets it), closed (`close()`, or its client closed), dropped
 unread (garbage-collected: a finalizer queues its close), or its process died (the router cancels a
@@ -20,6 +24,7 @@ from typing import Any, Callable, Iterator
 
 import ray
 
+from rollout_service.result_payloads import unpack
 from rollout_service.types import RolloutResult
 
 _TICK_S = 0.5  # how often the thread sends queued closes and checks whether leases are due
@@ -31,6 +36,7 @@ class ResultStream(Iterator[RolloutResult]):
         self.owner = owner              # the client it was submitted through (closed with it)
         self._on_starved = on_starved  # no worker can serve until the learner re-sends its last broadcast
         self._buffer: deque[RolloutResult] = deque()
+        self._lost: list[tuple[str, int]] = []  # samples of the last read whose payload could not be fetched
         self._done = False
         self._finalizer = weakref.finalize(self, _pending.append, (router, sid))
         _keeper.add(self)
@@ -42,13 +48,14 @@ class ResultStream(Iterator[RolloutResult]):
         while not self._buffer:
             if self._done:
                 raise StopIteration
-            results, done, starved = ray.get(self.router.next_results.remote(self.sid, 1.0))
+            whole, batches, done, starved = ray.get(self.router.next_results.remote(self.sid, 1.0, self._lost))
             if done:  # the router forgot it
                 self._done = True
                 self._finalizer.detach()
             if starved:
                 self._on_starved()
-            self._buffer.extend(results)
+            fetched, self._lost = unpack(batches)
+            self._buffer.extend(whole + fetched)
         return self._buffer.popleft()
 
     @property

@@ -227,12 +227,19 @@ class RolloutRequest:
             raise ValueError(f"RolloutRequest.apply_chat_template={self.apply_chat_template!r}: must be a bool")
         check_metadata(self.metadata)
 
-    def validated(self) -> "RolloutRequest":
+    def validated(self, checked: dict[int, SamplingParams] | None = None) -> "RolloutRequest":
         """A checked copy of this request as it is now (every field again, the sampling params' too; the
-        prompt and the params copied, the metadata shared): ValueError naming the first bad field."""
-        if not isinstance(self.sampling, SamplingParams):  # so that the error names the field, not replace()
-            raise ValueError(f"RolloutRequest.sampling: must be a SamplingParams, got {type(self.sampling).__name__}")
-        return replace(self, sampling=self.sampling.validated())
+        prompt and the params copied, the metadata shared): ValueError naming the first bad field. `checked`:
+        id(params) -> their checked copy, for a batch whose requests share params objects (checked once, the
+        copy shared; the caller keeps the originals alive meanwhile, so that an id names one object)."""
+        s = self.sampling
+        if not isinstance(s, SamplingParams):  # so that the error names the field, not replace()
+            raise ValueError(f"RolloutRequest.sampling: must be a SamplingParams, got {type(s).__name__}")
+        if checked is None:
+            return replace(self, sampling=s.validated())
+        if id(s) not in checked:
+            checked[id(s)] = s.validated()
+        return replace(self, sampling=checked[id(s)])
 
     def to_dict(self) -> dict:
         if self.episode is not None:

@@ -19,7 +19,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                "rollout_service.prompts_sample", "rollout_service.user_code", "rollout_service.results_file",
                "rollout_service.fidelity", "rollout_service.tasks", "rollout_service.checks", "rollout_service.wire",
                "rollout_service.reward_fns", "rollout_service.episodes", "rollout_service.receipts",
-               "rollout_service.score_requests")),
+               "rollout_service.score_requests", "rollout_service.result_payloads")),
     ("ops", ("rollout_service.ops",)),
     ("model", ("rollout_service.model",)),
     ("weights", ("rollout_service.weights",)),

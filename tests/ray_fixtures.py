@@ -25,8 +25,10 @@ ROLLOUT_NODES = 2               # the session cluster's rollout nodes, which eve
 STORE = 120 * 2**20             # each node's object store
 # A killed raylet is declared dead after 4 failed health checks 1 s apart (Ray's defaults: 5 x 3 s); a node
 # would have to stall 4 checks of 5 s each to be taken for dead, which no load on this machine comes near.
+# Return values over 1 KB go to the object store of the node that made them (Ray's default: 100 KB), as a
+# busy worker's result payloads do in production: so the tests see them fetched across nodes, and lost with one.
 HEALTH_CHECKS = {"health_check_period_ms": 1000, "health_check_timeout_ms": 5000,
-                 "health_check_failure_threshold": 4}
+                 "health_check_failure_threshold": 4, "max_direct_call_object_size": 1024}
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=256, max_position_embeddings=512, tie_word_embeddings=False)
 

@@ -41,6 +41,14 @@ def test_fabricated_samples_end_after_max_tokens_steps_with_max_num_seqs_at_a_ti
     assert engine.stats()["generated_tokens"] == 12
 
 
+def test_fabricated_samples_gain_tokens_per_step_tokens_a_step():
+    engine = Fabricate(max_num_seqs=2, tokens_per_step=10)({})
+    add(engine, "a", n=2, max_tokens=25)
+    steps = run_engine(engine)
+    assert [len(s) for s in steps] == [0, 0, 2]  # 25 tokens: 3 steps of 10
+    assert all(len(r.token_ids) == 25 for r in steps[-1])
+
+
 def test_fabricated_abort_returns_the_waiting_and_running_samples():
     engine = Fabricate(max_num_seqs=1)({})
     add(engine, "a", n=2, max_tokens=5)
@@ -76,4 +84,5 @@ def test_the_benchmark_runs_through_the_service_every_result_once(ray_cluster):
     lat = latency(5, custom=ON_ROLLOUT_NODES)
     assert 0 < lat["bare_actor_call_median_ms"] and lat["median_ms"] <= lat["p99_ms"]
     table = _markdown(lat, [row])
-    assert table[-1].startswith("| 3 | 2 | 4 | 1.00 ms | 60 | ") and table[-1].endswith("| 0 / 0 |")
+    assert table[-1].startswith("| 3 | 2 | 4 | 1 per 1.00 ms | 60 | ") and table[-1].endswith("| 0 / 0 |")
+    assert row["polls"] > 0  # (the router counts its polls)

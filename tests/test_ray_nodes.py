@@ -91,6 +91,31 @@ def test_a_killed_node_loses_nothing_and_a_node_that_joins_serves_the_current_we
     assert all(s["generated_tokens"] > 0 for s in svc.stats())
 
 
+def test_results_lost_with_their_node_before_the_client_reads_them_are_generated_again(
+        svc, rollout_nodes, reference, make_tiny_llama):
+    """The router hands a stream the refs of payloads in the workers' object stores (result_payloads.py). Every
+    result is delivered to the stream before it is read; then worker 1's node dies, and its payloads with it:
+    the client reports those samples lost, the router generates them again on worker 0, and the stream still
+    yields each sample once, with the seeded tokens."""
+    state = make_tiny_llama(seed=9).state_dict()
+    svc.update_weights(state, 1)
+    reference.update_weights(state, reference.info()["policy_version"] + 1)  # (the module's reference)
+    reqs = [RolloutRequest([3 + i, 4, 5], SamplingParams(n=2, temperature=1.0, max_tokens=48, ignore_eos=True,
+                                                         seed=11 + i), request_id=f"p{i}") for i in range(8)]
+    want = {(r.request_id, r.sample_index): r.token_ids for r in reference.generate(reqs)}
+    victim = node_of(svc, 1)
+    stream = svc.stream(reqs)
+    wait_for(lambda: svc.info()["in_flight"] == 0, "every result delivered to the stream (none read yet)")
+    assert all(s["generated_tokens"] > 0 for s in svc.stats()), "both workers made results"
+    kill_rollout_node(rollout_nodes, next(n for n in rollout_nodes.rollout_nodes if n.node_id == victim))
+    got = list(stream)
+
+    keys = [(r.request_id, r.sample_index) for r in got]
+    assert sorted(keys) == sorted(want) and len(set(keys)) == len(keys), "each sample once, none lost"
+    assert all(r.token_ids == want[(r.request_id, r.sample_index)] for r in got)
+    assert svc.info()["payloads_lost"] > 0, "worker 1's payloads were in its node's object store"
+
+
 def test_a_worker_on_a_node_that_joins_waits_for_the_next_full_refresh_when_there_is_nothing_to_replay(
         svc, rollout_nodes, reference, make_tiny_llama):
     svc.update_weights(make_tiny_llama(seed=6).state_dict(), 1)
@@ -103,7 +128,7 @@ def test_a_worker_on_a_node_that_joins_waits_for_the_next_full_refresh_when_ther
     assert len(results) == 12 and all(set(r.token_versions) == {1} for r in results)
     state = make_tiny_llama(seed=8).state_dict()
     svc.update_weights(state, 2)
-    reference.update_weights(state, 2)
+    reference.update_weights(state, reference.info()["policy_version"] + 1)
     assert svc.info()["alive"] == [True, True, True]
     assert svc.weights_digests() == [reference.weights_digests()[0]] * 3
     assert len({s["node_id"] for s in svc.stats()}) == 3, "STRICT_SPREAD: one worker per node"

@@ -81,22 +81,30 @@ def throughput(workers: int, fabricate: Fabricate, count: int, max_tokens: int, 
         warm = [RolloutRequest([1, 2, 3, 4, 5, 6, 7, 8], sampling, request_id=f"w{k}") for k in range(workers * 4)]
         drive(backend, warm, batch)
         reqs = [RolloutRequest([1, 2, 3, 4, 5, 6, 7, 8], sampling, request_id=f"r{k}") for k in range(count)]
-        idle0 = cpu_seconds(router_pid)
+        idle0, polls0 = cpu_seconds(router_pid), backend.info()["polls"]
         time.sleep(idle_s)
         idle = (cpu_seconds(router_pid) - idle0) / idle_s
+        idle_polls = (backend.info()["polls"] - polls0) / idle_s
+        info0 = backend.info()
         cpu0 = (cpu_seconds(router_pid), sum(cpu_seconds(p) for p in worker_pids), time.process_time())
         t0 = time.perf_counter()
         results, distinct = drive(backend, reqs, batch)
         seconds = time.perf_counter() - t0
         cpu1 = (cpu_seconds(router_pid), sum(cpu_seconds(p) for p in worker_pids), time.process_time())
+        info1 = backend.info()
     finally:
         backend.close()
     router, worker, client = (b - a for a, b in zip(cpu0, cpu1))
     busy = max(router - idle * seconds, 0.0)  # the router's CPU for the load itself
+    polls = info1["polls"] - info0["polls"]
+    polled = info1["polled_results"] - info0["polled_results"]
     # results per second of router CPU: what one router could carry with a core of its own
     return {"workers": workers, "n": n, "requests": count, "results": results, "expected": count * n,
             "duplicates": results - distinct, "max_tokens": max_tokens,
-            "step_ms": fabricate.step_s * 1e3, "batch": batch, "seconds": round(seconds, 3),
+            "step_ms": fabricate.step_s * 1e3, "tokens_per_step": fabricate.tokens_per_step, "batch": batch,
+            "polls": polls, "results_per_poll": round(polled / polls, 1) if polls else None,
+            "router_us_per_poll": round(1e6 * router / polls) if polls else None,
+            "router_idle_us_per_poll": round(1e6 * idle / idle_polls) if idle_polls else None, "seconds": round(seconds, 3),
             "requests_per_s": round(count / seconds), "results_per_s": round(results / seconds),
             "router_cpu_s": round(router, 3), "router_util": round(router / seconds, 3),
             "router_us_per_request": round(1e6 * router / count, 1),
@@ -146,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true")
     args = p.parse_args(argv)
     counts = [int(w) for w in args.workers.split(",")]
-    w2 = Fabricate(step_s=0.00256, max_num_seqs=256)
+    w2 = Fabricate(step_s=0.0256, max_num_seqs=256, tokens_per_step=10)
     runs = []
     ray.init(num_cpus=os.cpu_count(), resources={"bench_worker": max(counts + [8])}, include_dashboard=False,
              log_to_driver=False, namespace="rollout_service_bench")
@@ -171,22 +179,27 @@ def _markdown(lat: dict, runs: list[dict]) -> list[str]:
              f"{lat['median_ms']} ms, p90 {lat['p90_ms']} ms, p99 {lat['p99_ms']} ms; a bare Ray actor call "
              f"{lat['bare_actor_call_median_ms']} ms; added {lat['added_ms']} ms ({lat['rounds']} rounds).", "",
              "Fabricating engines (rollout_service/bench/fabricated.py): 1-token answers with no step time measure "
-             "requests/s; 256-token answers at 2.56 ms a step, 256 at a time, are W2's rate per worker "
-             "(100k tokens/s, ~390 results/s). CPU from /proc (10 ms ticks); every process shares this machine's "
+             "requests/s; 256-token answers, 256 at a time, 10 tokens every 25.6 ms, are W2's rate per worker "
+             "(100k tokens/s, ~390 results/s). A busy worker's results reach the router in batches, one poll at "
+             "most every max(20 ms, workers / 1000 s) (actors/recovery.py), and the router reads their headers only: the payload goes "
+             "to the client (rollout_service/result_payloads.py). CPU from /proc (10 ms ticks); every process shares this machine's "
              "cores, so results/s is what the whole machine sustained and the router's CPU per result is the "
              "figure that carries to other machines. router results/CPU-s: what one router could carry with a "
              "core of its own. idle: the router's CPU share on the idle service (its long polls of every worker), "
-             "taken out of the net figure.", "",
+             "taken out of the net figure. Router µs/poll: its CPU over the run per poll (idle polls apart).", "",
              "| workers | n | tokens/result | fabricated step | requests | results/s | requests/s | router CPU share "
              "(idle) | router µs/request | router µs/result (net of idle) | router results/CPU-s | workers µs/result | "
-             "client µs/result | lost / duplicated |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "client µs/result | polls | results/poll | router µs/poll (idle) | lost / duplicated |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
-        lines.append(f"| {r['workers']} | {r['n']} | {r['max_tokens']} | {r['step_ms']:.2f} ms | {r['requests']:,} | "
+        lines.append(f"| {r['workers']} | {r['n']} | {r['max_tokens']} | {r['tokens_per_step']} per "
+                     f"{r['step_ms']:.2f} ms | {r['requests']:,} | "
                      f"{r['results_per_s']:,} | {r['requests_per_s']:,} | {r['router_util']:.2f} "
                      f"({r['router_idle_cpu_share']:.2f}) | {r['router_us_per_request']} | "
                      f"{r['router_us_per_result']} ({r['router_busy_us_per_result']}) | "
                      f"{r['router_results_per_cpu_s']:,} | {r['workers_us_per_result']} | "
-                     f"{r['client_us_per_result']} | {r['expected'] - r['results'] + r['duplicates']} / "
+                     f"{r['client_us_per_result']} | {r['polls']:,} | {r['results_per_poll']} | "
+                     f"{r['router_us_per_poll']} ({r['router_idle_us_per_poll']}) | "
+                     f"{r['expected'] - r['results'] + r['duplicates']} / "
                      f"{r['duplicates']} |")
     return lines

@@ -1,0 +1,92 @@
+"""Results as headers for the router and payloads for the client (rollout_service/result_payloads.py), and the
+router's book of them (actors/ledger.py): a stream that was handed payload refs ends only at the client's next
+read, and samples the client reports lost are missing again, to be generated anew. Pure Python: the ledger never
+reads a payload, so a plain object stands in for the ObjectRef (the round trip through Ray, with a real node
+lost, is tests/test_ray_nodes.py)."""
+from __future__ import annotations
+
+import asyncio
+import pickle
+
+from actors.ledger import Ledger
+from rollout_service.result_payloads import pack
+from rollout_service.types import RolloutRequest, RolloutResult, SamplingParams
+
+
+def result(job: str, index: int, versions: list[int], metadata=None) -> RolloutResult:
+    n = len(versions)
+    return RolloutResult(job, index, [1, 2], [5] * n, [-0.5] * n, versions, "length", metadata=metadata)
+
+
+def test_pack_groups_results_by_stream_and_the_headers_say_where_each_is():
+    rs = [result("a#0", 0, [3, 2]), result("b#1", 0, [4]), result("a#0", 1, []), result("c#2", 0, [1])]
+    headers, payload = pack(rs, {"a#0": "s1", "b#1": "s2", "a#2": "s1"}.get)
+    assert [(h.job_id, h.sample_index, h.group, h.position, h.oldest_version) for h in headers] == [
+        ("a#0", 0, "s1", 0, 2), ("b#1", 0, "s2", 0, 4), ("a#0", 1, "s1", 1, None), ("c#2", 0, None, 0, 1)]
+    assert set(payload) == {"s1", "s2", None}
+    s1 = pickle.loads(payload["s1"])  # each group on its own: a client decodes its stream's results only
+    assert [(r.request_id, r.sample_index, r.token_ids) for r in s1] == [("a#0", 0, [5, 5]), ("a#0", 1, [])]
+
+
+def test_pack_takes_metadata_that_only_cloudpickle_takes():
+    _, payload = pack([result("a#0", 0, [1], metadata=lambda x: x * 3)], lambda job: "s")
+    assert pickle.loads(payload["s"])[0].metadata(2) == 6
+
+
+def requests(n: int = 2) -> list[RolloutRequest]:
+    return [RolloutRequest([1, 2, 3], SamplingParams(n=n, max_tokens=2), request_id=rid) for rid in ("r0", "r1")]
+
+
+def deliver_all(ledger: Ledger, ts, payload) -> None:
+    for t in ts:
+        job = ledger.new_job(t, 0, 0)
+        headers, _ = pack([result(job.request_id, k, [0, 0]) for k in range(2)], lambda j: "sid")
+        for h in headers:
+            assert ledger.is_new(h.job_id, h.sample_index) is t
+            ledger.deliver_ref(t, h, payload)
+
+
+def test_a_stream_handed_payloads_ends_at_the_next_read():
+    ledger = Ledger()
+    sid, ts = ledger.open_stream(requests())
+    payload = object()
+    deliver_all(ledger, ts, payload)
+    assert not ledger.tracked, "every sample delivered"
+    whole, batches, done = asyncio.run(ledger.next_results(sid, 0.01))
+    assert whole == [] and not done
+    [(ref, group, entries)] = batches
+    assert ref is payload and group == "sid"
+    assert sorted((rid, k) for _, rid, k in entries) == [("r0", 0), ("r0", 1), ("r1", 0), ("r1", 1)]
+    assert asyncio.run(ledger.next_results(sid, 0.01)) == ([], [], True)
+    assert sid not in ledger.streams
+
+
+def test_lost_samples_are_missing_again_and_the_stream_waits_for_them():
+    ledger = Ledger()
+    sid, ts = ledger.open_stream(requests())
+    deliver_all(ledger, ts, object())
+    asyncio.run(ledger.next_results(sid, 0.01))
+    again = ledger.reopen(sid, [("r1", 0), ("r1", 1), ("r9", 0)])  # (an id the stream never had: ignored)
+    assert [t.request.request_id for t in again] == ["r1"] and again[0].missing == 2
+    assert ledger.tracked["r1"] is again[0] and again[0].worker is None  # waits for a dispatch
+    assert ledger.reopen(sid, [("r1", 0)]) == [], "already missing"
+    whole, batches, done = asyncio.run(ledger.next_results(sid, 0.01))
+    assert (whole, batches, done) == ([], [], False), "two samples to come"
+    deliver_all(ledger, again, object())
+    whole, batches, done = asyncio.run(ledger.next_results(sid, 0.01))
+    assert not done and sorted(k for _, rid, k in batches[0][2]) == [0, 1]
+    assert asyncio.run(ledger.next_results(sid, 0.01))[2]
+
+
+def test_a_lost_sample_whose_id_is_in_flight_in_another_stream_ends_with_an_error():
+    ledger = Ledger()
+    sid, ts = ledger.open_stream(requests(n=1)[:1])
+    t = ts[0]
+    job = ledger.new_job(t, 0, 0)
+    [h], _ = pack([result(job.request_id, 0, [0])], lambda j: sid)
+    ledger.deliver_ref(t, h, object())
+    asyncio.run(ledger.next_results(sid, 0.01))
+    other, _ = ledger.open_stream(requests(n=1)[:1])  # "r0" again, the first one being finished
+    assert ledger.reopen(sid, [("r0", 0)]) == []
+    whole, batches, done = asyncio.run(ledger.next_results(sid, 0.01))
+    assert done and batches == [] and whole[0].finish_reason == "abort" and "in flight again" in whole[0].error
