@@ -151,21 +151,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--tag", default="control-plane")
     p.add_argument("--workers", default="4,16,64", help="worker counts of the results/s runs")
+    p.add_argument("--speedup", type=int, default=1,
+                   help="each fabricating worker makes this many times W2's rate (8 workers x 8: 64 workers' results "
+                        "through 8 processes, for a machine that cannot run 64)")
+    p.add_argument("--skip-small", action="store_true", help="only the W2-rate runs")
     p.add_argument("--quick", action="store_true")
     args = p.parse_args(argv)
     counts = [int(w) for w in args.workers.split(",")]
-    w2 = Fabricate(step_s=0.0256, max_num_seqs=256, tokens_per_step=10)
+    w2 = Fabricate(step_s=0.0256, max_num_seqs=256 * args.speedup, tokens_per_step=10)
     runs = []
     ray.init(num_cpus=os.cpu_count(), resources={"bench_worker": max(counts + [8])}, include_dashboard=False,
              log_to_driver=False, namespace="rollout_service_bench")
     try:
         lat = latency(20 if args.quick else 200)
         print(lat, flush=True)
-        for workers, n in ((2, 1), (8, 1), (8, 8)):  # n = 8: the per-request and per-result costs apart
+        for workers, n in () if args.skip_small else ((2, 1), (8, 1), (8, 8)):  # n = 8: per request and result apart
             runs.append(throughput(workers, Fabricate(), (2_000 if args.quick else 20_000) // n, 1, 512, n=n))
             print(runs[-1], flush=True)
         for workers in counts:
-            count = workers * 256 * (1 if args.quick else 4)
+            count = workers * 256 * args.speedup * (1 if args.quick else 4)
             runs.append(throughput(workers, w2, count, 256, 256))
             print(runs[-1], flush=True)
     finally:
@@ -181,7 +185,7 @@ def _markdown(lat: dict, runs: list[dict]) -> list[str]:
              "Fabricating engines (rollout_service/bench/fabricated.py): 1-token answers with no step time measure "
              "requests/s; 256-token answers, 256 at a time, 10 tokens every 25.6 ms, are W2's rate per worker "
              "(100k tokens/s, ~390 results/s). A busy worker's results reach the router in batches, one poll at "
-             "most every max(20 ms, workers / 1000 s) (actors/recovery.py), and the router reads their headers only: the payload goes "
+             "most every max(20 ms, workers / 500 s) (actors/recovery.py), and the router reads their headers only: the payload goes "
              "to the client (rollout_service/result_payloads.py). CPU from /proc (10 ms ticks); every process shares this machine's "
              "cores, so results/s is what the whole machine sustained and the router's CPU per result is the "
              "figure that carries to other machines. router results/CPU-s: what one router could carry with a "
