@@ -96,8 +96,8 @@ class RolloutWorker:
         """Wait up to `timeout` s for finished results, or for user code to start or end; returns
         ((incarnation, the results' headers, the user code running: actors/quarantine.py), the results' payload)
         and clears the results. Results found less than `batch_s` after the last ones returned wait out the rest of
-        it, with others joining them, unless the engine has nothing else to finish. `confirmed`: (incarnation, change) of the last user-code report the router
-        has read."""
+        it, with others joining them, unless the engine has nothing else to finish. `confirmed`: (incarnation,
+        change) of the last user-code report the router has read."""
         deadline = time.monotonic() + timeout
         with self._cv:
             if confirmed is not None and confirmed[0] == self.incarnation:
@@ -116,7 +116,8 @@ class RolloutWorker:
             if out:
                 self._last_batch = time.monotonic()
             results = [r for r in out if isinstance(r, RolloutResult)]
-            headers, payload = pack(results, self._group_of)
+            groups = {r.request_id: self._group_of(r.request_id) for r in results}
+        headers, payload = pack(results, groups.get)  # (pickling outside the lock: the engine thread delivers)
         if len(results) < len(out):  # (nothing of ours puts them there; the others must still go out)
             print(f"[rollout_service.worker {self.worker_index}] dropped {len(out) - len(results)} thing(s) in the "
                   "outbox that are not results", flush=True)
