@@ -75,7 +75,7 @@ class Dispatcher:
         live = self.workers.live()
         if not live:
             for t in tracked:
-                t.worker = None
+                self.ledger.unassign(t)
             return []
         loads = self.ledger.loads(len(self.workers))
         batches: dict[int, list[RolloutRequest]] = {}

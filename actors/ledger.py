@@ -39,6 +39,7 @@ class Tracked:
     fresh_as_of: int = -1                           # policy version the newest job was dispatched at
     strikes: int = 0                                # worker deaths while its user code ran (actors/quarantine.py)
     regenerations: int = 0                          # times regenerated for staleness
+    charged: tuple[int | None, int] = (None, 0)      # (worker, cost) it counts for in the ledger's loads
 
     @property
     def missing(self) -> int:
@@ -96,6 +97,9 @@ class Ledger:
         self._job_owner: dict[str, str] = {}   # engine request id -> client request id
         self._ids = itertools.count()
         self.duplicates_dropped = 0
+        # per worker, the outstanding cost of the requests it runs: kept up to date (a dispatch reads it, and
+        # adding it up over every request in flight for each one made a stream of small submits quadratic)
+        self._loads: dict[int, int] = {}
 
     def open_stream(self, reqs: list[RolloutRequest]) -> tuple[str, list[Tracked]]:
         sid = uuid.uuid4().hex
@@ -127,6 +131,7 @@ class Ledger:
         job_id = f"{t.request.request_id}#{next(self._ids)}"
         t.jobs.append(job_id)
         t.worker, t.fresh_as_of = worker, version
+        self._charge(t)
         self._job_owner[job_id] = t.request.request_id
         job = copy.copy(t.request)  # (checked when it was accepted: replace() would check it all again)
         job.request_id = job_id
@@ -155,6 +160,7 @@ class Ledger:
 
     def _append(self, t: Tracked, sample_index: int, item: RolloutResult | tuple[Any, Header, str]) -> None:
         t.delivered.add(sample_index)
+        self._charge(t)
         s = self.streams.get(t.stream)
         if s is not None:
             s.results.append(item)
@@ -182,14 +188,31 @@ class Ledger:
                 t = self.tracked[rid] = Tracked(req, sid, cost_estimate(req), set(range(req.sampling.n)))
             if index in t.delivered:
                 t.delivered.discard(index)
+                self._charge(t)
                 s.delivered -= 1
                 out[rid] = t
         return list(out.values())
 
     def forget(self, t: Tracked) -> None:
         self.tracked.pop(t.request.request_id, None)
+        self._charge(t)
         for j in t.jobs:
             self._job_owner.pop(j, None)
+
+    def unassign(self, t: Tracked) -> None:
+        """No worker runs it now: it waits for one."""
+        t.worker = None
+        self._charge(t)
+
+    def _charge(self, t: Tracked) -> None:
+        """Count t for its worker's load as it is now: its missing samples' cost, while it is in the book."""
+        worker, cost = t.charged
+        if worker is not None:
+            self._loads[worker] -= cost
+        live = t.worker is not None and self.tracked.get(t.request.request_id) is t
+        t.charged = (t.worker, t.cost_per_sample * t.missing) if live else (None, 0)
+        if live:
+            self._loads[t.worker] = self._loads.get(t.worker, 0) + t.charged[1]
 
     def fill_aborted(self, t: Tracked, error: str | None = None) -> list[RolloutResult]:
         """Deliver an empty "abort" result (carrying `error`, if the request failed) for every sample that
@@ -206,11 +229,8 @@ class Ledger:
         return [t for t in self.tracked.values() if t.worker == i]
 
     def loads(self, num_workers: int) -> list[int]:
-        loads = [0] * num_workers
-        for t in self.tracked.values():
-            if t.worker is not None:
-                loads[t.worker] += t.cost_per_sample * t.missing
-        return loads
+        """Per worker, the outstanding cost (cost_estimate per missing sample) of the requests it runs."""
+        return [self._loads.get(i, 0) for i in range(num_workers)]
 
     async def next_results(self, sid: str, timeout: float) -> tuple[list[RolloutResult], list[Batch], bool]:
         """The stream's results since the last call (waiting up to `timeout` for one): those held whole, the others

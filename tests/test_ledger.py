@@ -1,12 +1,13 @@
-"""Results as headers for the router and payloads for the client (rollout_service/result_payloads.py), and the
-router's book of them (actors/ledger.py): a stream that was handed payload refs ends only at the client's next
-read, and samples the client reports lost are missing again, to be generated anew. Pure Python: the ledger never
-reads a payload, so a plain object stands in for the ObjectRef (the round trip through Ray, with a real node
-lost, is tests/test_ray_nodes.py)."""
+"""The router's book (actors/ledger.py) and results as headers for the router and payloads for the client
+(rollout_service/result_payloads.py): a stream that was handed payload refs ends only at the client's next read;
+samples the client reports lost are missing again, to be generated anew; the per-worker loads a dispatch reads are
+kept up to date. Pure Python: the ledger never reads a payload, so a plain object stands in for the ObjectRef (the
+round trip through Ray, with a real node lost, is tests/test_ray_nodes.py)."""
 from __future__ import annotations
 
 import asyncio
 import pickle
+import random
 
 from actors.ledger import Ledger
 from rollout_service.result_payloads import pack
@@ -90,3 +91,44 @@ def test_a_lost_sample_whose_id_is_in_flight_in_another_stream_ends_with_an_erro
     assert ledger.reopen(sid, [("r0", 0)]) == []
     whole, batches, done = asyncio.run(ledger.next_results(sid, 0.01))
     assert done and batches == [] and whole[0].finish_reason == "abort" and "in flight again" in whole[0].error
+
+
+def test_the_loads_kept_up_to_date_match_a_count_over_the_book():
+    """Per-worker loads are kept as requests are dispatched, moved, delivered, reopened, unassigned and
+    forgotten; after each step of a random run they equal the sum over the book."""
+    rng, ledger, streams = random.Random(0), Ledger(), []
+
+    def counted(n: int) -> list[int]:
+        loads = [0] * n
+        for t in ledger.tracked.values():
+            if t.worker is not None:
+                loads[t.worker] += t.cost_per_sample * t.missing
+        return loads
+
+    for step in range(400):
+        op = rng.randrange(6)
+        live = list(ledger.tracked.values())
+        if op == 0 or not live:
+            reqs = [RolloutRequest([1] * rng.randint(1, 9), SamplingParams(n=rng.randint(1, 3), max_tokens=4),
+                                   request_id=f"s{step}r{k}") for k in range(rng.randint(1, 3))]
+            sid, ts = ledger.open_stream(reqs)
+            streams.append(sid)
+            for t in ts:
+                ledger.new_job(t, rng.randrange(3), 0)
+        elif op == 1 and any(t.jobs for t in live):  # a result delivered
+            t = rng.choice([t for t in live if t.jobs])
+            k = rng.choice([i for i in range(t.request.sampling.n) if i not in t.delivered])
+            [h], _ = pack([result(t.jobs[-1], k, [0])], lambda j: t.stream)
+            ledger.deliver_ref(t, h, object())
+        elif op in (1, 2):  # (re)submitted to a worker
+            ledger.new_job(rng.choice(live), rng.randrange(3), 0)
+        elif op == 3:  # no worker alive: it waits
+            ledger.unassign(rng.choice(live))
+        elif op == 4:  # a stream closed
+            ledger.close_stream(rng.choice(streams))
+        else:  # a client reports delivered samples lost
+            sid = rng.choice(streams)
+            s = ledger.streams.get(sid)
+            if s is not None:
+                ledger.reopen(sid, [(rid, 0) for rid in s.requests])
+        assert ledger.loads(3) == counted(3), f"step {step}, op {op}"
