@@ -33,6 +33,14 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
             num_key_value_heads=2, vocab_size=256, max_position_embeddings=512, tie_word_embeddings=False)
 
 
+def cpu_engine(model_dir: str, num_pages: int = 64):
+    """An in-process fp32 engine on the CPU (a RolloutClient; a context manager): the reference whose tokens and
+    weight digests the service's workers must match."""
+    from rollout_service.client import RolloutClient
+    return RolloutClient.local(model=model_dir, backend="torch", dtype="float32", device="cpu", num_pages=num_pages,
+                               enable_cuda_graphs=False)
+
+
 def _refresh_mid_generation(service, named_tensors, version: int, timeout: float = 60.0) -> None:
     """Push a refresh while the requests just submitted are mid-generation, however fast this machine
     decodes: wait for a new token somewhere, then hold the workers between two steps (pause) so that

@@ -29,9 +29,8 @@ def local():
 
 @pytest.fixture(scope="module")
 def service(ray_cluster, service_config):
-    c = RolloutClient.launch(service_config(name="svc-dynamic-sampling", num_workers=1))
-    yield c
-    c.close()
+    with RolloutClient.launch(service_config(name="svc-dynamic-sampling", num_workers=1)) as c:
+        yield c
 
 
 def _prompts(k: int) -> tuple[list[list[int]], list[dict]]:

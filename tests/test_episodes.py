@@ -319,9 +319,8 @@ def test_w7_rows_count_prefilled_tokens_with_the_cache_on_and_off():
 # ---- through Ray ---------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def ray_client(ray_cluster, service_config):
-    c = RolloutClient.launch(service_config(name="svc-episodes"))
-    yield c
-    c.close()
+    with RolloutClient.launch(service_config(name="svc-episodes")) as c:
+        yield c
 
 
 @pytest.mark.ray

@@ -23,9 +23,8 @@ PHASES = ("rollout", "reward", "learner", "refresh", "sleep", "wake", "idle")
 
 @pytest.fixture(scope="module")
 def svc(ray_cluster, service_config):
-    c = RolloutClient.launch(service_config(name="svc-coloc", namespace="rollout_service", colocate=True))
-    yield c
-    c.close()
+    with RolloutClient.launch(service_config(name="svc-coloc", namespace="rollout_service", colocate=True)) as c:
+        yield c
 
 
 def test_two_colocated_grpo_steps_on_cpu_workers(svc, tiny_model_dir):

@@ -12,7 +12,7 @@ import ray
 
 from actors.placement import colocated_share, worker_bundle
 from actors.router import RouterActor
-from ray_fixtures import kill_worker, wait_for, workers
+from ray_fixtures import cpu_engine, kill_worker, wait_for, workers
 from rollout_service.client import RolloutClient
 from rollout_service.fidelity import fidelity_line
 from rollout_service.config import ServiceConfig
@@ -29,17 +29,15 @@ PROMPTS = [[i, 2, 3] for i in range(1, 9)]  # enough to reach both workers
 
 @pytest.fixture(scope="module")
 def svc(ray_cluster, service_config):
-    c = RolloutClient.launch(service_config(name=NAME, namespace=NAMESPACE, colocate=True, client_lease_s=LEASE_S))
-    yield c
-    c.close()
+    cfg = service_config(name=NAME, namespace=NAMESPACE, colocate=True, client_lease_s=LEASE_S)
+    with RolloutClient.launch(cfg) as c:
+        yield c
 
 
 @pytest.fixture(scope="module")
 def local(tiny_model_dir):
-    c = RolloutClient.local(model=tiny_model_dir, backend="torch", dtype="float32", device="cpu", num_pages=64,
-                            enable_cuda_graphs=False)
-    yield c
-    c.close()
+    with cpu_engine(tiny_model_dir, num_pages=64) as c:
+        yield c
 
 
 def actors():

@@ -11,7 +11,7 @@ import threading
 import pytest
 import ray
 
-from ray_fixtures import kill_worker, wait_for, workers
+from ray_fixtures import cpu_engine, kill_worker, wait_for, workers
 from rollout_service.client import RolloutClient
 from rollout_service.backends.ray import RayBackend
 from rollout_service.types import RolloutRequest, SamplingParams
@@ -48,18 +48,15 @@ def model_dir(tmp_path_factory, make_tiny_llama):
 def svc(ray_cluster, service_config, model_dir):
     cfg = service_config(name=NAME)
     cfg["engine"]["model"] = model_dir
-    c = RolloutClient.launch(cfg)
-    yield c
-    c.close()
+    with RolloutClient.launch(cfg) as c:
+        yield c
 
 
 @pytest.fixture(scope="module")
 def reference(model_dir):
     """An in-process engine that takes the same refreshes: the digest the workers must have."""
-    c = RolloutClient.local(model=model_dir, backend="torch", dtype="float32", device="cpu", num_pages=64,
-                            enable_cuda_graphs=False)
-    yield c
-    c.close()
+    with cpu_engine(model_dir, num_pages=64) as c:
+        yield c
 
 
 def idle(backend: RayBackend) -> bool:

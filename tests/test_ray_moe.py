@@ -5,6 +5,7 @@ come back through the service as the in-process engine returns them."""
 from __future__ import annotations
 
 import pytest
+from ray_fixtures import cpu_engine, tiny_service_config
 from test_moe_weights import per_expert
 from tiny_models import tiny_hf_model
 
@@ -28,18 +29,14 @@ def moe_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def svc(ray_cluster, moe_dir):
-    from ray_fixtures import tiny_service_config
-    c = RolloutClient.launch(tiny_service_config(moe_dir, name="svc-moe"))
-    yield c
-    c.close()
+    with RolloutClient.launch(tiny_service_config(moe_dir, name="svc-moe")) as c:
+        yield c
 
 
 @pytest.fixture(scope="module")
 def local(moe_dir):
-    c = RolloutClient.local(model=moe_dir, backend="torch", dtype="float32", device="cpu", num_pages=64,
-                            enable_cuda_graphs=False)
-    yield c
-    c.close()
+    with cpu_engine(moe_dir, num_pages=64) as c:
+        yield c
 
 
 def tokens(client) -> list:

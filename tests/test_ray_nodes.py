@@ -10,9 +10,8 @@ import time
 from pathlib import Path
 
 import pytest
-import ray
 
-from ray_fixtures import add_rollout_node, kill_rollout_node, node_alive, wait_for
+from ray_fixtures import add_rollout_node, cpu_engine, kill_rollout_node, node_alive, wait_for
 from rollout_service.client import RolloutClient
 from rollout_service.config import ServiceConfig
 from rollout_service.types import RolloutRequest, SamplingParams
@@ -30,17 +29,14 @@ def seeded(i: int) -> SamplingParams:
 def svc(rollout_nodes, tiny_model_dir):
     cfg = ServiceConfig.load(MULTI_NODE, name="svc-nodes", placement={"strategy": "STRICT_SPREAD", "timeout_s": 20},
                              engine={"model": tiny_model_dir, "num_pages": 512})
-    c = RolloutClient.launch(cfg)
-    yield c
-    c.close()
+    with RolloutClient.launch(cfg) as c:
+        yield c
 
 
 @pytest.fixture(scope="module")
 def reference(tiny_model_dir):
-    c = RolloutClient.local(model=tiny_model_dir, backend="torch", dtype="float32", device="cpu", num_pages=512,
-                            enable_cuda_graphs=False)
-    yield c
-    c.close()
+    with cpu_engine(tiny_model_dir, num_pages=512) as c:
+        yield c
 
 
 def requests(k: int) -> list[RolloutRequest]:

@@ -10,7 +10,7 @@ import time
 import pytest
 import ray
 
-from ray_fixtures import wait_for
+from ray_fixtures import cpu_engine, wait_for
 from rollout_service import cli
 from rollout_service.client import RolloutClient
 from rollout_service.types import RolloutRequest, SamplingParams
@@ -22,17 +22,14 @@ NAME = "svc-scale"
 
 @pytest.fixture(scope="module")
 def svc(ray_cluster, service_config):
-    c = RolloutClient.launch(service_config(name=NAME, placement={"strategy": "SPREAD", "timeout_s": 30}))
-    yield c
-    c.close()
+    with RolloutClient.launch(service_config(name=NAME, placement={"strategy": "SPREAD", "timeout_s": 30})) as c:
+        yield c
 
 
 @pytest.fixture(scope="module")
 def reference(tiny_model_dir):
-    c = RolloutClient.local(model=tiny_model_dir, backend="torch", dtype="float32", device="cpu", num_pages=256,
-                            enable_cuda_graphs=False)
-    yield c
-    c.close()
+    with cpu_engine(tiny_model_dir, num_pages=256) as c:
+        yield c
 
 
 def requests(prefix: str, k: int, shortest: int = 30) -> list[RolloutRequest]:

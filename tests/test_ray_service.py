@@ -11,6 +11,7 @@ import pytest
 import ray
 import torch
 
+from ray_fixtures import cpu_engine
 from rollout_service.client import RolloutClient
 from rollout_service.types import RolloutRequest, SamplingParams
 
@@ -20,17 +21,14 @@ pytestmark = pytest.mark.ray
 
 @pytest.fixture(scope="module")
 def client(ray_cluster, service_config):
-    c = RolloutClient.launch(service_config(name="svc-main"))
-    yield c
-    c.close()
+    with RolloutClient.launch(service_config(name="svc-main")) as c:
+        yield c
 
 
 @pytest.fixture(scope="module")
 def local(tiny_model_dir):
-    c = RolloutClient.local(model=tiny_model_dir, backend="torch", dtype="float32", device="cpu", num_pages=256,
-                            enable_cuda_graphs=False)
-    yield c
-    c.close()
+    with cpu_engine(tiny_model_dir, num_pages=256) as c:
+        yield c
 
 
 def _prompts(k: int, seed: int = 0) -> list[list[int]]:

@@ -10,6 +10,7 @@ import pytest
 import ray
 import torch
 
+from ray_fixtures import cpu_engine
 from rollout_service.client import RolloutClient
 from rollout_service.types import RolloutRequest, SamplingParams
 from rollout_service.weights import named_items
@@ -22,16 +23,14 @@ GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def svc(ray_cluster, service_config):
-    c = RolloutClient.launch(service_config(name="svc-weights"))
-    yield c
-    c.close()
+    with RolloutClient.launch(service_config(name="svc-weights")) as c:
+        yield c
 
 
 @pytest.fixture(scope="module")
 def reference(tiny_model_dir):
     """digest(state) and tokens(state): an in-process engine's view of the same weights."""
-    local = RolloutClient.local(model=tiny_model_dir, backend="torch", dtype="float32", device="cpu",
-                                num_pages=64, enable_cuda_graphs=False)
+    local = cpu_engine(tiny_model_dir)
     versions = iter(range(1, 10_000))
 
     def load(state):

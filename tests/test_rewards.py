@@ -34,9 +34,8 @@ def local():
 @pytest.fixture(scope="module")
 def service(ray_cluster, service_config):
     """One worker, rewards in its threads, the length reward by default."""
-    c = RolloutClient.launch(service_config(name="svc-rewards", num_workers=1, reward=f"{EX}:length_reward"))
-    yield c
-    c.close()
+    with RolloutClient.launch(service_config(name="svc-rewards", num_workers=1, reward=f"{EX}:length_reward")) as c:
+        yield c
 
 
 def _parity(r: RolloutResult) -> float:

@@ -97,9 +97,8 @@ def test_a_reward_raising_systemexit_marks_only_its_own_result(local):
 @pytest.fixture(scope="module")
 def svc(ray_cluster, service_config):
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # Env travels by value to the workers
-    c = RolloutClient.launch(service_config(name="svc-user-code", user_code_timeout_s=TIMEOUT_S, max_restarts=20))
-    yield c
-    c.close()
+    with RolloutClient.launch(service_config(name="svc-user-code", user_code_timeout_s=TIMEOUT_S, max_restarts=20)) as c:
+        yield c
 
 
 def _back_to_full_strength(svc) -> None:
