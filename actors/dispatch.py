@@ -11,7 +11,7 @@ from actors.affinity import Affinity
 from actors.ledger import Ledger, Tracked, decode_request
 from actors.remote_errors import ACTOR_DOWN, error_text, is_down
 from actors.workers import WorkerTable
-from rollout_service.result_payloads import Header
+from rollout_service.result_payloads import Header, oldest_version
 from rollout_service.types import RolloutRequest, RolloutResult
 
 # a request regenerated this often, because each time a refresh came before it finished, never would: it fails
@@ -105,8 +105,7 @@ class Dispatcher:
     # -- results ----------------------------------------------------------------------------------
     def on_result(self, r: RolloutResult) -> None:
         """A result the router holds whole (one handed back by an abort): delivered to its stream as it is."""
-        t = self._accept(r.request_id, r.sample_index, r.finish_reason,
-                         min(r.token_versions) if r.token_versions else None)
+        t = self._accept(r.request_id, r.sample_index, r.finish_reason, oldest_version(r))
         if t is not None:
             self.ledger.deliver(t, r)
 

@@ -21,7 +21,6 @@ import itertools
 import time
 import uuid
 from dataclasses import dataclass, field
-
 from typing import Any
 
 from rollout_service.result_payloads import Batch, Header

@@ -116,7 +116,7 @@ class Router:
             self.counters["payloads_lost"] += len(lost)
             self._log(f"stream {sid}: {len(lost)} result(s) lost with their node before the client read them; "
                       "generating them again")
-            self.dispatcher.regenerate_lost(self.ledger.reopen(sid, [tuple(x) for x in lost]))
+            self.dispatcher.regenerate_lost(self.ledger.reopen(sid, lost))
         whole, batches, done = await self.ledger.next_results(sid, timeout)
         if not whole and not batches and not done and all(self.table.gone):
             raise RuntimeError("every rollout worker is dead; the stream cannot finish")

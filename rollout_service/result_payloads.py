@@ -42,10 +42,14 @@ def pack(results: list[RolloutResult], group_of: Callable[[str], str | None]) ->
     for r in results:
         g = group_of(r.request_id)
         members = groups.setdefault(g, [])
-        headers.append(Header(r.request_id, r.sample_index, r.finish_reason,
-                              min(r.token_versions) if r.token_versions else None, g, len(members)))
+        headers.append(Header(r.request_id, r.sample_index, r.finish_reason, oldest_version(r), g, len(members)))
         members.append(r)
     return headers, {g: _encode(rs) for g, rs in groups.items()}
+
+
+def oldest_version(r: RolloutResult) -> int | None:
+    """The oldest policy version among a result's tokens (None without tokens): what staleness is judged on."""
+    return min(r.token_versions) if r.token_versions else None
 
 
 def _encode(results: list[RolloutResult]) -> bytes:
