@@ -11,7 +11,7 @@ from tiny_models import tiny_hf_model
 
 from rollout_service.config import EngineConfig
 from rollout_service.engine.engine import Engine
-from rollout_service.ops import invariant
+from rollout_service.ops import cpu_linear, invariant
 from rollout_service.training.invariant_forward import InvariantForward
 from rollout_service.types import SamplingParams
 
@@ -220,19 +220,21 @@ def test_cuda_invariant_mode_names_what_it_does_not_cover():
         CudaInvariantOps.check_model(odd, torch.float32, 32)
 
 
-def test_products_have_the_bits_of_row_tile_products_on_either_path():
-    """tiled_matmul folds the tiles into one product only where that gives each row a 16-row product's bits."""
-    x, w = torch.randn(100, 96), torch.randn(96, 80)
-    tiles = torch.cat([t @ w for t in invariant._row_tiles(x)])[:100]
-    key = (tuple(w.shape), w.dtype, "cpu")
-    assert invariant._fold_ok(w) in (True, False) and key in invariant._fold_checked
-    assert torch.equal(invariant.tiled_matmul(x, w), tiles)
-    folded = invariant._fold_checked[key]
-    try:
-        invariant._fold_checked[key] = False  # one product per tile: the same bits (as the check said)
-        assert torch.equal(invariant.tiled_matmul(x, w), tiles)
-    finally:
-        invariant._fold_checked[key] = folded
+@pytest.mark.parametrize("product", [invariant.matmul_t, cpu_linear.linear], ids=["blas", "onednn"])
+def test_products_have_the_bits_of_row_tile_products_on_either_path(product):
+    """tiled_product folds the tiles into one product only where that gives each row a 16-row product's bits."""
+    x, w = torch.randn(100, 96), torch.randn(80, 96)
+    with torch.inference_mode():
+        tiles = torch.cat([product(t, w) for t in invariant._row_tiles(x)])[:100]
+        key = (product, tuple(w.shape), w.dtype, "cpu")
+        assert invariant._fold_ok(w, product) in (True, False) and key in invariant._fold_checked
+        assert torch.equal(invariant.tiled_product(x, w, product), tiles)
+        folded = invariant._fold_checked[key]
+        try:
+            invariant._fold_checked[key] = False  # one product per tile: the same bits (as the check said)
+            assert torch.equal(invariant.tiled_product(x, w, product), tiles)
+        finally:
+            invariant._fold_checked[key] = folded
 
 
 @pytest.mark.parametrize("heads", [(4, 4), (6, 2), (16, 1)])

@@ -3,6 +3,7 @@ import os
 
 import pytest
 import torch
+from numerics import assert_as_close_as_the_reference, float64_copy
 
 from rollout_service.model import embedded_model_path, load_model
 from rollout_service.model.gguf_cache import read_gguf
@@ -29,10 +30,13 @@ def test_prefill_and_greedy_decode_match_hf(smollm2, prompt_ids):
     model = load_model(hf, tokenizer=tok).model
     with torch.no_grad():
         ref = hf(torch.tensor([prompt_ids])).logits[0].float()
+        exact = float64_copy(hf)(torch.tensor([prompt_ids])).logits[0]
         hf_tokens = hf.generate(torch.tensor([prompt_ids]), max_new_tokens=6, do_sample=False)[0, len(prompt_ids):]
     runner = PagedRunner(model, num_pages=16)
     got = runner.step({0: prompt_ids})[0]
-    assert len(prompt_ids) >= 20 and (got - ref).abs().max() < 1e-4
+    # within a few times HF's own float32 error (the engine's CPU products are oneDNN's, HF's MKL's)
+    assert len(prompt_ids) >= 20
+    assert_as_close_as_the_reference(got, ref, exact, "prefill logits")
     tokens = [int(got[-1].argmax())]
     for _ in range(5):  # paged decode of the greedy continuation
         tokens.append(int(runner.step({0: [tokens[-1]]}, is_prefill=False)[0][-1].argmax()))

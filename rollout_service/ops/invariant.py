@@ -5,7 +5,7 @@ output) is chosen by the shape, so the same row gets other roundings at M = 1 th
 build, rows of M = 1, 2, 3, 5, 7 take other paths than M = 4, 8 or any multiple of 16), and attention over a
 batch padded to its longest sequence reduces over a length that the batch mates decide. Here:
 
-- every matrix product has its rows zero-padded to a multiple of ROW_TILE, which keeps the BLAS off its
+- every matrix product has its rows zero-padded to a multiple of ROW_TILE, which keeps the GEMM library off its
   small-M paths, and runs as one product where that gives each row the bits of a ROW_TILE-row product of it
   (checked once per shape on 16 to 1024 random rows, `_fold_ok`), else as one ROW_TILE-row product per tile:
   the same reduction order for every row, whatever the batch, the step (prefill or decode) or the row's place;
@@ -31,7 +31,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from rollout_service.ops import attention as attention_ref
-from rollout_service.ops import moe
+from rollout_service.ops import cpu_linear, moe
 from rollout_service.ops.torch_ops import TorchOps
 
 ROW_TILE = 16
@@ -49,30 +49,38 @@ def _row_tiles(x: torch.Tensor, tile: int = ROW_TILE) -> torch.Tensor:
 
 _FOLD_CHECK_ROWS = (ROW_TILE, 3 * ROW_TILE, 16 * ROW_TILE, 64 * ROW_TILE)
 _fold_checked: dict[tuple, bool] = {}
+Product = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x [M, K], weight [N, K]) -> x @ weight.T
 
 
-def _fold_ok(weight_t: torch.Tensor) -> bool:
-    """Whether a product of many ROW_TILE-multiple rows with weight_t's shape gives every row the bits that a
-    ROW_TILE-row product gives it: a BLAS picks its kernel (and summation order) by shape, not data, so random
-    rows answer for all rows. Measured once per shape, dtype and device."""
-    key = (tuple(weight_t.shape), weight_t.dtype, weight_t.device.type)
+def matmul_t(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight.T through torch.matmul (the BLAS's GEMM)."""
+    return x @ weight.t()
+
+
+def _fold_ok(weight: torch.Tensor, product: Product = matmul_t) -> bool:
+    """Whether one `product` of many ROW_TILE-multiple rows with weight's shape gives every row the bits that a
+    ROW_TILE-row product gives it: a GEMM library picks its kernel (and summation order) by shape, not data, so
+    random rows answer for all rows. Measured once per product, shape, dtype and device."""
+    key = (product, tuple(weight.shape), weight.dtype, weight.device.type)
     if key not in _fold_checked:
-        g = torch.Generator().manual_seed(0)
-        x = torch.randn(_FOLD_CHECK_ROWS[-1], weight_t.shape[0], generator=g).to(weight_t.device, weight_t.dtype)
-        w = torch.randn(weight_t.shape, generator=g).to(weight_t.device, weight_t.dtype)
-        tiles = torch.cat([x[i:i + ROW_TILE] @ w for i in range(0, x.shape[0], ROW_TILE)])
-        _fold_checked[key] = all(torch.equal(x[:m] @ w, tiles[:m]) for m in _FOLD_CHECK_ROWS)
+        # normal tensors, as the model's weights are (an inference tensor would take another product)
+        with torch.inference_mode(False), torch.no_grad():
+            g = torch.Generator().manual_seed(0)
+            x = torch.randn(_FOLD_CHECK_ROWS[-1], weight.shape[1], generator=g).to(weight.device, weight.dtype)
+            w = torch.randn(weight.shape, generator=g).to(weight.device, weight.dtype)
+            tiles = torch.cat([product(x[i:i + ROW_TILE], w) for i in range(0, x.shape[0], ROW_TILE)])
+            _fold_checked[key] = all(torch.equal(product(x[:m], w), tiles[:m]) for m in _FOLD_CHECK_ROWS)
     return _fold_checked[key]
 
 
-def tiled_matmul(x: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
-    """x [M, K] @ weight_t [K, N] with the bits of [ROW_TILE, K] tile products (rows past M dropped)."""
+def tiled_product(x: torch.Tensor, weight: torch.Tensor, product: Product = matmul_t) -> torch.Tensor:
+    """x [M, K] @ weight [N, K].T with the bits of [ROW_TILE, K] tile products (rows past M dropped)."""
     rows, tiles = x.shape[0], _row_tiles(x)
-    if _fold_ok(weight_t):
-        out = torch.matmul(tiles, weight_t)  # folded into one product of all the tiles' rows
+    if _fold_ok(weight, product):
+        out = product(tiles.view(-1, x.shape[1]), weight)  # one product of all the tiles' rows
     else:
-        out = torch.stack([tile @ weight_t for tile in tiles])
-    return out.reshape(-1, weight_t.shape[1])[:rows]
+        out = torch.cat([product(tile, weight) for tile in tiles])
+    return out[:rows]
 
 
 def logsumexp(x: torch.Tensor) -> torch.Tensor:
@@ -82,14 +90,16 @@ def logsumexp(x: torch.Tensor) -> torch.Tensor:
     -inf row -inf); differentiable (the shift is a constant, as usual)."""
     m = x.amax(dim=1, keepdim=True).detach()
     shift = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    total = tiled_matmul(torch.exp(x - shift), x.new_ones(x.shape[1], 1))
+    total = tiled_product(torch.exp(x - shift), x.new_ones(1, x.shape[1]))
     return (torch.log(total) + shift)[:, 0]
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T (+ bias) on row tiles."""
+    """x @ weight.T (+ bias) on row tiles: oneDNN's products with the packed weight where they apply (float32 on
+    the CPU, ops/cpu_linear.py), the BLAS's GEMM elsewhere. The engine's forward and the learner's recompute take
+    the same one: both call this with float32 weights that are not inference tensors, outside autograd."""
     flat = x.reshape(-1, x.shape[-1])
-    out = tiled_matmul(flat, weight.t())
+    out = tiled_product(flat, weight, cpu_linear.linear if cpu_linear.applies(flat, weight) else matmul_t)
     if bias is not None:
         out = out + bias
     return out.view(*x.shape[:-1], weight.shape[0])

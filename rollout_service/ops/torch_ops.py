@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from rollout_service.ops import attention, fp8, moe, norm, rope, sampling
+from rollout_service.ops import attention, cpu_linear, fp8, moe, norm, rope, sampling
 
 
 def _capturing(t: torch.Tensor) -> bool:
@@ -27,8 +27,9 @@ class TorchOps:
         return norm.add_rms_norm(x, residual, weight, eps)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x @ weight.T (+ bias), float32 accumulation rounded once to the dtype (as cuBLAS does)."""
-        return F.linear(x, weight, bias)
+        """x @ weight.T (+ bias), float32 accumulation rounded once to the dtype (as cuBLAS does); float32 on the
+        CPU through oneDNN (ops/cpu_linear.py)."""
+        return cpu_linear.linear(x, weight, bias)
 
     def gated_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """silu_and_mul of the fused gate_up projection: weight [2I, H] holds the gate rows, then the up rows."""
@@ -101,7 +102,7 @@ class TorchOps:
         magnitude 10 is only resolved to 0.06, which would move every log-prob by up to 0.03. Half inputs
         multiply exactly in float32 and accumulate in float32 on every device (cuBLAS does it natively)."""
         if hidden.dtype == torch.float32 and weight.dtype == torch.float32:
-            return F.linear(hidden, weight)
+            return cpu_linear.linear(hidden, weight)
         if hidden.is_cuda and hidden.dim() == 2 and hidden.dtype == weight.dtype:
             return torch.mm(hidden, weight.t(), out_dtype=torch.float32)
         return F.linear(hidden.float(), weight.float())
