@@ -12,6 +12,7 @@ import contextlib
 import threading
 from typing import Any, Callable, Iterator
 
+from rollout_service.ops import omp_pool
 from rollout_service.rewards import REWARD_THREADS, RewardBook, RewardRunner, Starter
 from rollout_service.types import RolloutRequest, RolloutResult
 from rollout_service.user_code import Guard, describe_error, unguarded
@@ -40,6 +41,7 @@ class EngineHost:
         self._rewards = RewardRunner(on_results, reward_start, reward_parts, guard)
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
+        omp_pool.release()  # the caller built the engine; from now on the stepping thread runs it
 
     @property
     def reward(self) -> str | None:
@@ -64,6 +66,7 @@ class EngineHost:
                     return
                 paused, wakeups = self._paused, self._wakeups
             if paused or self.engine.is_sleeping or not self._has_work():
+                omp_pool.release()  # idle: another thread may run torch meanwhile (ops/omp_pool.py)
                 with self._cv:  # sleep until submit/resume/wake/close (unless one came in meanwhile)
                     if self._wakeups == wakeups and not self._stop:
                         self._cv.wait(1.0)
@@ -131,20 +134,30 @@ class EngineHost:
     @contextlib.contextmanager
     def at_step_boundary(self) -> Iterator[Any]:
         """The engine, held between two steps for the caller's changes (a weight swap)."""
-        with self._lock:
+        with self._on_caller():
             yield self.engine
+
+    @contextlib.contextmanager
+    def _on_caller(self) -> Iterator[None]:
+        """Engine work on the calling thread, between two steps; the caller's OpenMP workers are freed after,
+        so that they do not slow the stepping thread's parallel ops (ops/omp_pool.py)."""
+        try:
+            with self._lock:
+                yield
+        finally:
+            omp_pool.release()
 
     def update_weights(self, named_tensors: Any, version: int, partial: bool = False,
                        check_finite: bool = True) -> None:
-        with self._lock:
+        with self._on_caller():
             self.engine.update_weights(named_tensors, version, partial, check_finite)
 
     def sleep(self, level: int = 1) -> None:
-        with self._lock:
+        with self._on_caller():
             self.engine.sleep(level)
 
     def wake_up(self) -> None:
-        with self._lock:
+        with self._on_caller():
             self.engine.wake_up()
         self._wake()
 

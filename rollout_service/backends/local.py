@@ -14,6 +14,7 @@ from typing import Any, Iterator
 
 from rollout_service.fidelity import FidelityLog
 from rollout_service.host import EngineHost
+from rollout_service.ops import omp_pool
 from rollout_service.types import RolloutRequest, RolloutResult
 
 WAIT_S = 0.05  # a stream's reader looks at the host this often while it waits (to see close() or a failure)
@@ -63,6 +64,7 @@ class LocalBackend:
                 got = [res for rid in ids & self._done.keys() for res in self._done.pop(rid)]
                 if not got:
                     self._check_open(remaining)
+                    omp_pool.release()  # this thread waits: the engine's thread gets the CPUs (ops/omp_pool.py)
                     self._cv.wait(WAIT_S)
             for res in got:
                 remaining -= 1
