@@ -28,6 +28,23 @@ def test_packed_products_match_f_linear(rows):
         assert cpu_linear.linear(torch.randn(0, 40), w).shape == (0, 96)
 
 
+@pytest.mark.parametrize("rows", [1, 32, 300])
+def test_gated_linear_is_silu_of_the_gate_times_the_up_product(rows):
+    gen = torch.Generator().manual_seed(rows)
+    weight, x = torch.randn(2 * 48, 40, generator=gen) * 0.2, torch.randn(rows, 40, generator=gen)
+
+    def reference(x, w):
+        gate, up = F.linear(x, w).chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    with torch.inference_mode():
+        got = cpu_linear.gated_linear(x, weight)
+        assert_as_close_as_the_reference(got, reference(x, weight), reference(x.double(), weight.double()), "gated")
+        weight[48:].mul_(-2.0)  # a refresh of the up rows alone
+        got = cpu_linear.gated_linear(x, weight)
+        assert_as_close_as_the_reference(got, reference(x, weight), reference(x.double(), weight.double()), "after")
+
+
 def test_an_in_place_refresh_of_a_fused_weight_is_seen():
     # a model's q/k/v params are views of one fused weight; a refresh copies into a view, in inference mode
     fused = torch.nn.Parameter(torch.randn(64, 32), requires_grad=False)

@@ -29,10 +29,10 @@ _PACK_ROWS = 32  # oneDNN's row-count hint for the packed layout: as fast as an 
 class _Packed(NamedTuple):
     key: tuple                      # the weight's storage address, view and version when packed
     storage: torch.UntypedStorage   # held, so that no other weight can take its address meanwhile
-    packed: torch.Tensor            # oneDNN's layout of the weight
+    packed: torch.Tensor            # oneDNN's layout of the weight's rows
 
 
-_cache: dict[int, _Packed] = {}     # id(weight) -> its packed copy; dropped with the weight
+_cache: dict[int, dict[tuple[int, int], _Packed]] = {}  # id(weight) -> row range -> its packed copy
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -50,15 +50,28 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return torch.ops.mkldnn._linear_pointwise(x, _packed(weight), bias, "none", [], "")
 
 
-def _packed(weight: torch.Tensor) -> torch.Tensor:
-    """The packed copy of `weight`, made again when the weight changed since."""
+def gated_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """silu(x @ gate.T) * (x @ up.T) for a fused weight [2I, H] (the gate rows, then the up rows), where applies().
+
+    Two products whose epilogues apply the silu and the product, instead of one product and two passes over its
+    [T, 2I] output: a 4096-token prefill layer of SmolLM2 72 ms against 100 ms."""
+    half = weight.shape[0] // 2
+    gate = torch.ops.mkldnn._linear_pointwise(x, _packed(weight, (0, half)), None, "swish", [], "")
+    return torch.ops.mkldnn._linear_pointwise.binary(x, gate, _packed(weight, (half, 2 * half)), None, "mul")
+
+
+def _packed(weight: torch.Tensor, rows: tuple[int, int] | None = None) -> torch.Tensor:
+    """The packed copy of weight[rows[0]:rows[1]] (all rows by default), made again when the weight changed."""
+    rows = rows or (0, weight.shape[0])
     storage = weight.untyped_storage()
     key = (storage.data_ptr(), weight.storage_offset(), tuple(weight.shape), weight.stride(), weight._version)
-    entry = _cache.get(id(weight))
+    parts = _cache.get(id(weight))
+    if parts is None:
+        parts = _cache[id(weight)] = {}
+        weakref.finalize(weight, _cache.pop, id(weight), None)
+    entry = parts.get(rows)
     if entry is not None and entry.key == key:
         return entry.packed
-    if entry is None:
-        weakref.finalize(weight, _cache.pop, id(weight), None)
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), _PACK_ROWS)
-    _cache[id(weight)] = _Packed(key, storage, packed)
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach()[rows[0]:rows[1]].contiguous(), _PACK_ROWS)
+    parts[rows] = _Packed(key, storage, packed)
     return packed

@@ -327,6 +327,10 @@ class InvariantOps(TorchOps):
     def logits(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return logits(hidden, weight)
 
+    def gated_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """The row-tile product, then silu_and_mul: as the learner's recompute takes them."""
+        return self.silu_and_mul(self.linear(x, weight, bias))
+
     def logsumexp(self, x: torch.Tensor) -> torch.Tensor:
         return logsumexp(x)
 

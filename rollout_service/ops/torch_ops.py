@@ -32,7 +32,10 @@ class TorchOps:
         return cpu_linear.linear(x, weight, bias)
 
     def gated_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """silu_and_mul of the fused gate_up projection: weight [2I, H] holds the gate rows, then the up rows."""
+        """silu_and_mul of the fused gate_up projection: weight [2I, H] holds the gate rows, then the up rows. float32
+        on the CPU: the silu and the product in oneDNN's epilogues (ops/cpu_linear.py)."""
+        if bias is None and cpu_linear.applies(x, weight):
+            return cpu_linear.gated_linear(x, weight)
         return self.silu_and_mul(self.linear(x, weight, bias))
 
     def fp8_linear(self, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
