@@ -114,6 +114,45 @@ def test_decode_batch_of_ragged_lengths_matches_dense():
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("heads", [(4, 2), (6, 1)])
+def test_decode_of_rows_sharing_prompt_pages_matches_dense(heads):
+    """Samples forked from one prompt share its full pages (read once per group: ops/shared_prefix.py); a row
+    alone, a row without a full page and rows whose shared run ends at different pages keep their own."""
+    gen = torch.Generator().manual_seed(7)
+    hq, hk = heads
+    dim, num_pages = 8, 64
+    kv = torch.full((num_pages, 2, hk, PAGE, dim), float("nan"))  # unwritten slots and padding must not leak
+    perm = iter(torch.randperm(num_pages - 1, generator=gen).add(1).tolist())  # page 0: scratch, never written
+    prompt_a, prompt_b = [next(perm) for _ in range(3)], [next(perm) for _ in range(2)]
+    longer_a = prompt_a + [next(perm)]
+    # (shared pages, own tokens past them): three samples of prompt a (one also shares a 4th page with
+    # another), two of prompt b (one has no token of its own yet), one row alone, one row under a page
+    rows = [(prompt_a, 5), (prompt_a, 1), (longer_a, 3), (longer_a, 2), (prompt_b, 0), (prompt_b, 4),
+            ([], 2 * PAGE + 1), ([], 2)]
+    tables, lens, ks, vs = [], [], [], []
+    shared_k = {}
+    for pages, extra in rows:
+        n = len(pages) * PAGE + extra
+        own = [next(perm) for _ in range(-(-n // PAGE) - len(pages))]
+        tables.append(pages + own)
+        lens.append(n)
+        k, v = torch.randn(n, hk, dim, generator=gen), torch.randn(n, hk, dim, generator=gen)
+        for i, page in enumerate(pages):  # a shared page holds the same K/V for every row
+            sk, sv = shared_k.setdefault(page, (k[i * PAGE:(i + 1) * PAGE].clone(), v[i * PAGE:(i + 1) * PAGE].clone()))
+            k[i * PAGE:(i + 1) * PAGE], v[i * PAGE:(i + 1) * PAGE] = sk, sv
+        ks.append(k)
+        vs.append(v)
+        fill = make_metadata([tables[-1]], [n], [n], PAGE)
+        write_kv(kv, k, v, fill.slot_mapping)
+    meta = make_metadata(tables, [1] * len(rows), lens, PAGE)
+    from rollout_service.ops import shared_prefix
+    assert shared_prefix.plan(meta.block_tables, meta.kv_lens, hk, PAGE) is not None  # the grouped path runs
+    q = torch.randn(len(rows), hq, dim, generator=gen)
+    out = paged_attention(q, kv, meta, 0.4)
+    ref = torch.cat([dense_attention(q[i:i + 1], k, v, 0.4) for i, (k, v) in enumerate(zip(ks, vs))])
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
 def test_decode_path_equals_prefill_path_on_single_queries():
     gen = torch.Generator().manual_seed(1)
     q_lens, kv_lens = [1, 1, 1], [3, 9, 20]

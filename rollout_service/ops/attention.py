@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from rollout_service.ops import shared_prefix
+
 
 @dataclass
 class AttentionMetadata:
@@ -128,6 +130,12 @@ def _decode_attention(
     # of a kv head attend as one [group, L] product (GQA without repeating K/V). K and V come in one gather.
     batch = meta.block_tables.shape[0]
     _, _, num_kv_heads, page_size, head_dim = kv_layer.shape
+    if kv_layer.device.type == "cpu":  # rows that share a prompt's pages read them once (ops/shared_prefix.py)
+        key = ("shared prefix", num_kv_heads, page_size)
+        if key not in meta.derived:
+            meta.derived[key] = shared_prefix.plan(meta.block_tables, meta.kv_lens, num_kv_heads, page_size)
+        if meta.derived[key] is not None:
+            return shared_prefix.attention(q, kv_layer, meta.derived[key], scale, compute_dtype)
     num_q_heads = q.shape[1]
     index, mask, invalid, start = _decode_plan(kv_layer, meta, compute_dtype)
     length = index.shape[3] * page_size
