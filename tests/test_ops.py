@@ -114,8 +114,16 @@ def test_decode_batch_of_ragged_lengths_matches_dense():
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
 
 
+LAYOUTS = {  # (shared pages: "a", "a4" (a and one more), "b" or none; own tokens past them) per row
+    "mixed": [("a", 5), ("a", 1), ("a4", 3), ("a4", 2), ("b", 0), ("b", 4), ("", 33), ("", 2)],
+    "in order": [("a", 5), ("a", 1), ("b", 3), ("b", 7)],  # groups of equal size, one after another
+    "in order, one row gone": [("a", 5), ("a", 1), ("b", 3)],  # a finished sample leaves a short last group
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("heads", [(4, 2), (6, 1)])
-def test_decode_of_rows_sharing_prompt_pages_matches_dense(heads):
+def test_decode_of_rows_sharing_prompt_pages_matches_dense(heads, layout):
     """Samples forked from one prompt share its full pages (read once per group: ops/shared_prefix.py); a row
     alone, a row without a full page and rows whose shared run ends at different pages keep their own."""
     gen = torch.Generator().manual_seed(7)
@@ -124,11 +132,8 @@ def test_decode_of_rows_sharing_prompt_pages_matches_dense(heads):
     kv = torch.full((num_pages, 2, hk, PAGE, dim), float("nan"))  # unwritten slots and padding must not leak
     perm = iter(torch.randperm(num_pages - 1, generator=gen).add(1).tolist())  # page 0: scratch, never written
     prompt_a, prompt_b = [next(perm) for _ in range(3)], [next(perm) for _ in range(2)]
-    longer_a = prompt_a + [next(perm)]
-    # (shared pages, own tokens past them): three samples of prompt a (one also shares a 4th page with
-    # another), two of prompt b (one has no token of its own yet), one row alone, one row under a page
-    rows = [(prompt_a, 5), (prompt_a, 1), (longer_a, 3), (longer_a, 2), (prompt_b, 0), (prompt_b, 4),
-            ([], 2 * PAGE + 1), ([], 2)]
+    shared = {"a": prompt_a, "a4": prompt_a + [next(perm)], "b": prompt_b, "": []}
+    rows = [(shared[name], extra) for name, extra in LAYOUTS[layout]]
     tables, lens, ks, vs = [], [], [], []
     shared_k = {}
     for pages, extra in rows:

@@ -59,7 +59,8 @@ def plan(tables: torch.Tensor, lens: torch.Tensor, num_kv_heads: int, page_size:
     prefix_valid = prefix_keys[None, :] < np.array(common)[:, None] * page_size
     suffix_valid = suffix_keys[None, :] < (n - np.array(common)[group_of] * page_size)[:, None]
     most = max(len(rows) for rows in members)
-    in_order = bool((group_of == np.arange(len(n)) // most).all() and (slot_of == np.arange(len(n)) % most).all())
+    rows = np.arange(len(n))
+    in_order = len(n) % most == 0 and bool((group_of == rows // most).all() and (slot_of == rows % most).all())
     return Plan(_tiles(prefix_pages, num_kv_heads), _additive(prefix_valid), _tiles(suffix_pages, num_kv_heads),
                 _additive(suffix_valid), torch.from_numpy(group_of), torch.from_numpy(slot_of), most, in_order,
                 int(prefix_valid.sum(axis=1).min()), int(suffix_valid.sum(axis=1).min()))
