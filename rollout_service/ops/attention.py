@@ -10,8 +10,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from rollout_service.ops import shared_prefix
-
 
 @dataclass
 class AttentionMetadata:
@@ -83,15 +81,21 @@ def paged_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMeta
     return _decode_attention(q, kv_layer, meta, scale, compute_dtype)
 
 
+def tile_index(pages: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """int64 [2, R, Hk, P]: for page ids [R, P], the rows of a layer viewed as [num_pages * 2 * Hk, ps * D] that
+    hold each page's K (0) and V (1) tile of each head."""
+    heads = torch.arange(num_kv_heads, device=pages.device)
+    k_tile = pages.long()[:, None, :] * (2 * num_kv_heads) + heads[None, :, None]  # [R, Hk, P]
+    return torch.stack([k_tile, k_tile + num_kv_heads])
+
+
 def gather_pages_by_head(kv_layer: torch.Tensor, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's pages of K and V as [B, Hk, P * page_size, D] in the cache's dtype. Gathered per (page, head)
     tile, which lands them directly in that order: one copy (of whole tiles as rows: index_select), no transpose."""
     _, _, num_kv_heads, page_size, head_dim = kv_layer.shape
     batch, max_pages = block_tables.shape
     tiles = kv_layer.view(-1, page_size * head_dim)  # [num_pages * 2 * Hk, ps * D]
-    heads = torch.arange(num_kv_heads, device=kv_layer.device)
-    k_tile = block_tables.long()[:, None, :] * (2 * num_kv_heads) + heads[None, :, None]  # [B, Hk, P]
-    index = torch.stack([k_tile, k_tile + num_kv_heads]).view(-1)
+    index = tile_index(block_tables, num_kv_heads).view(-1)
     kv = torch.index_select(tiles, 0, index).view(2, batch, num_kv_heads, max_pages * page_size, head_dim)
     return kv[0], kv[1]
 
@@ -109,9 +113,7 @@ def _decode_plan(kv_layer: torch.Tensor, meta: AttentionMetadata, compute_dtype:
         _, _, num_kv_heads, page_size, _ = kv_layer.shape
         tables = meta.block_tables.long()
         batch, length = tables.shape[0], tables.shape[1] * page_size
-        heads = torch.arange(num_kv_heads, device=tables.device)
-        k_tile = tables[:, None, :] * (2 * num_kv_heads) + heads[None, :, None]  # [B, Hk, P]
-        index = torch.stack([k_tile, k_tile + num_kv_heads])
+        index = tile_index(tables, num_kv_heads)
         key_pos = torch.arange(length, device=tables.device)
         invalid = key_pos[None, :] >= meta.kv_lens[:, None]  # [B, L]
         mask = torch.zeros(batch, 1, length, dtype=compute_dtype, device=tables.device)
@@ -130,12 +132,6 @@ def _decode_attention(
     # of a kv head attend as one [group, L] product (GQA without repeating K/V). K and V come in one gather.
     batch = meta.block_tables.shape[0]
     _, _, num_kv_heads, page_size, head_dim = kv_layer.shape
-    if kv_layer.device.type == "cpu":  # rows that share a prompt's pages read them once (ops/shared_prefix.py)
-        key = ("shared prefix", num_kv_heads, page_size)
-        if key not in meta.derived:
-            meta.derived[key] = shared_prefix.plan(meta.block_tables, meta.kv_lens, num_kv_heads, page_size)
-        if meta.derived[key] is not None:
-            return shared_prefix.attention(q, kv_layer, meta.derived[key], scale, compute_dtype)
     num_q_heads = q.shape[1]
     index, mask, invalid, start = _decode_plan(kv_layer, meta, compute_dtype)
     length = index.shape[3] * page_size

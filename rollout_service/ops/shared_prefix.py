@@ -9,7 +9,7 @@ most of attention's time. Here the rows that start with the same pages form a gr
   with the sums in another order.
 
 `plan` finds the groups on the host (a CPU step's tables are host memory) and returns None when no two rows
-share a page: the reference path then runs unchanged.
+share a page: the torch ops then run the reference (ops/attention.py) unchanged.
 """
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
+
+from rollout_service.ops.attention import AttentionMetadata, tile_index
 
 
 class Plan(NamedTuple):
@@ -30,6 +32,14 @@ class Plan(NamedTuple):
     in_order: bool               # groups of `rows` rows each, one after another (as the engine forks them)
     prefix_zero_from: int        # keys from here on are padding in some group (their K/V zeroed)
     suffix_zero_from: int        # keys from here on are past some row's length
+
+
+def step_plan(meta: AttentionMetadata, num_kv_heads: int, page_size: int) -> Plan | None:
+    """plan() of a decode step, made once for all its layers."""
+    key = ("shared prefix", num_kv_heads, page_size)
+    if key not in meta.derived:
+        meta.derived[key] = plan(meta.block_tables, meta.kv_lens, num_kv_heads, page_size)
+    return meta.derived[key]
 
 
 def plan(tables: torch.Tensor, lens: torch.Tensor, num_kv_heads: int, page_size: int) -> Plan | None:
@@ -61,7 +71,8 @@ def plan(tables: torch.Tensor, lens: torch.Tensor, num_kv_heads: int, page_size:
     most = max(len(rows) for rows in members)
     rows = np.arange(len(n))
     in_order = len(n) % most == 0 and bool((group_of == rows // most).all() and (slot_of == rows % most).all())
-    return Plan(_tiles(prefix_pages, num_kv_heads), _additive(prefix_valid), _tiles(suffix_pages, num_kv_heads),
+    return Plan(tile_index(torch.from_numpy(prefix_pages), num_kv_heads), _additive(prefix_valid),
+                tile_index(torch.from_numpy(suffix_pages), num_kv_heads),
                 _additive(suffix_valid), torch.from_numpy(group_of), torch.from_numpy(slot_of), most, in_order,
                 int(prefix_valid.sum(axis=1).min()), int(suffix_valid.sum(axis=1).min()))
 
@@ -70,12 +81,6 @@ def _common_pages(rows: np.ndarray, limit: int) -> int:
     """How many leading pages all `rows` share, at most `limit`."""
     same = (rows[:, :limit] == rows[:1, :limit]).all(axis=0)
     return int(limit if same.all() else same.argmin())
-
-
-def _tiles(pages: np.ndarray, num_kv_heads: int) -> torch.Tensor:
-    """[2, R, Hk, P] rows of the layer's [pages * 2 * Hk, ps * D] view: K then V of each (page, head)."""
-    k = torch.from_numpy(pages)[:, None, :] * (2 * num_kv_heads) + torch.arange(num_kv_heads)[None, :, None]
-    return torch.stack([k, k + num_kv_heads])
 
 
 def _additive(valid: np.ndarray) -> torch.Tensor:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from rollout_service.ops import attention, cpu_linear, fp8, moe, norm, rope, sampling
+from rollout_service.ops import attention, cpu_linear, fp8, moe, norm, rope, sampling, shared_prefix
 
 
 def _capturing(t: torch.Tensor) -> bool:
@@ -113,6 +113,11 @@ class TorchOps:
     def attention(
         self, q: torch.Tensor, kv_layer: torch.Tensor, meta: attention.AttentionMetadata, scale: float
     ) -> torch.Tensor:
+        if not meta.is_prefill and kv_layer.device.type == "cpu":
+            # rows that share a prompt's pages read them once (ops/shared_prefix.py)
+            shared = shared_prefix.step_plan(meta, kv_layer.shape[2], kv_layer.shape[3])
+            if shared is not None:
+                return shared_prefix.attention(q, kv_layer, shared, scale, torch.float32)
         return attention.paged_attention(q, kv_layer, meta, scale)
 
     def gumbel_argmax(self, x: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
