@@ -124,7 +124,7 @@ LAYOUTS = {  # (shared pages: "a", "a4" (a and one more), "b" or none; own token
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("heads", [(4, 2), (6, 1)])
 def test_decode_of_rows_sharing_prompt_pages_matches_dense(heads, layout):
-    """Samples forked from one prompt share its full pages (read once per group: ops/shared_prefix.py); a row
+    """Samples forked from one prompt share its full pages (read once per group by ops/shared_prefix.py); a row
     alone, a row without a full page and rows whose shared run ends at different pages keep their own."""
     gen = torch.Generator().manual_seed(7)
     hq, hk = heads
@@ -151,11 +151,14 @@ def test_decode_of_rows_sharing_prompt_pages_matches_dense(heads, layout):
         write_kv(kv, k, v, fill.slot_mapping)
     meta = make_metadata(tables, [1] * len(rows), lens, PAGE)
     from rollout_service.ops import shared_prefix
-    assert shared_prefix.plan(meta.block_tables, meta.kv_lens, hk, PAGE) is not None  # the grouped path runs
+    plan = shared_prefix.plan(meta.block_tables, meta.kv_lens, hk, PAGE)
+    assert plan is not None  # the grouped path runs
     q = torch.randn(len(rows), hq, dim, generator=gen)
-    out = select_ops("torch").attention(q, kv, meta, 0.4)  # the torch ops choose the grouped path on the CPU
     ref = torch.cat([dense_attention(q[i:i + 1], k, v, 0.4) for i, (k, v) in enumerate(zip(ks, vs))])
-    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    # the grouped torch path (where the C kernels do not build), and what the torch ops choose here
+    grouped = shared_prefix.attention(q, kv, plan, 0.4, torch.float32)
+    for out in (grouped, select_ops("torch").attention(q, kv, meta, 0.4)):
+        torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
 
 
 def test_decode_path_equals_prefill_path_on_single_queries():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from rollout_service.ops import attention, cpu_linear, fp8, moe, norm, rope, sampling, shared_prefix
+from rollout_service.ops import attention, cpu_attention, cpu_linear, fp8, moe, norm, rope, sampling, shared_prefix
 
 
 def _capturing(t: torch.Tensor) -> bool:
@@ -113,6 +113,8 @@ class TorchOps:
     def attention(
         self, q: torch.Tensor, kv_layer: torch.Tensor, meta: attention.AttentionMetadata, scale: float
     ) -> torch.Tensor:
+        if cpu_attention.applies(q, kv_layer, meta):  # K/V read in place (csrc/cpu_decode_attention.c)
+            return cpu_attention.decode_attention(q, kv_layer, meta, scale)
         if not meta.is_prefill and kv_layer.device.type == "cpu":
             # rows that share a prompt's pages read them once (ops/shared_prefix.py)
             shared = shared_prefix.step_plan(meta, kv_layer.shape[2], kv_layer.shape[3])

@@ -1,0 +1,264 @@
+/* Paged decode attention for the CPU: float32, one query token per sequence, K/V read in place from the pages.
+ *
+ * The torch reference (rollout_service/ops/attention.py) gathers every row's pages into one buffer, then
+ * multiplies: on a CPU the gather is the larger half of decode attention's time, since the K/V it copies are
+ * read from memory once per layer and step whatever we do. Here each (sequence, kv head) reads its pages once,
+ * in place, and keeps its scores in a small per-task buffer; keys past a row's length are never read (their
+ * slots may hold anything, even NaN).
+ *
+ * Plain C, no torch headers: it builds in a second with the system compiler (rollout_service/ops/cpu_ext.py)
+ * and is called through ctypes. Threads: OpenMP, the same libgomp that torch loaded (soname libgomp.so.1).
+ *
+ * Layout (attention.py): the layer is [num_pages, 2, Hk, page_size, D], index 0 = K, 1 = V.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define INLINE static inline __attribute__((always_inline)) /* so the dim == 64 call sees constants */
+
+/* exp(x) for x <= 0 in float32 to about 2 ulp: 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2], p the degree-6
+ * Taylor polynomial (its truncation error r^7/7! < 1.3e-7 relative). Plain arithmetic, so the loops that call it
+ * vectorize (libm's expf would not without -ffast-math). Below -87.5 it returns 0 (float32's exp is under 1e-38
+ * there). */
+static inline float exp_nonpositive(float x) {
+    const float shifter = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
+    float clamped = x < -87.5f ? -87.5f : x;
+    float n = (clamped * 1.44269504088896341f + shifter) - shifter;
+    float r = clamped - n * 0.693145751953125f; /* ln2 in two parts keeps r exact */
+    r = r - n * 1.428606765330187e-06f;
+    float p = 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    union { int32_t i; float f; } scale;
+    scale.i = ((int32_t)n + 127) << 23;
+    float y = p * scale.f;
+    return x < -87.5f ? 0.0f : y;
+}
+
+/* Ask for a tile's cache lines ahead of use, into L2 (measured on a 2-core EPYC: L1 as the target was slower). A
+ * row's tiles are scattered 4 KB blocks, where the hardware prefetchers stop (they do not cross a 4 KB page):
+ * without this the reads wait on memory latency, at about half the bandwidth. */
+static inline void prefetch_tile(const float *tile, int64_t floats) {
+#if defined(__GNUC__)
+    for (int64_t i = 0; i < floats; i += 64 / sizeof(float)) __builtin_prefetch(tile + i, 0, 1);
+#else
+    (void)tile;
+    (void)floats;
+#endif
+}
+
+#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
+/* 16-float vectors (GCC/clang vector extensions: AVX-512 or pairs of AVX2 registers on x86, NEON quads on Arm).
+ * The scalar loops below are the fallback: they vectorize only the head dim, and pay a horizontal sum per
+ * score and a store per key and output element, several times slower. */
+#define RS_VECTORS 1
+typedef float vf16 __attribute__((vector_size(64)));
+typedef float vf16_unaligned __attribute__((vector_size(64), aligned(4)));
+#define MAX_CHUNKS 16 /* head dims up to 256 */
+
+INLINE vf16 load16(const float *p) { return *(const vf16_unaligned *)p; }
+INLINE void store16(float *p, vf16 v) { *(vf16_unaligned *)p = v; }
+
+#define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+
+/* sums[j] = the sum of a[j]'s 16 lanes: a butterfly of 15 shuffle-and-add steps for all 16 vectors, where summing
+ * each vector alone would take 16 dependent steps. After it the lanes hold the keys in bit-reversed order. */
+static inline vf16 sum_lanes(const vf16 a[16]) {
+    vf16 b[8], c[4], d[2];
+    for (int i = 0; i < 8; ++i) /* lanes 0-7: partial sums of a[2i], 8-15: of a[2i+1] */
+        b[i] = SHUFFLE(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+               SHUFFLE(a[2 * i], a[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    for (int i = 0; i < 4; ++i)
+        c[i] = SHUFFLE(b[2 * i], b[2 * i + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
+               SHUFFLE(b[2 * i], b[2 * i + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+    for (int i = 0; i < 2; ++i)
+        d[i] = SHUFFLE(c[2 * i], c[2 * i + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+               SHUFFLE(c[2 * i], c[2 * i + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+    vf16 e = SHUFFLE(d[0], d[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
+             SHUFFLE(d[0], d[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+    return SHUFFLE(e, e, 0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15);
+}
+
+/* The scores of 16 consecutive keys k[16][dim] for one query: dim % 16 == 0. */
+static inline vf16 scores16(const vf16 *q, const float *k, int64_t chunks) {
+    vf16 dots[16];
+    for (int j = 0; j < 16; ++j) {
+        vf16 acc = q[0] * load16(k + j * chunks * 16);
+        for (int64_t c = 1; c < chunks; ++c) acc += q[c] * load16(k + (j * chunks + c) * 16);
+        dots[j] = acc;
+    }
+    return sum_lanes(dots);
+}
+#endif
+
+/* Whether the vector code applies: whole 16-float chunks of the head dim, and pages of whole 16-key blocks (the
+ * last page's block is computed whole: its stale slots are read, their scores never used). */
+static inline int vectors_apply(int64_t page_size, int64_t dim) {
+#ifdef RS_VECTORS
+    return dim % 16 == 0 && dim / 16 <= MAX_CHUNKS && page_size % 16 == 0;
+#else
+    (void)page_size;
+    (void)dim;
+    return 0;
+#endif
+}
+
+/* scores[g * stride + j] = scale * q[g] . k[j] for one page's first `keys` keys (the vector code writes whole
+ * blocks of 16: stride leaves room). */
+INLINE void page_scores(const float *q, const float *k_tile, int64_t keys, int64_t group, int64_t dim, int vectors,
+                        float scale, float *scores, int64_t stride) {
+#ifdef RS_VECTORS
+    if (vectors) {
+        const int64_t chunks = dim / 16;
+        for (int64_t g = 0; g < group; ++g) {
+            vf16 qv[MAX_CHUNKS];
+            for (int64_t c = 0; c < chunks; ++c) qv[c] = load16(q + g * dim + c * 16) * scale;
+            for (int64_t j = 0; j < keys; j += 16)
+                store16(scores + g * stride + j, scores16(qv, k_tile + j * dim, chunks));
+        }
+        return;
+    }
+#endif
+    (void)vectors;
+    for (int64_t j = 0; j < keys; ++j)
+        for (int64_t g = 0; g < group; ++g) {
+            float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t d = 0; d < dim; ++d) dot += q[g * dim + d] * k_tile[j * dim + d];
+            scores[g * stride + j] = dot * scale;
+        }
+}
+
+/* out[g] += probs[g * stride + j] * v[j] over one page's `keys` keys. */
+INLINE void page_values(const float *probs, const float *v_tile, int64_t keys, int64_t group, int64_t dim,
+                        int vectors, int64_t stride, float *out) {
+#ifdef RS_VECTORS
+    if (vectors) {
+        const int64_t chunks = dim / 16;
+        for (int64_t g = 0; g < group; ++g) {
+            /* even and odd keys in separate sums: twice the independent additions in flight */
+            vf16 even[MAX_CHUNKS], odd[MAX_CHUNKS];
+            for (int64_t c = 0; c < chunks; ++c) even[c] = load16(out + g * dim + c * 16), odd[c] = even[c] * 0.0f;
+            int64_t j = 0;
+            for (; j + 1 < keys; j += 2) {
+                const float p0 = probs[g * stride + j], p1 = probs[g * stride + j + 1];
+                for (int64_t c = 0; c < chunks; ++c) {
+                    even[c] += p0 * load16(v_tile + j * dim + c * 16);
+                    odd[c] += p1 * load16(v_tile + (j + 1) * dim + c * 16);
+                }
+            }
+            if (j < keys)
+                for (int64_t c = 0; c < chunks; ++c)
+                    even[c] += probs[g * stride + j] * load16(v_tile + j * dim + c * 16);
+            for (int64_t c = 0; c < chunks; ++c) store16(out + g * dim + c * 16, even[c] + odd[c]);
+        }
+        return;
+    }
+#endif
+    (void)vectors;
+    for (int64_t j = 0; j < keys; ++j)
+        for (int64_t g = 0; g < group; ++g) {
+            const float p = probs[g * stride + j];
+#pragma omp simd
+            for (int64_t d = 0; d < dim; ++d) out[g * dim + d] += p * v_tile[j * dim + d];
+        }
+}
+
+/* softmax over each query's `len` scores, in place (rows `stride` apart). */
+static inline void softmax_rows(float *scores, int64_t len, int64_t group, int64_t stride) {
+    for (int64_t g = 0; g < group; ++g) {
+        float *s = scores + g * stride;
+        float top = -INFINITY;
+#pragma omp simd reduction(max : top)
+        for (int64_t j = 0; j < len; ++j) top = s[j] > top ? s[j] : top;
+        float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+        for (int64_t j = 0; j < len; ++j) {
+            s[j] = exp_nonpositive(s[j] - top);
+            total += s[j];
+        }
+        const float inv = 1.0f / total;
+#pragma omp simd
+        for (int64_t j = 0; j < len; ++j) s[j] *= inv;
+    }
+}
+
+/* One (sequence, kv head) to attend: the sequence's page ids and length. */
+typedef struct {
+    const int32_t *pages;
+    int64_t len, head;
+} Span;
+
+#define PREFETCH_PAGES 2 /* how far ahead the K tiles are asked for */
+
+/* One (sequence, kv head): out[g, :] = softmax(scale * q[g] . K^T) V over the sequence's `len` keys; scores holds
+ * group * stride floats. */
+INLINE void attend(const float *q, const float *kv, Span task, Span next, int64_t group, int64_t num_kv_heads,
+                   int64_t page_size, int64_t dim, float scale, float *scores, int64_t stride, float *out) {
+    const int64_t page_floats = 2 * num_kv_heads * page_size * dim, tile_floats = page_size * dim;
+    const int vectors = vectors_apply(page_size, dim);
+    const int32_t *pages = task.pages;
+    const int64_t len = task.len, head = task.head, num_pages = (len + page_size - 1) / page_size;
+    const int64_t next_pages = (next.len + page_size - 1) / page_size;
+    for (int64_t start = 0; start < len; start += page_size) {
+        const int64_t page = start / page_size, ahead = page + PREFETCH_PAGES;
+        const float *k_tile = kv + (int64_t)pages[page] * page_floats + head * tile_floats;
+        const int64_t keys = len - start < page_size ? len - start : page_size;
+        /* while this page computes: its V (read after the softmax), and the K a few pages on (this task's or the
+         * next one's) */
+        prefetch_tile(k_tile + num_kv_heads * tile_floats, tile_floats);
+        if (ahead < num_pages)
+            prefetch_tile(kv + (int64_t)pages[ahead] * page_floats + head * tile_floats, tile_floats);
+        else if (ahead - num_pages < next_pages)
+            prefetch_tile(kv + (int64_t)next.pages[ahead - num_pages] * page_floats + next.head * tile_floats,
+                          tile_floats);
+        page_scores(q, k_tile, keys, group, dim, vectors, scale, scores + start, stride);
+    }
+    softmax_rows(scores, len, group, stride);
+    memset(out, 0, (size_t)(group * dim) * sizeof(float));
+    for (int64_t start = 0; start < len; start += page_size) {
+        const float *v_tile =
+            kv + (int64_t)pages[start / page_size] * page_floats + (num_kv_heads + head) * tile_floats;
+        const int64_t keys = len - start < page_size ? len - start : page_size;
+        page_values(scores + start, v_tile, keys, group, dim, vectors, stride, out);
+    }
+}
+
+/* q, out [batch, Hq, D]; kv one layer; tables [batch, table_stride] page ids; lens [batch] keys per row (>= 1).
+ * Returns 0, or 1 if a scores buffer could not be allocated (out is then incomplete). */
+int rs_paged_decode_attention(const float *q, const float *kv, const int32_t *tables, const int32_t *lens,
+                              float *out, int64_t batch, int64_t num_q_heads, int64_t num_kv_heads,
+                              int64_t page_size, int64_t dim, int64_t table_stride, float scale, int num_threads) {
+    const int64_t group = num_q_heads / num_kv_heads;
+    int failed = 0;
+#pragma omp parallel for schedule(static) num_threads(num_threads) reduction(| : failed)
+    for (int64_t task = 0; task < batch * num_kv_heads; ++task) {
+        /* heads outer, rows inner: one thread takes a head's rows in order, so rows that share a prompt's
+         * pages find them in its cache */
+        const int64_t head = task / batch, row = task % batch;
+        const int64_t len = lens[row];
+        const int64_t stride = (len + 15) / 16 * 16;
+        float *scores = malloc((size_t)(group * stride) * sizeof(float));
+        if (scores == NULL) {
+            failed = 1;
+            continue;
+        }
+        const int64_t qo = (row * num_q_heads + head * group) * dim;
+        const Span this = {tables + row * table_stride, len, head};
+        const Span next = task + 1 < batch * num_kv_heads
+            ? (Span){tables + ((task + 1) % batch) * table_stride, lens[(task + 1) % batch], (task + 1) / batch}
+            : (Span){this.pages, 0, head};
+        if (dim == 64 && page_size == 16) /* constants let the compiler unroll the head dim (SmolLM2, Llama 1B) */
+            attend(q + qo, kv, this, next, group, num_kv_heads, 16, 64, scale, scores, stride, out + qo);
+        else
+            attend(q + qo, kv, this, next, group, num_kv_heads, page_size, dim, scale, scores, stride, out + qo);
+        free(scores);
+    }
+    return failed;
+}
