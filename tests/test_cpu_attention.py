@@ -1,4 +1,4 @@
-"""The CPU decode attention kernel (csrc/cpu_decode_attention.c) vs dense float64 attention, its build and its
+"""The CPU attention kernel (csrc/cpu_attention.c) vs dense float64 attention, its build and its
 choice by the torch ops."""
 import logging
 
@@ -46,26 +46,46 @@ CASES = {  # lens, (q heads, kv heads), head dim, page size, shared pages
 def test_kernel_matches_dense_float64(case):
     lens, heads, dim, page_size, shared = CASES[case]
     q, kv, meta, ks, vs = paged_case(lens, heads, dim, page_size, shared)
-    assert cpu_attention.applies(q, kv, meta), "this machine builds the CPU kernels (a C compiler with OpenMP)"
+    assert cpu_attention.applies(q, kv), "this machine builds the CPU kernels (a C compiler with OpenMP)"
     scale = dim**-0.5
-    out = cpu_attention.decode_attention(q, kv, meta, scale)
+    out = cpu_attention.attention(q, kv, meta, scale)
     ref = torch.cat([dense_attention(q[i:i + 1], k, v, scale) for i, (k, v) in enumerate(zip(ks, vs))])
     assert out.shape == q.shape and out.dtype == torch.float32
     torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=2e-6)
 
 
-def test_torch_ops_take_the_kernel_for_cpu_float32_decode_only(monkeypatch):
+@pytest.mark.parametrize("dim,page_size", [(64, 16), (8, 4)])
+@pytest.mark.parametrize("q_lens,kv_lens", [([7, 1, 16, 13, 40], [7, 1, 16, 13, 40]), ([5, 3, 9, 1], [11, 4, 30, 17])])
+def test_kernel_prefill_matches_dense_causal_float64(q_lens, kv_lens, dim, page_size):
+    """Fresh prompts, and chunks on cached prefixes that start mid-page: each query token attends the keys up to
+    its own position."""
+    gen = torch.Generator().manual_seed(sum(kv_lens))
+    hq, hk = 6, 2
+    num_pages = sum(-(-n // page_size) for n in kv_lens) + 2
+    perm = torch.randperm(num_pages, generator=gen).tolist()
+    tables = [[perm.pop() for _ in range(-(-n // page_size))] for n in kv_lens]
+    kv = torch.full((num_pages, 2, hk, page_size, dim), float("nan"))
+    ks = [torch.randn(n, hk, dim, generator=gen) for n in kv_lens]
+    vs = [torch.randn(n, hk, dim, generator=gen) for n in kv_lens]
+    write_kv(kv, torch.cat(ks), torch.cat(vs), make_metadata(tables, kv_lens, kv_lens, page_size).slot_mapping)
+    qs = [torch.randn(m, hq, dim, generator=gen) for m in q_lens]
+    meta = make_metadata(tables, q_lens, kv_lens, page_size)
+    out = select_ops("torch").attention(torch.cat(qs), kv, meta, 0.3)
+    assert out.shape == (sum(q_lens), hq, dim)
+    ref = torch.cat([dense_attention(q, k, v, 0.3) for q, k, v in zip(qs, ks, vs)])
+    torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=2e-6)
+    assert torch.equal(out, cpu_attention.attention(torch.cat(qs), kv, meta, 0.3))  # the kernel's result
+
+
+def test_torch_ops_take_the_kernel_for_cpu_float32_only(monkeypatch):
     q, kv, meta, _, _ = paged_case([20, 33], (4, 2), 64, 16, seed=1)
     ops = select_ops("torch")
-    assert torch.equal(ops.attention(q, kv, meta, 0.125), cpu_attention.decode_attention(q, kv, meta, 0.125))
-    half = kv.to(torch.bfloat16)
-    assert not cpu_attention.applies(q.to(torch.bfloat16), half, meta)  # other dtypes: the torch reference
-    prefill = make_metadata([[0, 1]], [20], [20], 16)
-    assert not cpu_attention.applies(q, kv, prefill)
+    assert torch.equal(ops.attention(q, kv, meta, 0.125), cpu_attention.attention(q, kv, meta, 0.125))
+    assert not cpu_attention.applies(q.to(torch.bfloat16), kv.to(torch.bfloat16))  # others: the torch reference
     monkeypatch.setenv(cpu_ext.ENV, "0")
     cpu_ext.load.cache_clear()
     try:
-        assert not cpu_attention.applies(q, kv, meta)
+        assert not cpu_attention.applies(q, kv)
         _, _, fresh, _, _ = paged_case([20, 33], (4, 2), 64, 16, seed=1)  # (the kernel's inputs stay in meta)
         assert torch.equal(ops.attention(q, kv, fresh, 0.125), paged_attention(q, kv, fresh, 0.125))
     finally:
@@ -76,8 +96,8 @@ def test_torch_ops_take_the_kernel_for_cpu_float32_decode_only(monkeypatch):
 def test_lengths_past_the_tables_are_refused_not_read():
     q, kv, meta, _, _ = paged_case([20, 33], (4, 2), 64, 16)
     meta.kv_lens[1] = 49  # three pages' worth in a row that has two
-    with pytest.raises(ValueError, match="decode lengths .* outside 1..48"):
-        cpu_attention.decode_attention(q, kv, meta, 0.125)
+    with pytest.raises(ValueError, match="row 1 would read 49 keys: outside 1..48"):
+        cpu_attention.attention(q, kv, meta, 0.125)
 
 
 def test_a_compiler_that_fails_leaves_the_torch_ops(monkeypatch, tmp_path, caplog):

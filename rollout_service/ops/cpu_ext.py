@@ -26,7 +26,7 @@ from rollout_service.ops._ext import CSRC, cache_root
 logger = logging.getLogger(__name__)
 
 ENV = "ROLLOUT_CPU_KERNELS"
-SOURCES = ("cpu_decode_attention.c",)
+SOURCES = ("cpu_attention.c", "cpu_rope_kv.c")
 
 
 def enabled() -> bool:
@@ -87,6 +87,9 @@ def load() -> ctypes.CDLL | None:
 
 def _declare(library: ctypes.CDLL) -> None:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    library.rs_paged_decode_attention.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64,
-                                                  ctypes.c_float, ctypes.c_int]
-    library.rs_paged_decode_attention.restype = ctypes.c_int
+    library.rs_paged_attention.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float,
+                                           ctypes.c_int]
+    library.rs_paged_attention.restype = ctypes.c_int
+    library.rs_rope_write_kv.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64,
+                                         ctypes.c_int]
+    library.rs_rope_write_kv.restype = None

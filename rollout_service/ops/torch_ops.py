@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from rollout_service.ops import attention, cpu_attention, cpu_linear, fp8, moe, norm, rope, sampling, shared_prefix
+from rollout_service.ops import attention, cpu_attention, cpu_linear, cpu_rope, fp8, moe, norm, rope, sampling, shared_prefix
 
 
 def _capturing(t: torch.Tensor) -> bool:
@@ -95,7 +95,12 @@ class TorchOps:
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
         kv_layer: torch.Tensor, slot_mapping: torch.Tensor,
     ) -> torch.Tensor:
-        """rope(q, k), then write_kv(k, v); returns the rotated q. One fusable step for kernel backends."""
+        """rope(q, k), then write_kv(k, v); returns the rotated q. One fusable step for kernel backends, and one C
+        pass with the same bits on the CPU (ops/cpu_rope.py)."""
+        if cpu_rope.applies(q, k, v, cos_sin, kv_layer):
+            checked = self._per_step("cpu rope", (positions, slot_mapping), (cos_sin.shape, kv_layer.shape),
+                                     lambda: cpu_rope.check(positions, slot_mapping, cos_sin, kv_layer))
+            return cpu_rope.rope_and_write_kv(q, k, v, *checked, cos_sin, kv_layer)
         q, k = self.rope(q, k, positions, cos_sin)
         self.write_kv(kv_layer, k, v, slot_mapping)
         return q
@@ -113,8 +118,8 @@ class TorchOps:
     def attention(
         self, q: torch.Tensor, kv_layer: torch.Tensor, meta: attention.AttentionMetadata, scale: float
     ) -> torch.Tensor:
-        if cpu_attention.applies(q, kv_layer, meta):  # K/V read in place (csrc/cpu_decode_attention.c)
-            return cpu_attention.decode_attention(q, kv_layer, meta, scale)
+        if cpu_attention.applies(q, kv_layer):  # K/V read in place (csrc/cpu_attention.c)
+            return cpu_attention.attention(q, kv_layer, meta, scale)
         if not meta.is_prefill and kv_layer.device.type == "cpu":
             # rows that share a prompt's pages read them once (ops/shared_prefix.py)
             shared = shared_prefix.step_plan(meta, kv_layer.shape[2], kv_layer.shape[3])

@@ -1,10 +1,11 @@
-/* Paged decode attention for the CPU: float32, one query token per sequence, K/V read in place from the pages.
+/* Paged attention for the CPU: float32, K/V read in place from the pages, each query token a row of its own.
  *
- * The torch reference (rollout_service/ops/attention.py) gathers every row's pages into one buffer, then
+ * The torch reference (rollout_service/ops/attention.py) gathers every decode row's pages into one buffer, then
  * multiplies: on a CPU the gather is the larger half of decode attention's time, since the K/V it copies are
- * read from memory once per layer and step whatever we do. Here each (sequence, kv head) reads its pages once,
- * in place, and keeps its scores in a small per-task buffer; keys past a row's length are never read (their
- * slots may hold anything, even NaN).
+ * read from memory once per layer and step whatever we do. Here each (row, kv head) reads its pages in place and
+ * keeps its scores in a per-thread buffer; keys past a row's length are never read (their slots may hold
+ * anything, even NaN). A prompt's tokens are rows too, each with the keys up to its position (causal): a
+ * prompt's pages stay in cache across its rows, and no K/V copy or repeat per GQA group is made.
  *
  * Plain C, no torch headers: it builds in a second with the system compiler (rollout_service/ops/cpu_ext.py)
  * and is called through ctypes. Threads: OpenMP, the same libgomp that torch loaded (soname libgomp.so.1).
@@ -230,34 +231,37 @@ INLINE void attend(const float *q, const float *kv, Span task, Span next, int64_
     }
 }
 
-/* q, out [batch, Hq, D]; kv one layer; tables [batch, table_stride] page ids; lens [batch] keys per row (>= 1).
- * Returns 0, or 1 if a scores buffer could not be allocated (out is then incomplete). */
-int rs_paged_decode_attention(const float *q, const float *kv, const int32_t *tables, const int32_t *lens,
-                              float *out, int64_t batch, int64_t num_q_heads, int64_t num_kv_heads,
-                              int64_t page_size, int64_t dim, int64_t table_stride, float scale, int num_threads) {
+/* q, out [rows, Hq, D], one query token per row; kv one layer; tables [rows, table_stride] page ids; lens [rows]:
+ * the keys each row's query attends (>= 1; a prompt's token at position p attends p + 1). Returns 0, or 1 if a
+ * scores buffer could not be allocated (out is then incomplete). */
+int rs_paged_attention(const float *q, const float *kv, const int32_t *tables, const int32_t *lens, float *out,
+                       int64_t rows, int64_t num_q_heads, int64_t num_kv_heads, int64_t page_size, int64_t dim,
+                       int64_t table_stride, float scale, int num_threads) {
     const int64_t group = num_q_heads / num_kv_heads;
+    int64_t longest = 0;
+    for (int64_t row = 0; row < rows; ++row) longest = lens[row] > longest ? lens[row] : longest;
+    const int64_t most = (longest + 15) / 16 * 16;
     int failed = 0;
-#pragma omp parallel for schedule(static) num_threads(num_threads) reduction(| : failed)
-    for (int64_t task = 0; task < batch * num_kv_heads; ++task) {
-        /* heads outer, rows inner: one thread takes a head's rows in order, so rows that share a prompt's
-         * pages find them in its cache */
-        const int64_t head = task / batch, row = task % batch;
-        const int64_t len = lens[row];
-        const int64_t stride = (len + 15) / 16 * 16;
-        float *scores = malloc((size_t)(group * stride) * sizeof(float));
-        if (scores == NULL) {
-            failed = 1;
-            continue;
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+    {
+        float *scores = malloc((size_t)(group * most) * sizeof(float)); /* one per thread, for all its tasks */
+        failed = scores == NULL;
+        /* heads outer, rows inner: one thread takes a head's rows in order, so the rows of one prompt and the
+         * samples that share it find its pages in its cache */
+#pragma omp for schedule(static)
+        for (int64_t task = 0; task < rows * num_kv_heads; ++task) {
+            if (scores == NULL) continue;
+            const int64_t head = task / rows, row = task % rows, len = lens[row];
+            const int64_t qo = (row * num_q_heads + head * group) * dim, stride = (len + 15) / 16 * 16;
+            const Span this = {tables + row * table_stride, len, head};
+            const Span next = task + 1 < rows * num_kv_heads
+                ? (Span){tables + ((task + 1) % rows) * table_stride, lens[(task + 1) % rows], (task + 1) / rows}
+                : (Span){this.pages, 0, head};
+            if (dim == 64 && page_size == 16) /* constants let the compiler unroll the head dim (SmolLM2, Llama 1B) */
+                attend(q + qo, kv, this, next, group, num_kv_heads, 16, 64, scale, scores, stride, out + qo);
+            else
+                attend(q + qo, kv, this, next, group, num_kv_heads, page_size, dim, scale, scores, stride, out + qo);
         }
-        const int64_t qo = (row * num_q_heads + head * group) * dim;
-        const Span this = {tables + row * table_stride, len, head};
-        const Span next = task + 1 < batch * num_kv_heads
-            ? (Span){tables + ((task + 1) % batch) * table_stride, lens[(task + 1) % batch], (task + 1) / batch}
-            : (Span){this.pages, 0, head};
-        if (dim == 64 && page_size == 16) /* constants let the compiler unroll the head dim (SmolLM2, Llama 1B) */
-            attend(q + qo, kv, this, next, group, num_kv_heads, 16, 64, scale, scores, stride, out + qo);
-        else
-            attend(q + qo, kv, this, next, group, num_kv_heads, page_size, dim, scale, scores, stride, out + qo);
         free(scores);
     }
     return failed;
