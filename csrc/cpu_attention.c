@@ -86,59 +86,88 @@ static inline vf16 sum_lanes(const vf16 a[16]) {
     return SHUFFLE(e, e, 0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15);
 }
 
-/* The scores of 16 consecutive keys k[16][dim] for one query: dim % 16 == 0. */
-static inline vf16 scores16(const vf16 *q, const float *k, int64_t chunks) {
+/* The scores of 16 keys (rows[j] their K rows) for one query q (chunks vectors, scale folded in): dim % 16 == 0. */
+INLINE vf16 scores16(const vf16 *q, const float *const rows[16], int64_t chunks) {
     vf16 dots[16];
     for (int j = 0; j < 16; ++j) {
-        vf16 acc = q[0] * load16(k + j * chunks * 16);
-        for (int64_t c = 1; c < chunks; ++c) acc += q[c] * load16(k + (j * chunks + c) * 16);
+        vf16 acc = q[0] * load16(rows[j]);
+        for (int64_t c = 1; c < chunks; ++c) acc += q[c] * load16(rows[j] + c * 16);
         dots[j] = acc;
     }
     return sum_lanes(dots);
 }
 #endif
 
-/* Whether the vector code applies: whole 16-float chunks of the head dim, and pages of whole 16-key blocks (the
- * last page's block is computed whole: its stale slots are read, their scores never used). */
-static inline int vectors_apply(int64_t page_size, int64_t dim) {
+/* A row's sums run over blocks of BLOCK keys in key order, whatever the page size: so a row's bits depend on its
+ * query and keys only, not on the pages they sit in, its batch or the thread that computes it (batch-invariant
+ * mode relies on this: the learner lays its keys out in pages of its own, ops/invariant.py). */
+#define BLOCK 16
+
+/* One (row, kv head) to attend: the row's page ids and key count. */
+typedef struct {
+    const int32_t *pages;
+    int64_t len, head;
+} Span;
+
+/* One layer of the cache and its shape. */
+typedef struct {
+    const float *kv;
+    int64_t num_kv_heads, page_size, dim;
+} Cache;
+
+/* The K (which 0) or V (1) rows of keys first .. first + BLOCK - 1 of a span; keys past its length repeat its
+ * last one (their scores are computed and never used). */
+INLINE void block_rows(Cache c, Span s, int64_t first, int which, const float *rows[BLOCK]) {
+    const int64_t tile = c.page_size * c.dim, page_floats = 2 * c.num_kv_heads * tile;
+    const float *base = c.kv + (which * c.num_kv_heads + s.head) * tile;
+    int64_t page = first / c.page_size, offset = first % c.page_size;
+    for (int i = 0; i < BLOCK; ++i) {
+        rows[i] = first + i < s.len ? base + (int64_t)s.pages[page] * page_floats + offset * c.dim : rows[i - 1];
+        if (++offset == c.page_size) offset = 0, ++page;
+    }
+}
+
+INLINE void prefetch_rows(const float *const rows[BLOCK], int64_t dim) {
+    for (int i = 0; i < BLOCK; ++i)
+        if (i == 0 || rows[i] != rows[i - 1]) prefetch_tile(rows[i], dim);
+}
+
+/* Whether the vector code applies: whole 16-float chunks of the head dim. */
+static inline int vectors_apply(int64_t dim) {
 #ifdef RS_VECTORS
-    return dim % 16 == 0 && dim / 16 <= MAX_CHUNKS && page_size % 16 == 0;
+    return dim % 16 == 0 && dim / 16 <= MAX_CHUNKS;
 #else
-    (void)page_size;
     (void)dim;
     return 0;
 #endif
 }
 
-/* scores[g * stride + j] = scale * q[g] . k[j] for one page's first `keys` keys (the vector code writes whole
- * blocks of 16: stride leaves room). */
-INLINE void page_scores(const float *q, const float *k_tile, int64_t keys, int64_t group, int64_t dim, int vectors,
-                        float scale, float *scores, int64_t stride) {
+/* scores[g * stride + j] = q[g] . k[j] * scale for the block's keys (all BLOCK written: stride leaves room). */
+INLINE void block_scores(const float *q, const float *const rows[BLOCK], int64_t group, int64_t dim, int vectors,
+                         float scale, float *scores, int64_t stride) {
 #ifdef RS_VECTORS
     if (vectors) {
         const int64_t chunks = dim / 16;
         for (int64_t g = 0; g < group; ++g) {
             vf16 qv[MAX_CHUNKS];
             for (int64_t c = 0; c < chunks; ++c) qv[c] = load16(q + g * dim + c * 16) * scale;
-            for (int64_t j = 0; j < keys; j += 16)
-                store16(scores + g * stride + j, scores16(qv, k_tile + j * dim, chunks));
+            store16(scores + g * stride, scores16(qv, rows, chunks));
         }
         return;
     }
 #endif
     (void)vectors;
-    for (int64_t j = 0; j < keys; ++j)
-        for (int64_t g = 0; g < group; ++g) {
-            float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-            for (int64_t d = 0; d < dim; ++d) dot += q[g * dim + d] * k_tile[j * dim + d];
-            scores[g * stride + j] = dot * scale;
+    for (int64_t g = 0; g < group; ++g)
+        for (int j = 0; j < BLOCK; ++j) {
+            float dot = 0.0f; /* in order: the scalar code must not depend on alignment either */
+            for (int64_t d = 0; d < dim; ++d) dot += q[g * dim + d] * scale * rows[j][d];
+            scores[g * stride + j] = dot;
         }
 }
 
-/* out[g] += probs[g * stride + j] * v[j] over one page's `keys` keys. */
-INLINE void page_values(const float *probs, const float *v_tile, int64_t keys, int64_t group, int64_t dim,
-                        int vectors, int64_t stride, float *out) {
+/* out[g] += probs[g * stride + j] * v[j] over the block's first n keys. */
+INLINE void block_values(const float *probs, const float *const rows[BLOCK], int64_t n, int64_t group, int64_t dim,
+                         int vectors, int64_t stride, float *out) {
 #ifdef RS_VECTORS
     if (vectors) {
         const int64_t chunks = dim / 16;
@@ -147,87 +176,82 @@ INLINE void page_values(const float *probs, const float *v_tile, int64_t keys, i
             vf16 even[MAX_CHUNKS], odd[MAX_CHUNKS];
             for (int64_t c = 0; c < chunks; ++c) even[c] = load16(out + g * dim + c * 16), odd[c] = even[c] * 0.0f;
             int64_t j = 0;
-            for (; j + 1 < keys; j += 2) {
+            for (; j + 1 < n; j += 2) {
                 const float p0 = probs[g * stride + j], p1 = probs[g * stride + j + 1];
                 for (int64_t c = 0; c < chunks; ++c) {
-                    even[c] += p0 * load16(v_tile + j * dim + c * 16);
-                    odd[c] += p1 * load16(v_tile + (j + 1) * dim + c * 16);
+                    even[c] += p0 * load16(rows[j] + c * 16);
+                    odd[c] += p1 * load16(rows[j + 1] + c * 16);
                 }
             }
-            if (j < keys)
-                for (int64_t c = 0; c < chunks; ++c)
-                    even[c] += probs[g * stride + j] * load16(v_tile + j * dim + c * 16);
+            if (j < n)
+                for (int64_t c = 0; c < chunks; ++c) even[c] += probs[g * stride + j] * load16(rows[j] + c * 16);
             for (int64_t c = 0; c < chunks; ++c) store16(out + g * dim + c * 16, even[c] + odd[c]);
         }
         return;
     }
 #endif
     (void)vectors;
-    for (int64_t j = 0; j < keys; ++j)
+    for (int64_t j = 0; j < n; ++j)
         for (int64_t g = 0; g < group; ++g) {
             const float p = probs[g * stride + j];
-#pragma omp simd
-            for (int64_t d = 0; d < dim; ++d) out[g * dim + d] += p * v_tile[j * dim + d];
+            for (int64_t d = 0; d < dim; ++d) out[g * dim + d] += p * rows[j][d];
         }
 }
 
-/* softmax over each query's `len` scores, in place (rows `stride` apart). */
+/* softmax over each query's `len` scores, in place (rows `stride` apart). The sum runs in BLOCK lanes, then a
+ * fixed tree: the same order for every row of a length. */
 static inline void softmax_rows(float *scores, int64_t len, int64_t group, int64_t stride) {
     for (int64_t g = 0; g < group; ++g) {
         float *s = scores + g * stride;
         float top = -INFINITY;
 #pragma omp simd reduction(max : top)
         for (int64_t j = 0; j < len; ++j) top = s[j] > top ? s[j] : top;
-        float total = 0.0f;
-#pragma omp simd reduction(+ : total)
-        for (int64_t j = 0; j < len; ++j) {
-            s[j] = exp_nonpositive(s[j] - top);
-            total += s[j];
+        float lanes[BLOCK] = {0};
+        for (int64_t first = 0; first < len; first += BLOCK) {
+            const int64_t n = len - first < BLOCK ? len - first : BLOCK;
+            for (int64_t i = 0; i < n; ++i) {
+                s[first + i] = exp_nonpositive(s[first + i] - top);
+                lanes[i] += s[first + i];
+            }
         }
-        const float inv = 1.0f / total;
-#pragma omp simd
+        for (int width = BLOCK / 2; width > 0; width /= 2)
+            for (int i = 0; i < width; ++i) lanes[i] += lanes[i + width];
+        const float inv = 1.0f / lanes[0];
         for (int64_t j = 0; j < len; ++j) s[j] *= inv;
     }
 }
 
-/* One (sequence, kv head) to attend: the sequence's page ids and length. */
-typedef struct {
-    const int32_t *pages;
-    int64_t len, head;
-} Span;
+#define PREFETCH_BLOCKS 2 /* how far ahead the K rows are asked for */
 
-#define PREFETCH_PAGES 2 /* how far ahead the K tiles are asked for */
-
-/* One (sequence, kv head): out[g, :] = softmax(scale * q[g] . K^T) V over the sequence's `len` keys; scores holds
- * group * stride floats. */
-INLINE void attend(const float *q, const float *kv, Span task, Span next, int64_t group, int64_t num_kv_heads,
-                   int64_t page_size, int64_t dim, float scale, float *scores, int64_t stride, float *out) {
-    const int64_t page_floats = 2 * num_kv_heads * page_size * dim, tile_floats = page_size * dim;
-    const int vectors = vectors_apply(page_size, dim);
-    const int32_t *pages = task.pages;
-    const int64_t len = task.len, head = task.head, num_pages = (len + page_size - 1) / page_size;
-    const int64_t next_pages = (next.len + page_size - 1) / page_size;
-    for (int64_t start = 0; start < len; start += page_size) {
-        const int64_t page = start / page_size, ahead = page + PREFETCH_PAGES;
-        const float *k_tile = kv + (int64_t)pages[page] * page_floats + head * tile_floats;
-        const int64_t keys = len - start < page_size ? len - start : page_size;
-        /* while this page computes: its V (read after the softmax), and the K a few pages on (this task's or the
-         * next one's) */
-        prefetch_tile(k_tile + num_kv_heads * tile_floats, tile_floats);
-        if (ahead < num_pages)
-            prefetch_tile(kv + (int64_t)pages[ahead] * page_floats + head * tile_floats, tile_floats);
-        else if (ahead - num_pages < next_pages)
-            prefetch_tile(kv + (int64_t)next.pages[ahead - num_pages] * page_floats + next.head * tile_floats,
-                          tile_floats);
-        page_scores(q, k_tile, keys, group, dim, vectors, scale, scores + start, stride);
+/* One (row, kv head): out[g, :] = softmax(scale * q[g] . K^T) V over the row's keys; scores holds group * stride
+ * floats. */
+INLINE void attend(const float *q, Cache cache, Span task, Span next, int64_t group, float scale, float *scores,
+                   int64_t stride, float *out) {
+    const int64_t dim = cache.dim, blocks = (task.len + BLOCK - 1) / BLOCK;
+    const int64_t next_blocks = (next.len + BLOCK - 1) / BLOCK;
+    const int vectors = vectors_apply(dim);
+    const float *rows[BLOCK], *ahead[BLOCK];
+    for (int64_t b = 0; b < blocks; ++b) {
+        /* while this block computes: its V (read after the softmax), and the K a few blocks on (this row's or the
+         * next task's) */
+        block_rows(cache, task, b * BLOCK, 1, ahead);
+        prefetch_rows(ahead, dim);
+        if (b + PREFETCH_BLOCKS < blocks) {
+            block_rows(cache, task, (b + PREFETCH_BLOCKS) * BLOCK, 0, ahead);
+            prefetch_rows(ahead, dim);
+        } else if (b + PREFETCH_BLOCKS - blocks < next_blocks) {
+            block_rows(cache, next, (b + PREFETCH_BLOCKS - blocks) * BLOCK, 0, ahead);
+            prefetch_rows(ahead, dim);
+        }
+        block_rows(cache, task, b * BLOCK, 0, rows);
+        block_scores(q, rows, group, dim, vectors, scale, scores + b * BLOCK, stride);
     }
-    softmax_rows(scores, len, group, stride);
+    softmax_rows(scores, task.len, group, stride);
     memset(out, 0, (size_t)(group * dim) * sizeof(float));
-    for (int64_t start = 0; start < len; start += page_size) {
-        const float *v_tile =
-            kv + (int64_t)pages[start / page_size] * page_floats + (num_kv_heads + head) * tile_floats;
-        const int64_t keys = len - start < page_size ? len - start : page_size;
-        page_values(scores + start, v_tile, keys, group, dim, vectors, stride, out);
+    for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t n = task.len - b * BLOCK < BLOCK ? task.len - b * BLOCK : BLOCK;
+        block_rows(cache, task, b * BLOCK, 1, rows);
+        block_values(scores + b * BLOCK, rows, n, group, dim, vectors, stride, out);
     }
 }
 
@@ -238,13 +262,15 @@ int rs_paged_attention(const float *q, const float *kv, const int32_t *tables, c
                        int64_t rows, int64_t num_q_heads, int64_t num_kv_heads, int64_t page_size, int64_t dim,
                        int64_t table_stride, float scale, int num_threads) {
     const int64_t group = num_q_heads / num_kv_heads;
+    const Cache cache = {kv, num_kv_heads, page_size, dim};
     int64_t longest = 0;
     for (int64_t row = 0; row < rows; ++row) longest = lens[row] > longest ? lens[row] : longest;
-    const int64_t most = (longest + 15) / 16 * 16;
+    const int64_t most = (longest + BLOCK - 1) / BLOCK * BLOCK; /* BLOCK floats = 64 bytes: rows stay aligned */
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
-        float *scores = malloc((size_t)(group * most) * sizeof(float)); /* one per thread, for all its tasks */
+        /* one buffer per thread, for all its tasks */
+        float *scores = aligned_alloc(64, (size_t)(group * (most > 0 ? most : BLOCK)) * sizeof(float));
         failed = scores == NULL;
         /* heads outer, rows inner: one thread takes a head's rows in order, so the rows of one prompt and the
          * samples that share it find its pages in its cache */
@@ -252,15 +278,16 @@ int rs_paged_attention(const float *q, const float *kv, const int32_t *tables, c
         for (int64_t task = 0; task < rows * num_kv_heads; ++task) {
             if (scores == NULL) continue;
             const int64_t head = task / rows, row = task % rows, len = lens[row];
-            const int64_t qo = (row * num_q_heads + head * group) * dim, stride = (len + 15) / 16 * 16;
+            const int64_t qo = (row * num_q_heads + head * group) * dim, stride = (len + BLOCK - 1) / BLOCK * BLOCK;
             const Span this = {tables + row * table_stride, len, head};
             const Span next = task + 1 < rows * num_kv_heads
                 ? (Span){tables + ((task + 1) % rows) * table_stride, lens[(task + 1) % rows], (task + 1) / rows}
                 : (Span){this.pages, 0, head};
-            if (dim == 64 && page_size == 16) /* constants let the compiler unroll the head dim (SmolLM2, Llama 1B) */
-                attend(q + qo, kv, this, next, group, num_kv_heads, 16, 64, scale, scores, stride, out + qo);
+            if (dim == 64) /* a constant lets the compiler unroll the head dim (SmolLM2, Llama 3.2 1B) */
+                attend(q + qo, (Cache){kv, num_kv_heads, page_size, 64}, this, next, group, scale, scores, stride,
+                       out + qo);
             else
-                attend(q + qo, kv, this, next, group, num_kv_heads, page_size, dim, scale, scores, stride, out + qo);
+                attend(q + qo, cache, this, next, group, scale, scores, stride, out + qo);
         }
         free(scores);
     }

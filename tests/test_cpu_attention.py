@@ -112,3 +112,22 @@ def test_a_compiler_that_fails_leaves_the_torch_ops(monkeypatch, tmp_path, caplo
         monkeypatch.undo()
         cpu_ext.load.cache_clear()
     assert cpu_ext.load() is not None
+
+
+@pytest.mark.parametrize("dim", [64, 8])
+def test_a_rows_bits_do_not_depend_on_its_pages_or_batch(dim):
+    """What batch-invariant mode relies on (the learner lays its keys out in pages of its own): the same query
+    and keys give the same bits in pages of 4, 16 or 32, alone or among other rows, as a prefill row or as a
+    decode step."""
+    q_all, kv, meta, ks, vs = paged_case([37, 70, 5], (6, 2), dim, 16, seed=3)
+    k, v, q = ks[1], vs[1], q_all[1:2]
+    want = cpu_attention.attention(q_all, kv, meta, 0.2)[1]
+    for page_size in (4, 16, 32):
+        lone = -(-70 // page_size)
+        cache = torch.full((lone + 2, 2, 2, page_size, dim), float("nan"))
+        tables = [list(range(2, 2 + lone))]
+        write_kv(cache, k, v, make_metadata(tables, [70], [70], page_size).slot_mapping)
+        decode = cpu_attention.attention(q, cache, make_metadata(tables, [1], [70], page_size), 0.2)
+        assert torch.equal(decode[0], want), page_size
+    prefill = cpu_attention.causal(torch.cat([torch.randn(69, 6, dim), q]), k, v, [70], 0.2)  # the last row
+    assert torch.equal(prefill[69], want)

@@ -11,12 +11,16 @@ from __future__ import annotations
 import torch
 
 from rollout_service.ops import cpu_ext
-from rollout_service.ops.attention import AttentionMetadata
+from rollout_service.ops.attention import AttentionMetadata, make_metadata, write_kv
+
+
+def available(t: torch.Tensor) -> bool:
+    """Whether the kernel takes this tensor's kind: float32 on the CPU, where the kernels build."""
+    return t.device.type == "cpu" and t.dtype == torch.float32 and cpu_ext.load() is not None
 
 
 def applies(q: torch.Tensor, kv_layer: torch.Tensor) -> bool:
-    return (q.device.type == "cpu" and q.dtype == torch.float32 and kv_layer.dtype == torch.float32
-            and kv_layer.is_contiguous() and cpu_ext.load() is not None)
+    return available(q) and available(kv_layer) and kv_layer.is_contiguous()  # (an engine's layers always are)
 
 
 def attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -32,6 +36,21 @@ def attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, 
         raise MemoryError(f"attention could not allocate its scores ({q.shape[0]} rows, up to {int(lens.max())} "
                           f"keys)")
     return out
+
+
+def causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int], scale: float) -> torch.Tensor:
+    """Causal attention of sequences laid back to back (q [T, Hq, D], k and v [T, Hk, D], rotated) through the
+    kernel, with its K/V copied into pages of its own: the learner's recompute in batch-invariant mode. A row's
+    bits do not depend on the pages its keys sit in (the kernel sums over blocks of keys in key order), so they
+    are the bits the engine's row got."""
+    page_size, tables, first = 16, [], 0
+    for n in lens:
+        tables.append(list(range(first, first + -(-n // page_size))))
+        first += len(tables[-1])
+    meta = make_metadata(tables, lens, lens, page_size)
+    cache = torch.empty(first, 2, k.shape[1], page_size, k.shape[2], dtype=k.dtype)  # slots past a length: unread
+    write_kv(cache, k, v, meta.slot_mapping)
+    return attention(q, cache, meta, scale)
 
 
 def _rows(meta: AttentionMetadata, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:

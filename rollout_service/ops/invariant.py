@@ -18,8 +18,9 @@ batch padded to its longest sequence reduces over a length that the batch mates 
 The sampler's normaliser is a row-tile product too (logsumexp: torch splits a lone row's sum across threads).
 Mixture-of-experts layers put the router's and each expert's products on row tiles (an expert's GEMM has as
 many rows as the batch routes to it); the softmax over the experts, the top-k and the weighted sum (explicit
-adds in slot order, ops/moe.py) are row-local. Norms (rows of at most a few thousand), RoPE and SiLU are
-row-local already (tests/test_batch_invariant.py and tests/test_moe_invariant.py check the whole engine).
+adds in slot order, ops/moe.py) are row-local. On the CPU in float32, attention is the C kernel's
+(ops/cpu_attention.py): each query token is a row of its own there, summed over key blocks in key order. Norms
+(rows of at most a few thousand), RoPE and SiLU are row-local already (tests/test_batch_invariant.py and tests/test_moe_invariant.py check the whole engine).
 The learner's recompute (rollout_service.training.InvariantForward) calls the same ops in its forward and
 differentiates the plain torch reference math. The CUDA version is ops/invariant_cuda.py.
 """
@@ -31,7 +32,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from rollout_service.ops import attention as attention_ref
-from rollout_service.ops import cpu_linear, moe
+from rollout_service.ops import cpu_attention, cpu_linear, moe
 from rollout_service.ops.torch_ops import TorchOps
 
 ROW_TILE = 16
@@ -347,6 +348,8 @@ class InvariantOps(TorchOps):
     def attention(
         self, q: torch.Tensor, kv_layer: torch.Tensor, meta: attention_ref.AttentionMetadata, scale: float
     ) -> torch.Tensor:
+        if cpu_attention.applies(q, kv_layer):  # row-local by construction (csrc/cpu_attention.c), and faster
+            return cpu_attention.attention(q, kv_layer, meta, scale)
         keys, values = gather_paged_kv(kv_layer, meta)
         q_lens = (meta.qo_indptr[1:] - meta.qo_indptr[:-1]).tolist()
         out = block_attention_forward(q, keys, values, q_lens, meta.kv_lens.tolist(), scale)
@@ -358,5 +361,7 @@ class InvariantOps(TorchOps):
         rotated), as the engine computes them: the learner's forward (rollout_service.training.InvariantForward)."""
         positions = torch.cat([torch.arange(n, device=q.device) for n in lens])
         q, k = self.rope(q, k, positions, cos_sin)
+        if cpu_attention.available(q) and cpu_attention.available(k):  # the engine's attention here
+            return cpu_attention.causal(q, k, v, lens, scale)
         keys, values = padded_per_sequence(k, lens), padded_per_sequence(v, lens)
         return block_attention_forward(q, keys, values, lens, lens, scale).to(q.dtype)
