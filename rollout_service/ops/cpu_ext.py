@@ -26,7 +26,8 @@ from rollout_service.ops._ext import CSRC, cache_root
 logger = logging.getLogger(__name__)
 
 ENV = "ROLLOUT_CPU_KERNELS"
-SOURCES = ("cpu_attention.c", "cpu_rope_kv.c")
+SOURCES = ("cpu_attention.c", "cpu_rope_kv.c", "cpu_greedy.c")
+HEADERS = ("cpu_math.h",)
 
 
 def enabled() -> bool:
@@ -50,7 +51,7 @@ def _compiler() -> str | None:
 def _build(compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     digest = hashlib.sha256(f"{version}|{_cpu_identity()}".encode())
-    for name in SOURCES:
+    for name in SOURCES + HEADERS:
         digest.update((CSRC / name).read_bytes())
     library = cache_root() / "cpu" / digest.hexdigest()[:16] / "rollout_cpu_kernels.so"
     if library.is_file():
@@ -93,3 +94,5 @@ def _declare(library: ctypes.CDLL) -> None:
     library.rs_rope_write_kv.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64,
                                          ctypes.c_int]
     library.rs_rope_write_kv.restype = None
+    library.rs_argmax_logsumexp.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ctypes.c_int]
+    library.rs_argmax_logsumexp.restype = None

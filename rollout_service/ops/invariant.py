@@ -335,6 +335,11 @@ class InvariantOps(TorchOps):
     def logsumexp(self, x: torch.Tensor) -> torch.Tensor:
         return logsumexp(x)
 
+    def argmax_logsumexp(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """With this class's normaliser: the learner's recompute takes it for every token."""
+        values, tokens = x.max(dim=1)
+        return tokens, values, self.logsumexp(x)
+
     def moe_route(self, x: torch.Tensor, weight: torch.Tensor, top_k: int,
                   renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """The router's logits on row tiles; softmax and top-k are row-local."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from rollout_service.ops import attention, cpu_attention, cpu_linear, cpu_rope, fp8, moe, norm, rope, sampling, shared_prefix
+from rollout_service.ops import attention, cpu_attention, cpu_greedy, cpu_linear, cpu_rope, fp8, moe, norm, rope, sampling, shared_prefix
 
 
 def _capturing(t: torch.Tensor) -> bool:
@@ -134,7 +134,10 @@ class TorchOps:
     def argmax_logsumexp(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(tokens int64 [B], values [B], lse [B]) of rows x [B, V]: `values, tokens = x.max(dim=1)` (NaN the
         largest, the first index on ties, values[b] = x[b, tokens[b]]) and `lse = x.logsumexp(dim=1)` (NaN if
-        the row has a NaN, else +inf if it has a +inf). Kernel backends read x once for all three."""
+        the row has a NaN, else +inf if it has a +inf). Kernel backends read x once for all three; so does a C pass
+        on the CPU (ops/cpu_greedy.py)."""
+        if cpu_greedy.applies(x):
+            return cpu_greedy.argmax_logsumexp(x)
         values, tokens = x.max(dim=1)
         return tokens, values, self.logsumexp(x)
 
