@@ -20,7 +20,8 @@ Mixture-of-experts layers put the router's and each expert's products on row til
 many rows as the batch routes to it); the softmax over the experts, the top-k and the weighted sum (explicit
 adds in slot order, ops/moe.py) are row-local. On the CPU in float32, attention is the C kernel's
 (ops/cpu_attention.py): each query token is a row of its own there, summed over key blocks in key order. Norms
-(rows of at most a few thousand), RoPE and SiLU are row-local already (tests/test_batch_invariant.py and tests/test_moe_invariant.py check the whole engine).
+(rows of at most a few thousand), RoPE and SiLU are row-local already (tests/test_batch_invariant.py and
+tests/test_moe_invariant.py check the whole engine).
 The learner's recompute (rollout_service.training.InvariantForward) calls the same ops in its forward and
 differentiates the plain torch reference math. The CUDA version is ops/invariant_cuda.py.
 """

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from rollout_service.ops import attention, cpu_attention, cpu_greedy, cpu_linear, cpu_rope, fp8, moe, norm, rope, sampling, shared_prefix
+from rollout_service.ops import (attention, cpu_attention, cpu_greedy, cpu_linear, cpu_rope, fp8, moe, norm, rope,
+                                 sampling, shared_prefix)
 
 
 def _capturing(t: torch.Tensor) -> bool:
