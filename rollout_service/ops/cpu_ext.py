@@ -26,7 +26,7 @@ from rollout_service.ops._ext import CSRC, cache_root
 logger = logging.getLogger(__name__)
 
 ENV = "ROLLOUT_CPU_KERNELS"
-SOURCES = ("cpu_attention.c", "cpu_rope_kv.c", "cpu_greedy.c")
+SOURCES = ("cpu_attention.c", "cpu_rope_kv.c", "cpu_greedy.c", "cpu_norm.c")
 HEADERS = ("cpu_math.h",)
 
 
@@ -96,3 +96,5 @@ def _declare(library: ctypes.CDLL) -> None:
     library.rs_rope_write_kv.restype = None
     library.rs_argmax_logsumexp.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ctypes.c_int]
     library.rs_argmax_logsumexp.restype = None
+    library.rs_add_rms_norm.argtypes = [ptr, ptr, ptr, ctypes.c_float, ptr, ptr, i64, i64, ctypes.c_int]
+    library.rs_add_rms_norm.restype = None

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from rollout_service.ops import (attention, cpu_attention, cpu_greedy, cpu_linear, cpu_rope, fp8, moe, norm, rope,
-                                 sampling, shared_prefix)
+from rollout_service.ops import (attention, cpu_attention, cpu_greedy, cpu_linear, cpu_norm, cpu_rope, fp8, moe, norm,
+                                 rope, sampling, shared_prefix)
 
 
 def _capturing(t: torch.Tensor) -> bool:
@@ -20,11 +20,15 @@ class TorchOps:
     moe_graph_safe = False
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if cpu_norm.applies(x, weight):  # one C pass per row (ops/cpu_norm.py)
+            return cpu_norm.add_rms_norm(x, None, weight, eps)[0]
         return norm.rms_norm(x, weight, eps)
 
     def add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if cpu_norm.applies(x, weight) and residual.dtype == x.dtype and residual.shape == x.shape:
+            return cpu_norm.add_rms_norm(x, residual, weight, eps)
         return norm.add_rms_norm(x, residual, weight, eps)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
