@@ -35,8 +35,8 @@ static inline void prefetch_tile(const float *tile, int64_t floats) {
 
 #if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
 /* 16-float vectors (GCC/clang vector extensions: AVX-512 or pairs of AVX2 registers on x86, NEON quads on Arm).
- * The scalar loops below are the fallback: they vectorize only the head dim, and pay a horizontal sum per
- * score and a store per key and output element, several times slower. */
+ * The scalar loops below are the fallback (head dims that are not whole 16-float chunks, older compilers): plain
+ * sums in key and dim order, several times slower. */
 #define RS_VECTORS 1
 typedef float vf16 __attribute__((vector_size(64)));
 typedef float vf16_unaligned __attribute__((vector_size(64), aligned(4)));
@@ -177,7 +177,7 @@ INLINE void block_values(const float *probs, const float *const rows[BLOCK], int
         }
 }
 
-/* softmax over each query's `len` scores, in place (rows `stride` apart). The sum runs in BLOCK lanes, then a
+/* softmax over each query's `len` scores, in place (rows `stride` apart). The sum runs in LANES lanes, then a
  * fixed tree: the same order for every row of a length. */
 static inline void softmax_rows(float *scores, int64_t len, int64_t group, int64_t stride) {
     for (int64_t g = 0; g < group; ++g) {
@@ -185,17 +185,15 @@ static inline void softmax_rows(float *scores, int64_t len, int64_t group, int64
         float top = -INFINITY;
 #pragma omp simd reduction(max : top)
         for (int64_t j = 0; j < len; ++j) top = s[j] > top ? s[j] : top;
-        float lanes[BLOCK] = {0};
-        for (int64_t first = 0; first < len; first += BLOCK) {
-            const int64_t n = len - first < BLOCK ? len - first : BLOCK;
+        float lanes[LANES] = {0};
+        for (int64_t first = 0; first < len; first += LANES) {
+            const int64_t n = len - first < LANES ? len - first : LANES;
             for (int64_t i = 0; i < n; ++i) {
                 s[first + i] = exp_nonpositive(s[first + i] - top);
                 lanes[i] += s[first + i];
             }
         }
-        for (int width = BLOCK / 2; width > 0; width /= 2)
-            for (int i = 0; i < width; ++i) lanes[i] += lanes[i + width];
-        const float inv = 1.0f / lanes[0];
+        const float inv = 1.0f / lanes_total(lanes);
         for (int64_t j = 0; j < len; ++j) s[j] *= inv;
     }
 }

@@ -11,7 +11,6 @@
 
 #include "cpu_math.h"
 
-#define LANES 16
 
 static void greedy_row(const float *x, int64_t vocab, int64_t *token, float *value, float *lse) {
     float top = -INFINITY;
@@ -35,9 +34,7 @@ static void greedy_row(const float *x, int64_t vocab, int64_t *token, float *val
     for (; first + LANES <= vocab; first += LANES)
         for (int i = 0; i < LANES; ++i) lanes[i] += exp_nonpositive(x[first + i] - top);
     for (int i = 0; first + i < vocab; ++i) lanes[i] += exp_nonpositive(x[first + i] - top);
-    for (int width = LANES / 2; width > 0; width /= 2)
-        for (int i = 0; i < width; ++i) lanes[i] += lanes[i + width];
-    *lse = top + logf(lanes[0]);
+    *lse = top + logf(lanes_total(lanes));
 }
 
 /* x [rows, vocab] with rows row_stride floats apart; tokens int64 [rows], values and lse float32 [rows]. */

@@ -4,6 +4,16 @@
 
 #include <stdint.h>
 
+/* Sums that must not depend on a row's batch or memory (batch-invariant mode relies on them) run in LANES
+ * partial sums, element i into lane i % LANES, then lanes_total's fixed tree. */
+#define LANES 16
+
+static inline float lanes_total(float lanes[LANES]) {
+    for (int width = LANES / 2; width > 0; width /= 2)
+        for (int i = 0; i < width; ++i) lanes[i] += lanes[i + width];
+    return lanes[0];
+}
+
 /* exp(x) for x <= 0 in float32 to about 2 ulp: 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2], p the degree-6
  * Taylor polynomial (its truncation error r^7/7! < 1.3e-7 relative). Plain arithmetic, so the loops that call it
  * vectorize (libm's expf would not without -ffast-math). Below -87.5 it returns 0 (float32's exp is under 1e-38

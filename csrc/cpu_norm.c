@@ -9,7 +9,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define LANES 16
+#include "cpu_math.h"
+
 
 static void norm_row(const float *x, const float *residual, const float *weight, float eps, int64_t hidden,
                      float *out, float *new_residual) {
@@ -22,9 +23,7 @@ static void norm_row(const float *x, const float *residual, const float *weight,
     for (; first + LANES <= hidden; first += LANES)
         for (int i = 0; i < LANES; ++i) lanes[i] += x[first + i] * x[first + i];
     for (int i = 0; first + i < hidden; ++i) lanes[i] += x[first + i] * x[first + i];
-    for (int width = LANES / 2; width > 0; width /= 2)
-        for (int i = 0; i < width; ++i) lanes[i] += lanes[i + width];
-    const float scale = 1.0f / sqrtf(lanes[0] / (float)hidden + eps);
+    const float scale = 1.0f / sqrtf(lanes_total(lanes) / (float)hidden + eps);
     for (int64_t h = 0; h < hidden; ++h) out[h] = weight[h] * (x[h] * scale);
 }
 
