@@ -14,13 +14,8 @@ from rollout_service.ops import cpu_ext
 from rollout_service.ops.attention import AttentionMetadata, make_metadata, write_kv
 
 
-def available(t: torch.Tensor) -> bool:
-    """Whether the kernel takes this tensor's kind: float32 on the CPU, where the kernels build."""
-    return t.device.type == "cpu" and t.dtype == torch.float32 and cpu_ext.load() is not None
-
-
 def applies(q: torch.Tensor, kv_layer: torch.Tensor) -> bool:
-    return available(q) and available(kv_layer) and kv_layer.is_contiguous()  # (an engine's layers always are)
+    return cpu_ext.takes(q, kv_layer) and kv_layer.is_contiguous()  # (an engine's layers always are)
 
 
 def attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:

@@ -19,7 +19,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-import torch  # noqa: F401 - loads torch's libgomp first, so the kernels' OpenMP is torch's (one thread pool)
+import torch  # (imported first, it loads torch's libgomp: the kernels' OpenMP is torch's, one thread pool)
 
 from rollout_service.ops._ext import CSRC, cache_root
 
@@ -32,6 +32,11 @@ HEADERS = ("cpu_math.h",)
 
 def enabled() -> bool:
     return os.environ.get(ENV, "1") not in ("0", "false", "off")
+
+
+def takes(*tensors: torch.Tensor) -> bool:
+    """Whether the kernels take these tensors: float32 on the CPU, where the kernels build."""
+    return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors) and load() is not None
 
 
 def _cpu_identity() -> str:

@@ -8,11 +8,9 @@ from rollout_service.ops import cpu_ext
 
 
 def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_sin: torch.Tensor, kv_layer: torch.Tensor) -> bool:
-    tensors = (q, k, v, cos_sin, kv_layer)
-    return (all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
-            and all(t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] for t in (q, k, v))
+    return (all(t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] for t in (q, k, v))
             and cos_sin.is_contiguous() and kv_layer.is_contiguous() and q.shape[-1] % 2 == 0
-            and cpu_ext.load() is not None)
+            and cpu_ext.takes(q, k, v, cos_sin, kv_layer))
 
 
 def check(positions: torch.Tensor, slot_mapping: torch.Tensor, cos_sin: torch.Tensor, kv_layer: torch.Tensor) -> tuple:

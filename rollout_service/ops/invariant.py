@@ -33,7 +33,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from rollout_service.ops import attention as attention_ref
-from rollout_service.ops import cpu_attention, cpu_linear, moe
+from rollout_service.ops import cpu_attention, cpu_ext, cpu_linear, moe
 from rollout_service.ops.torch_ops import TorchOps
 
 ROW_TILE = 16
@@ -367,7 +367,7 @@ class InvariantOps(TorchOps):
         rotated), as the engine computes them: the learner's forward (rollout_service.training.InvariantForward)."""
         positions = torch.cat([torch.arange(n, device=q.device) for n in lens])
         q, k = self.rope(q, k, positions, cos_sin)
-        if cpu_attention.available(q) and cpu_attention.available(k):  # the engine's attention here
+        if cpu_ext.takes(q, k):  # the engine's attention here (cpu_attention.applies to its cache)
             return cpu_attention.causal(q, k, v, lens, scale)
         keys, values = padded_per_sequence(k, lens), padded_per_sequence(v, lens)
         return block_attention_forward(q, keys, values, lens, lens, scale).to(q.dtype)
