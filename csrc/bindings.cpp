@@ -257,6 +257,159 @@ void gemv(at::Tensor out, at::Tensor x, at::Tensor weight, std::optional<at::Ten
   check_launch(rk::gemv(p, c10::cuda::getCurrentCUDAStream().stream()), "gemv");
 }
 
+// ---- mixture of experts ----------------------------------------------------------------------------
+
+void check_ids(const at::Tensor& ids, const at::Tensor& ref) {
+  check_cuda(ids, "ids", ref);
+  TORCH_CHECK_VALUE(ids.scalar_type() == at::kInt && ids.dim() == 2 && ids.is_contiguous(),
+                    "ids must be a contiguous int32 [tokens, top_k] tensor, got ", ids.scalar_type(), " ", ids.sizes());
+  TORCH_CHECK_VALUE(ids.size(1) >= 1 && ids.size(1) <= rk::kMoeMaxTopK, "top_k must be in 1..", rk::kMoeMaxTopK,
+                    ", got ", ids.size(1));
+}
+
+void check_stacked(const at::Tensor& w, const char* name, const at::Tensor& x) {
+  check_cuda(w, name, x);
+  check_same_dtype(w, name, x);
+  TORCH_CHECK_VALUE(w.dim() == 3 && w.is_contiguous() && aligned16(w), name,
+                    " must be a contiguous 16-byte aligned [experts, out, in] tensor, got ", w.sizes());
+}
+
+// (ids int32 [T, k], weights float32 [T, k]) of router logits [T, E]; with record ([slots, k] uint8 or int16,
+// unit last stride) and slots (int64 [T]), the ids are also written at each token's slot.
+std::tuple<at::Tensor, at::Tensor> moe_route(at::Tensor logits, int64_t top_k, bool renormalize,
+                                             std::optional<at::Tensor> record, std::optional<at::Tensor> slots) {
+  rk::MoeRouteParams p;
+  p.dtype = half_dtype(logits, "logits");
+  check_cuda(logits, "logits", logits);
+  TORCH_CHECK_VALUE(logits.dim() == 2 && logits.stride(1) == 1, "logits must be [tokens, experts] with contiguous rows");
+  TORCH_CHECK_VALUE(logits.size(1) >= 1 && logits.size(1) <= rk::kMoeMaxExperts, "experts must be in 1..",
+                    rk::kMoeMaxExperts, ", got ", logits.size(1));
+  TORCH_CHECK_VALUE(top_k >= 1 && top_k <= std::min<int64_t>(rk::kMoeMaxTopK, logits.size(1)), "top_k must be in 1..",
+                    std::min<int64_t>(rk::kMoeMaxTopK, logits.size(1)), ", got ", top_k);
+  TORCH_CHECK_VALUE(record.has_value() == slots.has_value(), "record and slots come together");
+  if (record) {
+    check_cuda(*record, "record", logits);
+    const bool wide = record->scalar_type() == at::kShort;
+    TORCH_CHECK_VALUE(wide || record->scalar_type() == at::kByte, "record must be uint8 or int16, got ",
+                      record->scalar_type());
+    TORCH_CHECK_VALUE(record->dim() == 2 && record->size(1) == top_k && record->stride(1) == 1,
+                      "record must be [slots, ", top_k, "] with a unit last stride, got ", record->sizes());
+    check_index(*slots, "slots", at::kLong, logits);
+    TORCH_CHECK_VALUE(slots->size(0) == logits.size(0), "slots has ", slots->size(0), " entries for ",
+                      logits.size(0), " tokens");
+    p.record = record->data_ptr();
+    p.record_stride = record->stride(0);
+    p.record_wide = wide;
+    p.slots = slots->data_ptr<int64_t>();
+  }
+  const c10::cuda::CUDAGuard guard(logits.device());
+  at::Tensor ids = at::empty({logits.size(0), top_k}, logits.options().dtype(at::kInt));
+  at::Tensor weights = at::empty({logits.size(0), top_k}, logits.options().dtype(at::kFloat));
+  p.logits = logits.data_ptr();
+  p.logits_stride = logits.stride(0);
+  p.ids = ids.data_ptr<int>();
+  p.weights = weights.data_ptr<float>();
+  p.tokens = static_cast<int>(logits.size(0));
+  p.experts = static_cast<int>(logits.size(1));
+  p.top_k = static_cast<int>(top_k);
+  p.renormalize = renormalize;
+  check_launch(rk::moe_route(p, c10::cuda::getCurrentCUDAStream().stream()), "moe_route");
+  return {ids, weights};
+}
+
+// Each (token, slot) row through its own expert's weight [E, n (2n when gated), k]: x is [tokens, k] (the first
+// product: row r reads token r / top_k) or [tokens * top_k, k] (the second); out [tokens * top_k, n].
+at::Tensor moe_gemv(at::Tensor x, at::Tensor weight, at::Tensor ids, bool gated) {
+  rk::GemvParams p;
+  p.dtype = half_dtype(x, "x");
+  check_ids(ids, x);
+  check_stacked(weight, "weight", x);
+  const int64_t rows = ids.numel();
+  TORCH_CHECK_VALUE(rows <= 65535, "moe_gemv takes at most 65535 rows, got ", rows);
+  TORCH_CHECK_VALUE(x.dim() == 2 && x.stride(1) == 1 && x.stride(0) % 8 == 0 && aligned16(x) && x.size(1) % 8 == 0 &&
+                        x.size(1) == weight.size(2),
+                    "x must have contiguous 16-byte aligned rows of ", weight.size(2), " elements, got ", x.sizes());
+  TORCH_CHECK_VALUE(x.size(0) == ids.size(0) || x.size(0) == rows, "x must have one row per token (", ids.size(0),
+                    ") or per slot (", rows, "), got ", x.size(0));
+  TORCH_CHECK_VALUE(!gated || weight.size(1) % 2 == 0, "a gated weight needs an even number of rows");
+  const int64_t n = gated ? weight.size(1) / 2 : weight.size(1);
+  const c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor out = at::empty({rows, n}, x.options());
+  p.x = x.data_ptr();
+  p.weight = weight.data_ptr();
+  p.out = out.data_ptr();
+  p.n = static_cast<int>(n);
+  p.k = static_cast<int>(x.size(1));
+  p.gated = gated;
+  p.rows = static_cast<int>(rows);
+  p.x_div = x.size(0) == rows ? 1 : static_cast<int>(ids.size(1));
+  p.x_stride = x.stride(0);
+  p.out_stride = n;
+  p.expert_ids = ids.data_ptr<int>();
+  p.expert_stride = weight.stride(0);
+  p.split = rk::gemv_split(n * rows, p.k, static_cast<int>(num_sms(x)));
+  check_launch(rk::gemv(p, c10::cuda::getCurrentCUDAStream().stream()), "moe_gemv");
+  return out;
+}
+
+// (grouped [T * k, H], offsets int32 [E], position int32 [T * k]) of x [T, H] under ids [T, k] (see kernels.h).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_permute(at::Tensor x, at::Tensor ids, int64_t num_experts) {
+  rk::MoePermuteParams p;
+  p.dtype = half_dtype(x, "x");
+  check_ids(ids, x);
+  TORCH_CHECK_VALUE(x.dim() == 2 && x.size(0) == ids.size(0) && x.stride(1) == 1 && x.stride(0) % 8 == 0 &&
+                        aligned16(x) && x.size(1) % 8 == 0,
+                    "x must be [", ids.size(0), ", hidden] with contiguous 16-byte aligned rows, hidden % 8 == 0; got ",
+                    x.sizes());
+  TORCH_CHECK_VALUE(num_experts >= 1 && num_experts < 65536, "num_experts must be in 1..65535, got ", num_experts);
+  TORCH_CHECK_VALUE(ids.numel() < (int64_t(1) << 31), "too many rows: ", ids.numel());
+  const c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor grouped = at::empty({ids.numel(), x.size(1)}, x.options());
+  at::Tensor offsets = at::empty({num_experts}, ids.options());
+  at::Tensor position = at::empty({ids.numel()}, ids.options());
+  p.ids = ids.data_ptr<int>();
+  p.x = x.data_ptr();
+  p.x_stride = x.stride(0);
+  p.grouped = grouped.data_ptr();
+  p.offsets = offsets.data_ptr<int>();
+  p.position = position.data_ptr<int>();
+  p.slots = static_cast<int>(ids.numel());
+  p.top_k = static_cast<int>(ids.size(1));
+  p.experts = static_cast<int>(num_experts);
+  p.hidden = static_cast<int>(x.size(1));
+  check_launch(rk::moe_permute(p, c10::cuda::getCurrentCUDAStream().stream()), "moe_permute");
+  return {grouped, offsets, position};
+}
+
+// [T, H]: the weighted sum over each token's k rows of y [T * k, H] (rows position[t * k + s], or t * k + s).
+at::Tensor moe_combine(at::Tensor y, std::optional<at::Tensor> position, at::Tensor weights) {
+  rk::MoeCombineParams p;
+  p.dtype = half_dtype(y, "y");
+  check_cuda(weights, "weights", y);
+  TORCH_CHECK_VALUE(weights.scalar_type() == at::kFloat && weights.dim() == 2 && weights.is_contiguous() &&
+                        weights.size(1) >= 1,
+                    "weights must be a contiguous float32 [tokens, top_k] tensor, got ", weights.sizes());
+  TORCH_CHECK_VALUE(y.dim() == 2 && y.is_contiguous() && aligned16(y) && y.size(1) % 8 == 0 &&
+                        y.size(0) == weights.numel(),
+                    "y must be a contiguous [", weights.numel(), ", hidden] tensor with hidden % 8 == 0, got ", y.sizes());
+  if (position) {
+    check_index(*position, "position", at::kInt, y);
+    TORCH_CHECK_VALUE(position->size(0) == y.size(0), "position needs ", y.size(0), " entries");
+    p.position = position->data_ptr<int>();
+  }
+  const c10::cuda::CUDAGuard guard(y.device());
+  at::Tensor out = at::empty({weights.size(0), y.size(1)}, y.options());
+  p.y = y.data_ptr();
+  p.weights = weights.data_ptr<float>();
+  p.out = out.data_ptr();
+  p.out_stride = out.stride(0);
+  p.tokens = weights.size(0);
+  p.top_k = static_cast<int>(weights.size(1));
+  p.hidden = static_cast<int>(y.size(1));
+  check_launch(rk::moe_combine(p, c10::cuda::getCurrentCUDAStream().stream()), "moe_combine");
+  return out;
+}
+
 // ---- batch-invariant linear layers -----------------------------------------------------------------
 
 // out = x @ weight.T (+ bias) as x.size(0) / rows cuBLAS products of exactly `rows` rows (the caller pads x).
@@ -491,6 +644,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_kv", &write_kv, "store k, v [T, Hk, D] in the paged cache at slot_mapping");
   m.def("rope_write_kv", &rope_write_kv, "RoPE of q, k in place + store rotated k and v in the cache");
   m.def("gemv", &gemv, "out = x @ weight.T (+ bias) for one row; gated: silu(gate) * up of the fused gate_up");
+  m.def("moe_route", &moe_route, "(ids, weights) of router logits: float32 softmax, top-k, optional renormalisation; "
+        "optionally recorded at the tokens' KV slots");
+  m.def("moe_gemv", &moe_gemv, "each (token, slot) row through its expert's weight (small batches)");
+  m.def("moe_permute", &moe_permute, "(grouped rows, cumulative offsets, position) of tokens in expert order");
+  m.def("moe_combine", &moe_combine, "weighted sum of each token's expert outputs in slot order, float32");
   m.def("fixed_rows_linear", &fixed_rows_linear,
         "out = x @ weight.T (+ bias) as cuBLAS products of exactly `rows` rows each (batch-invariant mode)");
   m.def("decode_num_splits", &decode_num_splits,

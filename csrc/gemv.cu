@@ -8,7 +8,10 @@
 // a warp reduce and then across the split warps in a fixed order, and rounded once, so results agree with a
 // float32-accumulating GEMM up to summation order.
 //
-// Batch 1 only: on CUDA cores the x loads and FMAs grow with the batch; at batch 2 the llama3-8b layers were
+// Rows (blockIdx.y) serve the mixture-of-experts slots of a small decode batch: each slot row streams its own
+// expert's weight, so rows share no weight reads for the tensor cores to amortise.
+//
+// Batch 1 only for dense layers: on CUDA cores the x loads and FMAs grow with the batch; at batch 2 the llama3-8b layers were
 // already slower than cuBLAS, at batch 8 about half its speed. A tensor-core variant (16 columns per warp)
 // was latency bound at 50-57% of bandwidth at every batch (H200: csrc/NOTES.md).
 //
@@ -69,12 +72,16 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(const GemvParams p) {
   const int col = blockIdx.x * (kWarps / p.split) + warp / p.split;
   const int part = warp % p.split;
   const int vecs = p.k / kVec;
+  const int row = blockIdx.y;
+  const T* weight = static_cast<const T*>(p.weight);
+  if (p.expert_ids != nullptr) weight += p.expert_ids[row] * p.expert_stride;
 
   // Columns past n (in the last CTA) read row 0 and are not stored.
   const T* w[R];
 #pragma unroll
-  for (int r = 0; r < R; ++r) w[r] = static_cast<const T*>(p.weight) + (int64_t(col < p.n ? col : 0) + r * p.n) * p.k;
-  const T* x = static_cast<const T*>(p.x);
+  for (int r = 0; r < R; ++r) w[r] = weight + (int64_t(col < p.n ? col : 0) + r * p.n) * p.k;
+  const T* x = static_cast<const T*>(p.x) + (row / p.x_div) * p.x_stride;
+  void* out = static_cast<char*>(p.out) + row * p.out_stride * (p.out_float ? 4 : 2);
 
   float acc[R] = {};
   const int step = 32 * p.split;
@@ -110,20 +117,20 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(const GemvParams p) {
   if constexpr (kGated) {
     // As TorchOps.gated_linear: the projection rounded to T, silu rounded to T, the product rounded to T.
     const float gate = round_to<T>(y[0]), up = round_to<T>(y[R - 1]);
-    store<Out>(p.out, col, round_to<T>(gate / (1.f + expf(-gate))) * up);
+    store<Out>(out, col, round_to<T>(gate / (1.f + expf(-gate))) * up);
   } else {
-    store<Out>(p.out, col, y[0]);
+    store<Out>(out, col, y[0]);
   }
 }
 
 }  // namespace
 
-int gemv_split(int n, int k, int num_sms) {
+int gemv_split(int64_t columns, int k, int num_sms) {
   // Split K over more warps while the chip still has room for them (64 warps per SM) and each warp keeps at
   // least two rounds of kUnroll loads per lane.
   const int vecs = k / kVec;
   int split = 1;
-  while (split < kWarps && int64_t(n) * split * 2 <= int64_t(num_sms) * 64 && vecs >= 32 * kUnroll * split * 2) {
+  while (split < kWarps && columns * split * 2 <= int64_t(num_sms) * 64 && vecs >= 32 * kUnroll * split * 2) {
     split *= 2;
   }
   return split;
@@ -131,11 +138,12 @@ int gemv_split(int n, int k, int num_sms) {
 
 cudaError_t gemv(const GemvParams& p, cudaStream_t stream) {
   if (p.k <= 0 || p.k % kVec != 0 || p.n < 0 || p.split < 1 || p.split > kWarps || (p.split & (p.split - 1)) != 0 ||
-      (p.gated && p.out_float)) {
+      (p.gated && p.out_float) || p.rows < 0 || p.rows > 65535 || p.x_div < 1 ||
+      (p.expert_ids != nullptr && p.bias != nullptr)) {
     return cudaErrorInvalidValue;
   }
-  if (p.n == 0) return cudaSuccess;
-  const unsigned blocks = unsigned((int64_t(p.n) * p.split + kWarps - 1) / kWarps);
+  if (p.n == 0 || p.rows == 0) return cudaSuccess;
+  const dim3 blocks(unsigned((int64_t(p.n) * p.split + kWarps - 1) / kWarps), unsigned(p.rows));
   return ROLLOUT_DISPATCH_HALF(p.dtype, T, [&] {
     if (p.gated) {
       gemv_kernel<T, true, T><<<blocks, kThreads, 0, stream>>>(p);

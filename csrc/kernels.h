@@ -92,18 +92,76 @@ cudaError_t prefill_attention_sm90(const PrefillParams& p, cudaStream_t stream);
 // Linear layers of a batch-1 decode step: out[n] = x . weight[n] (+ bias[n]), float32 sums rounded once.
 // gated: weight is the fused [2N, k] gate_up projection and out[n] = silu(y[n]) * y[N + n], each step
 // rounded to the dtype as the torch reference does.
+//
+// Several rows (mixture-of-experts slots at small batches): row r reads x row r / x_div and writes out row r,
+// with the weight of expert expert_ids[r] (weight + expert_ids[r] * expert_stride) when expert_ids is set.
 struct GemvParams {
-  const void* x = nullptr;       // [k], 16-byte aligned
+  const void* x = nullptr;       // [k] per row, 16-byte aligned
   const void* weight = nullptr;  // [n, k] ([2n, k] when gated), contiguous, 16-byte aligned
   const void* bias = nullptr;    // [n] ([2n] when gated) or null
-  void* out = nullptr;           // [n]: float32 when out_float, else the dtype
+  void* out = nullptr;           // [n] per row: float32 when out_float, else the dtype
   int n = 0, k = 0;
   int split = 1;  // warps per output column (gemv_split)
   bool gated = false, out_float = false;
   DType dtype = DType::kBFloat16;
+  int rows = 1, x_div = 1;       // rows <= 65535 (a grid dimension)
+  int64_t x_stride = 0, out_stride = 0;
+  const int* expert_ids = nullptr;  // [rows] or null (every row the one weight)
+  int64_t expert_stride = 0;        // elements from one expert's weight to the next
 };
-int gemv_split(int n, int k, int num_sms);
+// columns: n times the rows.
+int gemv_split(int64_t columns, int k, int num_sms);
 cudaError_t gemv(const GemvParams& p, cudaStream_t stream);
+
+// Mixture-of-experts around the grouped products (csrc/moe.cu; the semantics: ops/moe.py).
+constexpr int kMoeMaxExperts = 512;
+constexpr int kMoeMaxTopK = 16;
+
+// ids / weights [tokens, top_k] of router logits [tokens, experts] (the model dtype): float32 softmax, top-k,
+// optionally renormalised. With record set, ids also go to record[slots[t] * record_stride + s] (uint8, or
+// int16 holding uint16 bits when record_wide) for every token whose slot is >= 0.
+struct MoeRouteParams {
+  const void* logits = nullptr;
+  int64_t logits_stride = 0;
+  int* ids = nullptr;
+  float* weights = nullptr;
+  void* record = nullptr;
+  const int64_t* slots = nullptr;
+  int64_t record_stride = 0;
+  bool record_wide = false, renormalize = false;
+  int tokens = 0, experts = 0, top_k = 0;
+  DType dtype = DType::kBFloat16;
+};
+cudaError_t moe_route(const MoeRouteParams& p, cudaStream_t stream);
+
+// The (token, slot) rows in expert order, stably: offsets[e] = rows routed to experts 0..e (cumulative ends, as
+// torch._grouped_mm takes them), position[t * top_k + s] = the grouped row of (t, s), and grouped[position] =
+// x[t]. ids [slots = tokens * top_k] int32 in [0, experts).
+struct MoePermuteParams {
+  const int* ids = nullptr;
+  const void* x = nullptr;  // [tokens, hidden], rows x_stride apart, 16-byte aligned
+  int64_t x_stride = 0;
+  void* grouped = nullptr;  // [slots, hidden], contiguous
+  int* offsets = nullptr;   // [experts]
+  int* position = nullptr;  // [slots]
+  int slots = 0, top_k = 0, experts = 0, hidden = 0;
+  DType dtype = DType::kBFloat16;
+};
+cudaError_t moe_permute(const MoePermuteParams& p, cudaStream_t stream);
+
+// out[t] = sum over s of weights[t, s] * y[position[t * top_k + s]] (y row t * top_k + s when position is null),
+// in float32 in slot order, rounded once.
+struct MoeCombineParams {
+  const void* y = nullptr;  // [rows, hidden], contiguous
+  const int* position = nullptr;
+  const float* weights = nullptr;  // [tokens, top_k]
+  void* out = nullptr;             // [tokens, hidden], rows out_stride apart
+  int64_t out_stride = 0;
+  int64_t tokens = 0;
+  int top_k = 0, hidden = 0;
+  DType dtype = DType::kBFloat16;
+};
+cudaError_t moe_combine(const MoeCombineParams& p, cudaStream_t stream);
 
 constexpr int kPageSize = 16;  // the attention kernels' page size (one 16-token MMA tile per page)
 constexpr int kMaxGroupSize = 16;  // decode packs a KV head's query heads into one 16-row MMA tile
