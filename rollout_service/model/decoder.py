@@ -229,10 +229,10 @@ class DecoderLM(nn.Module):
 
     def cuda_graph_blocker(self) -> str | None:
         """Why decode steps of this model cannot be captured in a CUDA graph, or None if they can."""
-        if self.moe is not None and not self.ops.moe_graph_safe:
-            return (f"the {self.ops.name} ops' mixture-of-experts layers read the tokens per expert on the host, "
-                    "which a CUDA graph cannot capture")
-        return None
+        if self.moe is None:
+            return None
+        weight = self.lm_head.weight
+        return self.ops.moe_graph_blocker(weight.dtype, weight.device)
 
     def kv_cache_spec(self) -> tuple[int, int, int]:
         """(num_layers, num_kv_heads, head_dim) for allocating the paged KV cache."""

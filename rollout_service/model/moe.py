@@ -11,11 +11,14 @@ then writes each row's expert ids at the step's KV slots, as attention writes th
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
 from rollout_service.model.registry import MoeSpec
 from rollout_service.ops.backend import Ops
+from rollout_service.ops.cuda_moe import invariant_blocker
 
 
 class Router(nn.Module):
@@ -53,18 +56,21 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, slots: torch.Tensor | None = None) -> torch.Tensor:
         """slots: the rows' KV slots (int64 [T]), where their expert ids are recorded when there is a store."""
-        ids, weights = self.route(x)
-        if self.routed is not None and slots is not None:
-            # an index_put at device-side indices: no host sync, so a decode step stays capturable
-            self.routed[slots] = ids.to(self.routed.dtype)
+        record = self.routed if slots is not None else None
+        ids, weights = self.ops.moe_route(x, self.gate.weight, self.top_k, self.renormalize, record, slots)
         return self.ops.moe_experts(x, ids, weights, self.experts.gate_up_proj, self.experts.down_proj)
 
 
-def check_moe_backend(spec: MoeSpec | None, model_type: str, backend: str, batch_invariant: bool) -> None:
-    """ValueError for batch_invariant on the cuda backend with MoE layers: that backend's MoE ops are the
-    torch reference's (ops/moe.py), whose per-expert GEMMs take as many rows as the batch routes to the
-    expert, so a token's bits would follow its batch mates; the torch backend's invariant MoE is exact."""
-    if spec is not None and batch_invariant and backend == "cuda":
-        raise ValueError(f"batch_invariant on the cuda backend does not cover mixture-of-experts models "
-                         f"({model_type}: {len(spec.sparse_layers)} MoE layers); use backend 'torch' (slower) "
-                         "or batch_invariant off")
+def check_moe_backend(spec: MoeSpec | None, config: Any, backend: str, batch_invariant: bool,
+                      dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> None:
+    """ValueError for batch_invariant on the cuda backend with MoE layers it cannot make invariant: its experts run
+    as grouped products (ops/cuda_moe.py), which need bfloat16 and a Hopper GPU; the torch backend's invariant
+    MoE runs anywhere."""
+    if spec is None or not batch_invariant or backend != "cuda":
+        return
+    why = invariant_blocker(config.hidden_size, spec.expert_intermediate_size, spec.num_experts, spec.top_k, dtype,
+                            device)
+    if why:
+        raise ValueError(f"batch_invariant on the cuda backend does not cover this mixture-of-experts model "
+                         f"({config.model_type}: {len(spec.sparse_layers)} MoE layers): {why}; use backend 'torch' "
+                         "(slower) or batch_invariant off")

@@ -16,7 +16,7 @@ import logging
 
 import torch
 
-from rollout_service.ops import attention as attention_ref
+from rollout_service.ops import attention as attention_ref, cuda_moe
 from rollout_service.ops._ext import load_kernels
 from rollout_service.ops.torch_ops import TorchOps
 
@@ -135,6 +135,28 @@ class CudaOps(TorchOps):
         out = hidden.new_empty(hidden.shape[0], weight.shape[0], dtype=torch.float32)
         self.kernels.gemv(out, hidden, weight, None, False)
         return out
+
+    # ---- mixture of experts (ops/cuda_moe.py) ------------------------------------------------------
+
+    def moe_route(self, x: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: bool,
+                  record: torch.Tensor | None = None,
+                  slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        why = cuda_moe.route_blocker(x, weight, top_k)
+        if why:
+            self._fallback("moe_route", why)
+            return super().moe_route(x, weight, top_k, renormalize, record, slots)
+        return self.kernels.moe_route(self.linear(x, weight), top_k, renormalize, record, slots)
+
+    def moe_experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+                    down: torch.Tensor) -> torch.Tensor:
+        why = cuda_moe.experts_blocker(x, ids, weights, gate_up, down)
+        if why:
+            self._fallback("moe_experts", why)
+            return super().moe_experts(x, ids, weights, gate_up, down)
+        return cuda_moe.experts(self.kernels, x, ids, weights, gate_up, down)
+
+    def moe_graph_blocker(self, dtype: torch.dtype, device: torch.device) -> str | None:
+        return cuda_moe.graph_blocker(dtype, device)
 
     # ---- rope / kv write ---------------------------------------------------------------------------
 

@@ -341,10 +341,13 @@ class InvariantOps(TorchOps):
         values, tokens = x.max(dim=1)
         return tokens, values, self.logsumexp(x)
 
-    def moe_route(self, x: torch.Tensor, weight: torch.Tensor, top_k: int,
-                  renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def moe_route(self, x: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: bool,
+                  record: torch.Tensor | None = None,
+                  slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The router's logits on row tiles; softmax and top-k are row-local."""
-        return moe.route(x, weight, top_k, renormalize, product=linear)
+        ids, weights = moe.route(x, weight, top_k, renormalize, product=linear)
+        moe.record(record, slots, ids)
+        return ids, weights
 
     def moe_experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
                     down: torch.Tensor) -> torch.Tensor:

@@ -19,14 +19,19 @@ Where the fast CUDA path depends on the batch, and what this one does instead:
 - torch's logsumexp on a [B, V] tensor splits rows across blocks when B is small; the sampler's normaliser here
   is the fused argmax/logsumexp kernel, whose chunks follow the vocabulary only.
 
-Norms, RoPE, the KV write and SiLU kernels are row-local already (one CTA per row, a config from the hidden size).
-Supported: bf16/fp16 weights, head_dim 64 or 128, page_size 16 (check_model says what is not).
+- Mixture-of-experts layers: the router product as every product; softmax and top-k are row-local; the experts
+  as grouped products of one CUTLASS configuration (ops/cuda_moe.py invariant_experts), never the gemv rows the fast
+  path takes at small batches.
+
+Norms, RoPE, the KV write, SiLU and the MoE combine kernels are row-local already (one CTA per row, a config from
+the hidden size). Supported: bf16/fp16 weights (bf16 for MoE models, on Hopper), head_dim 64 or 128, page_size 16
+(check_model and model/moe.py check_moe_backend say what is not).
 """
 from __future__ import annotations
 
 import torch
 
-from rollout_service.ops import attention as attention_ref
+from rollout_service.ops import attention as attention_ref, cuda_moe, moe
 from rollout_service.ops.cuda_ops import _HALF, HEAD_DIMS, MAX_DECODE_GROUP, MAX_ROWS, PAGE_SIZE, CudaOps
 from rollout_service.ops.torch_ops import TorchOps
 
@@ -141,6 +146,24 @@ class CudaInvariantOps(CudaOps):
             self.kernels.fixed_rows_linear(narrow, x, weight, bias, GEMM_ROWS)
             self._wide[key] = torch.equal(wide, narrow)
         return self._wide[key]
+
+    # ---- mixture of experts: grouped products of one configuration (ops/cuda_moe.py) ------------------
+
+    def moe_route(self, x: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: bool,
+                  record: torch.Tensor | None = None,
+                  slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The reference's routing over the fixed-shape router product: softmax and top-k are row-local, and the
+        learner's replay (moe.route_weights) gathers the very same softmax."""
+        ids, weights = moe.route(x, weight, top_k, renormalize, product=self.linear)
+        moe.record(record, slots, ids)
+        return ids, weights
+
+    def moe_experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+                    down: torch.Tensor) -> torch.Tensor:
+        why = cuda_moe.experts_blocker(x, ids, weights, gate_up, down, grouped_only=True)
+        if why:
+            raise ValueError(f"batch-invariant mixture-of-experts: {why} (see CudaInvariantOps.check_model)")
+        return cuda_moe.invariant_experts(self.kernels, x, ids, weights, gate_up, down)
 
     # ---- the sampler's normaliser ------------------------------------------------------------------
 

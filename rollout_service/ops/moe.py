@@ -34,6 +34,13 @@ def route(x: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: bool,
     return ids.to(torch.int32), _renormalized(weights) if renormalize else weights
 
 
+def record(table: torch.Tensor | None, slots: torch.Tensor | None, ids: torch.Tensor) -> None:
+    """Routing replay's record: the rows' expert ids written at their KV slots in `table` [slots, k] (an index_put
+    at device-side indices: no host sync, so a decode step stays capturable). Nothing without a table."""
+    if table is not None and slots is not None:
+        table[slots] = ids.to(table.dtype)
+
+
 def route_weights(x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, renormalize: bool,
                   product: Product = F.linear) -> torch.Tensor:
     """float32 [T, k]: route's weights of the given experts ids [T, k], differentiable (the math a learner's

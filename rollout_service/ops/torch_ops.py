@@ -15,9 +15,6 @@ def _capturing(t: torch.Tensor) -> bool:
 
 class TorchOps:
     name = "torch"
-    # moe_experts reads each expert's row count on the host (ops/moe.py): a decode step with MoE layers cannot
-    # be captured in a CUDA graph. A backend whose MoE ops stay on the device sets this True.
-    moe_graph_safe = False
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if cpu_norm.applies(x, weight):  # one C pass per row (ops/cpu_norm.py)
@@ -54,10 +51,20 @@ class TorchOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
-    def moe_route(self, x: torch.Tensor, weight: torch.Tensor, top_k: int,
-                  renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """(expert ids int32 [T, k], weights float32 [T, k]) of x [T, H] under router weight [E, H] (ops/moe.py)."""
-        return moe.route(x, weight, top_k, renormalize)
+    def moe_route(self, x: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: bool,
+                  record: torch.Tensor | None = None,
+                  slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(expert ids int32 [T, k], weights float32 [T, k]) of x [T, H] under router weight [E, H] (ops/moe.py);
+        with a routing table `record` [num_slots, k], the ids are also written at the rows' KV `slots`."""
+        ids, weights = moe.route(x, weight, top_k, renormalize)
+        moe.record(record, slots, ids)
+        return ids, weights
+
+    def moe_graph_blocker(self, dtype: torch.dtype, device: torch.device) -> str | None:
+        """Why a decode step with MoE layers cannot be captured in a CUDA graph with these ops (None: it can).
+        Here moe_experts reads each expert's row count on the host (ops/moe.py)."""
+        return (f"the {self.name} ops' mixture-of-experts layers read the tokens per expert on the host, which a "
+                "CUDA graph cannot capture")
 
     def moe_experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
                     down: torch.Tensor) -> torch.Tensor:
