@@ -46,7 +46,8 @@ class EngineConfig:
     GPU, from `gpu_memory_utilization` of the free memory)."""
 
     model: Any = "smollm2-135m"
-    # "dummy": read only the model's config, random weights (the first refresh brings the real ones)
+    # "dummy": read only the model's config, random weights (the first refresh brings the real ones); "share": a
+    # live transformers model's own tensors are the engine's weights, not a copy (model/shared_weights.py)
     load_format: str = "auto"
     backend: str = "auto"
     dtype: str | None = None
@@ -94,8 +95,8 @@ class EngineConfig:
         c = "EngineConfig"
         if self.quantization not in (None, "fp8"):
             _fail(c, "quantization", self.quantization, "must be None or 'fp8'")
-        if self.load_format not in ("auto", "dummy"):
-            _fail(c, "load_format", self.load_format, "must be 'auto' or 'dummy'")
+        if self.load_format not in ("auto", "dummy", "share"):
+            _fail(c, "load_format", self.load_format, "must be 'auto', 'dummy' or 'share'")
         if self.backend not in ENGINE_BACKENDS:
             _fail(c, "backend", self.backend, f"must be one of {ENGINE_BACKENDS}")
         if self.dtype not in DTYPES:

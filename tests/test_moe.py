@@ -8,7 +8,7 @@ from tiny_models import tiny_hf_model
 
 from rollout_service.model import DecoderLM, load_model, moe_spec
 from rollout_service.model.moe import SparseMoeBlock, check_moe_backend
-from rollout_service.ops import moe
+from rollout_service.ops import cuda_moe, moe
 from rollout_service.ops.invariant import InvariantOps
 
 # name -> (model_type, config overrides, the decoder layers transformers makes sparse)
@@ -130,19 +130,30 @@ def test_training_only_router_fields_change_nothing():
     assert (PagedRunner(ours(hf)).step({0: ids})[0] - hf_logits(hf, ids)).abs().max() < 1e-4
 
 
-def test_cuda_batch_invariant_refuses_moe_models():
-    spec = moe_spec(tiny_hf_model("qwen3_moe").config)
-    with pytest.raises(ValueError, match="batch_invariant on the cuda backend does not cover mixture-of-experts"):
-        check_moe_backend(spec, "qwen3_moe", "cuda", batch_invariant=True)
-    check_moe_backend(spec, "qwen3_moe", "cuda", batch_invariant=False)
-    check_moe_backend(spec, "qwen3_moe", "torch", batch_invariant=True)
-    check_moe_backend(None, "llama", "cuda", batch_invariant=True)
+def test_cuda_batch_invariant_on_moe_needs_bf16_and_a_hopper_gpu():
+    config = tiny_hf_model("qwen3_moe").config
+    spec = moe_spec(config)
+    with pytest.raises(ValueError, match="batch_invariant on the cuda backend does not cover .*dtype float16"):
+        check_moe_backend(spec, config, "cuda", True, torch.float16, "cuda")
+    with pytest.raises(ValueError, match="torch._grouped_mm needs a CUDA GPU"):
+        check_moe_backend(spec, config, "cuda", True, torch.bfloat16, "cpu")
+    check_moe_backend(spec, config, "cuda", batch_invariant=False)
+    check_moe_backend(spec, config, "torch", batch_invariant=True)
+    check_moe_backend(None, config, "cuda", batch_invariant=True)
+
+
+def test_the_cuda_moe_kernels_name_the_sizes_they_cannot_take():
+    assert cuda_moe.shape_blocker(2048, 768, 128, 8) is None
+    assert "multiples of 8" in cuda_moe.shape_blocker(100, 768, 128, 8)
+    assert "1024 experts" in cuda_moe.shape_blocker(2048, 768, 1024, 8)
+    assert "top-k 17" in cuda_moe.shape_blocker(2048, 768, 128, 17)
+    assert "bfloat16" in cuda_moe.graph_blocker(torch.float16, "cuda")
 
 
 def test_moe_models_skip_cuda_graphs_while_their_ops_sync_to_the_host():
     model = ours(moe_model("mixtral"))
     assert "CUDA graph" in model.cuda_graph_blocker()
-    model.ops.moe_graph_safe = True  # a backend whose MoE ops stay on the device
+    model.ops.moe_graph_blocker = lambda dtype, device: None  # a backend whose MoE ops stay on the device
     assert model.cuda_graph_blocker() is None
 
 

