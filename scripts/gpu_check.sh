@@ -9,7 +9,8 @@
 #   env: PYTHON (default python3), OUT, GPU_CHECK_BUDGET_S (default 530),
 #        GPU_CHECK_MODELS (default qwen2.5-0.5b,llama3-8b), GPU_CHECK_ARGS (extra harness arguments),
 #        GPU_CHECK_RESULTS (default benchmarks/results), GPU_CHECK_TAG (suffix of the result files),
-#        GPU_CHECK_BENCH (the benchmark steps, in order: default w7,rls,w6,w3,w4,w2p,wbi,main; the budget cuts the last ones)
+#        GPU_CHECK_BENCH (the benchmark steps, in order: default w7,rls,w6,w3,w4,w2p,wbi,main,moe; the budget cuts the
+#        last ones)
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -26,7 +27,7 @@ START=$(date +%s)
 LOG=${OUT:-/tmp}/gpu_check.log
 mkdir -p "$RESULTS" "$(dirname "$LOG")"
 MARK=$(mktemp); touch "$MARK"
-BENCH_STEPS=${GPU_CHECK_BENCH:-w7,rls,w6,w3,w4,w2p,wbi,main}
+BENCH_STEPS=${GPU_CHECK_BENCH:-w7,rls,w6,w3,w4,w2p,wbi,main,moe}
 left() { echo $(( BUDGET - ($(date +%s) - START) )); }
 wanted() { [[ ",$BENCH_STEPS," == *",$1,"* ]]; }
 declare -A STATUS
@@ -127,6 +128,19 @@ else
   echo "== bench: cut by the budget, only $(left)s left (choose steps with GPU_CHECK_BENCH)" | tee -a "$LOG"
 fi
 
+# The mixture-of-experts model, qwen3-30b-a3b (61 GB in bf16): the engine runs the transformers model's own tensors
+# (load_format=share), so the two fit one 80 GB GPU. WM (one layer's experts, each way the cuda backend can run
+# them), W2, W1, W5, WMF (the learner's recompute with and without routing replay) and WBI (bitwise mode's cost,
+# checked alone and against the learner on a sample). transformers' MoE forward loops over the experts with a host
+# sync each, the same cost at every step: its peers are timed on 32 new tokens (--peer-new-tokens), and the
+# static-cache and generate_batch peers are left out.
+MOE_S=$(( $(left) > 200 ? $(left) - 20 : 0 ))
+if wanted moe && [ "$MOE_S" -gt 0 ]; then
+  step bench_moe "$MOE_S" "$PY" scripts/bench.py --model qwen3-30b-a3b --workloads WM,W2,W1,W5,WMF,WBI \
+    --engine-opt load_format=share --peer-new-tokens 32 --skip hf_static --skip hf_generate_batch \
+    --shape wbi_check=4 --shape wbi_learner_check=16 --budget-s $(( MOE_S - 30 )) --out "$RESULTS" --tag "moe${TAG}"
+fi
+
 NEW=$(find "$RESULTS" -maxdepth 1 -type f -newer "$MARK" \( -name '*.json' -o -name '*.md' \))
 rm -f "$MARK"
 if [ -n "${OUT:-}" ] && [ -n "$NEW" ]; then
@@ -144,7 +158,7 @@ for f in $NEW; do case $f in *.md) cat "$f";; esac; done
 # green: the GPU tests (where the tree has them) passed, every benchmark step that ran passed, and one did run
 green=$([ "${STATUS[gpu_tests]:-0}" = 0 ] && echo 1 || echo 0)
 ran=0
-for b in bench_w7 bench_w6 bench_w3 bench_w4 bench_w2p bench_wbi bench; do
+for b in bench_w7 bench_w6 bench_w3 bench_w4 bench_w2p bench_wbi bench bench_moe; do
   case ${STATUS[$b]:-} in "") ;; 0) ran=1 ;; *) green=0 ;; esac
 done
 [ "$green" = 1 ] && [ "$ran" = 1 ]

@@ -16,8 +16,10 @@ from rollout_service.config import DTYPE_NAMES
 # the refreshed weights, which the engine and the peers then share just the same. W6 (an RL step in a Ray
 # service) needs only the model's config, so it runs before the model is loaded in this process. W7
 # (multi-turn episodes, prefix cache on vs off) and WDS (dynamic sampling's overhead) are the RL-rollout
-# features'. WBI: batch-invariant mode's cost on W2's and W2n's shapes and its bitwise check.
-WORKLOADS = ("W6", "W2", "W1", "W5", "W3", "W4", "W2n", "W2p", "W7", "WDS", "WBI")
+# features'. WBI: batch-invariant mode's cost on W2's and W2n's shapes and its bitwise check. WM (one MoE
+# layer's experts, each way the cuda backend can run them; config only) and WMF (an MoE learner's recompute with
+# and without routing replay) are the mixture-of-experts models'.
+WORKLOADS = ("W6", "WM", "W2", "W1", "W5", "WMF", "W3", "W4", "W2n", "W2p", "W7", "WDS", "WBI")
 DTYPES = DTYPE_NAMES
 
 
@@ -43,6 +45,9 @@ def parse_args(argv: list[str] | None, prog: str | None = None) -> argparse.Name
                    help="HF static cache + compile peer for W1 (auto: GPU only)")
     p.add_argument("--repeats", type=int, default=1,
                    help="runs of each W1/W2/W2n/W2p measurement, best kept (for a shared machine)")
+    p.add_argument("--peer-new-tokens", type=int, default=0,
+                   help="HF peers generate at most this many new tokens per sequence and their tok/s or ms/step "
+                        "is over those (default 0: as many as the engine); for peers whose steps all cost the same")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads for every contender (default: torch's own choice)")
     p.add_argument("--budget-s", type=float, default=None,

@@ -105,12 +105,18 @@ class BenchContext:
     deadline: float = float("inf")             # time.monotonic() after which remaining parts are skipped
     static_peer: str = "auto"                  # "auto" (GPU only), "on", "off"
     repeats: int = 1                           # runs per generation measurement; the best is kept
+    peer_new: int = 0                          # > 0: the HF peers generate at most this many new tokens
     progress: Callable[[str], None] = lambda msg: None
     errors: list = field(default_factory=list)
 
     @property
     def device(self) -> torch.device:
         return self.bm.device
+
+    def peer_tokens(self, new: int) -> int:
+        """New tokens per sequence the HF peers generate where the engine generates `new` (--peer-new-tokens: a
+        peer whose every step costs the same, such as transformers' MoE loop, timed on fewer steps)."""
+        return min(new, self.peer_new) if self.peer_new > 0 else new
 
     def skipped(self, name: str, workload: str = "") -> bool:
         """A workload or part (engine, hf_generate, hf_generate_batch, hf_static, ...) named by --skip,

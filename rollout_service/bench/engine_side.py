@@ -59,11 +59,12 @@ def open_engine(bm: BenchModel, backend: str, num_seqs: int, max_len: int, extra
 
 
 def sampling(max_new: int, n: int = 1, temperature: float = 0.0, seed: int | None = None,
-             logprobs_mode: str = "processed"):
+             logprobs_mode: str = "processed", routed: bool = False):
+    """routed: each result carries its routed experts (an MoE model's run, for the floor's expert count)."""
     from rollout_service import SamplingParams
 
     return SamplingParams(n=n, temperature=temperature, max_tokens=max_new, ignore_eos=True, seed=seed,
-                          logprobs_mode=logprobs_mode)
+                          logprobs_mode=logprobs_mode, return_routed_experts=routed)
 
 
 def timed_generate(client, device: torch.device, prompts: list[list[int]], sp) -> tuple[float, list]:
@@ -82,9 +83,13 @@ def timed_generate(client, device: torch.device, prompts: list[list[int]], sp) -
 
 def engine_generate(client, bm: BenchModel, prompts: list[list[int]], max_new: int, n: int = 1,
                     temperature: float = 0.0, seed: int | None = None) -> PeerRun:
-    """End to end: submit every prompt, wait for the last result."""
-    seconds, results = timed_generate(client, bm.device, prompts, sampling(max_new, n, temperature, seed))
-    return PeerRun(seconds, [list(r.token_ids) for r in results])
+    """End to end: submit every prompt, wait for the last result. An MoE model's results carry their routed
+    experts (the cost of returning them is in the time, as for a user of routing replay)."""
+    routed = bm.moe is not None
+    seconds, results = timed_generate(client, bm.device, prompts, sampling(max_new, n, temperature, seed,
+                                                                           routed=routed))
+    return PeerRun(seconds, [list(r.token_ids) for r in results],
+                   routed=[r.routed_experts for r in results] if routed else None)
 
 
 def engine_ms_per_step(client, bm: BenchModel, prompt: list[int], max_new: int) -> tuple[float, PeerRun]:

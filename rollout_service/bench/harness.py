@@ -20,6 +20,8 @@ from .ceilings import measure_ceilings
 from .context import CPU, QUICK, BenchContext, Shapes, parse_shape
 from .dynamic_sampling import wds_dynamic_sampling
 from .models import MODEL_NAMES, load_bench_model
+from .moe_fidelity import wmf_moe_fidelity
+from .moe_layer import wm_moe_layer
 from .multiturn import w7_multiturn
 from .refresh import w3_refresh
 from .rl_step import w6_rl_step
@@ -29,8 +31,8 @@ from .workloads import w1_latency, w2_rollout, w2n_samples, w2p_long_prompts, w5
 # the workloads' names and run order: rollout_service/bench/__init__.py
 RUNNERS = {"W2": w2_rollout, "W1": w1_latency, "W5": w5_graphs, "W3": w3_refresh, "W4": w4_kernels,
            "W2n": w2n_samples, "W2p": w2p_long_prompts, "W6": w6_rl_step, "W7": w7_multiturn,
-           "WDS": wds_dynamic_sampling, "WBI": wbi_batch_invariant}
-CONFIG_ONLY = ("W6",)  # workloads that never touch this process's copy of the weights
+           "WDS": wds_dynamic_sampling, "WBI": wbi_batch_invariant, "WM": wm_moe_layer, "WMF": wmf_moe_fidelity}
+CONFIG_ONLY = ("W6", "WM")  # workloads that never touch this process's copy of the weights
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 
@@ -99,7 +101,7 @@ def run_model(name: str, args, device: torch.device, shapes: Shapes, ceil, rows:
         meta["models"][name] = {"weights": bm.weights, "dtype": str(bm.dtype).replace("torch.", ""),
                                 "params": bm.num_params()}
         ctx = BenchContext(bm, ceil, shapes, args.backend, engine_opts(args.engine_opt), set(args.skip),
-                           deadline, args.static_peer, args.repeats,
+                           deadline, args.static_peer, args.repeats, args.peer_new_tokens,
                            progress=lambda m: bar.set_postfix_str(m, refresh=True))
         for wl in wls:
             _run_workload(ctx, name, wl, rows, meta, save)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig, Qwen2Config
+from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig, Qwen2Config, Qwen3MoeConfig
 
 from rollout_service.model.gguf_cache import pretrained_location
 from rollout_service.model.loader import gguf_file
@@ -26,7 +26,19 @@ _RANDOM_CONFIGS = {
         num_key_value_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=False,
         max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5,
     ),
-    # Smoke-test model: small enough that --quick runs in seconds on a shared CPU.
+    # ~61 GB in bf16; every layer sparse (128 experts, 8 per token, each a 768-wide gated MLP).
+    "qwen3-30b-a3b": lambda: Qwen3MoeConfig(
+        hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+        norm_topk_prob=True, vocab_size=151936, tie_word_embeddings=False, max_position_embeddings=40960,
+        rope_theta=1000000.0, rms_norm_eps=1e-6,
+    ),
+    # Smoke-test models: small enough that --quick runs in seconds on a shared CPU.
+    "tiny-qwen3-moe": lambda: Qwen3MoeConfig(
+        hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+        norm_topk_prob=True, vocab_size=512, tie_word_embeddings=False, max_position_embeddings=2048,
+    ),
     "tiny-llama": lambda: LlamaConfig(
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, vocab_size=512, tie_word_embeddings=False,
@@ -68,12 +80,35 @@ class BenchModel:
         return torch.empty((), dtype=self.dtype).element_size()
 
     def decode_params(self) -> int:
-        """Parameters one decode step multiplies by: all but the input embedding table, whose
-        rows are only gathered — unless it is tied, in which case it is the LM head."""
-        total = sum(p.numel() for p in self.hf_model.parameters())
+        """Parameters one decode step may read: all but the input embedding table, whose rows are only
+        gathered — unless it is tied, in which case it is the LM head."""
+        total = self.num_params()
         if self.config.tie_word_embeddings:
             return total
-        return total - self.hf_model.get_input_embeddings().weight.numel()
+        return total - int(self.config.vocab_size) * int(self.config.hidden_size)
+
+    @property
+    def moe(self):
+        """The mixture-of-experts layout (model/registry.py MoeSpec), None for a dense model."""
+        from rollout_service.model.registry import moe_spec
+        return moe_spec(self.config)
+
+    def expert_params(self) -> int:
+        """Parameters of one expert of one layer (gate, up and down): what a token routed there reads."""
+        spec = self.moe
+        return 0 if spec is None else 3 * int(self.config.hidden_size) * spec.expert_intermediate_size
+
+    def dense_decode_params(self) -> int:
+        """decode_params() without the experts: what every decode step reads whatever its routing."""
+        spec = self.moe
+        experts = 0 if spec is None else len(spec.sparse_layers) * spec.num_experts * self.expert_params()
+        return self.decode_params() - experts
+
+    def active_params(self) -> int:
+        """Parameters one token multiplies by: the dense ones and its k experts per MoE layer."""
+        spec = self.moe
+        routed = 0 if spec is None else len(spec.sparse_layers) * spec.top_k * self.expert_params()
+        return self.dense_decode_params() + routed
 
     def kv_bytes_per_token(self) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.elem_bytes
@@ -92,7 +127,7 @@ def default_dtype(name: str, device: torch.device) -> torch.dtype:
     # benchmarks/README.md: random models in bf16; the CPU reference run of SmolLM2 is fp32.
     if name == EMBEDDED and device.type == "cpu":
         return torch.float32
-    if name == "tiny-llama":
+    if name in ("tiny-llama", "tiny-qwen3-moe"):
         return torch.float32
     return torch.bfloat16
 

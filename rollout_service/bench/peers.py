@@ -26,6 +26,7 @@ class PeerRun:
     step_times: list[float] = field(default_factory=list)  # wall clock after each decode step
     call_seconds: float | None = None   # whole call, where `seconds` leaves the peer's set-up out
     basis: str = ""                     # what `seconds` spans, when it is not the whole call
+    routed: list | None = None          # the engine's routed experts per sequence (MoE models)
 
 
 class StepClock(StoppingCriteria):

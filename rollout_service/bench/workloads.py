@@ -6,6 +6,8 @@ Every runner gets one small warm-up call first, so no one pays one-time set-up i
 
 from __future__ import annotations
 
+import numpy as np
+
 from .ceilings import decode_step_floor, prefill_floor
 from .context import BenchContext
 from .engine_side import engine_facts, engine_generate, engine_ms_per_step, open_engine
@@ -25,6 +27,41 @@ def prefix_agreement(a: list[list[int]], b: list[list[int]]) -> float:
 
 def _weights_bytes(ctx: BenchContext) -> float:
     return ctx.bm.decode_params() * ctx.bm.elem_bytes
+
+
+def _step_weight_bytes(ctx: BenchContext, experts_read: float) -> float:
+    """Weight bytes one decode step reads: every weight of a dense model; of an MoE model the dense ones and
+    `experts_read` experts (summed over its MoE layers: the distinct experts the step's tokens route to)."""
+    bm = ctx.bm
+    if bm.moe is None:
+        return _weights_bytes(ctx)
+    return (bm.dense_decode_params() + experts_read * bm.expert_params()) * bm.elem_bytes
+
+
+def experts_read_per_step(routed: list) -> float | None:
+    """The distinct experts a batch's decode steps route to, summed over the MoE layers and averaged over the
+    steps: counted at each generated-token index across the sequences (routed: each one's [tokens, layers, k]
+    ids; the first token came from the prefill and is left out). None without routing."""
+    if not routed or any(r is None for r in routed):
+        return None
+    steps = min(len(r) for r in routed)
+    if steps < 2:
+        return None
+    layers = routed[0].shape[1]
+    experts = 1 + max(int(r.max()) for r in routed)
+    seen = np.zeros((steps - 1, layers, experts), dtype=bool)
+    step, layer = np.arange(steps - 1)[:, None, None], np.arange(layers)[None, :, None]
+    for r in routed:
+        seen[step, layer, r[1:steps].astype(np.int64)] = True
+    return float(seen.sum(axis=(1, 2)).mean())
+
+
+def _moe_floor_details(ctx: BenchContext, row: Row, experts_read: float, counted: bool) -> None:
+    spec = ctx.bm.moe
+    if spec is not None:
+        row.details["floor_experts_read_per_layer"] = round(experts_read / len(spec.sparse_layers), 2)
+        row.details["floor_experts_basis"] = ("counted from the engine's routed experts" if counted else
+                                              "expected for uniform routing")
 
 
 def warm_generate_batch(ctx: BenchContext, prompts: list[list[int]]) -> None:
@@ -58,7 +95,7 @@ def w1_latency(ctx: BenchContext) -> list[Row]:
 
     def generate() -> Cell:
         hf_generate(bm, [prompt[:8]], 2)
-        runs["hf"] = hf_generate(bm, [prompt], s.w1_new)
+        runs["hf"] = hf_generate(bm, [prompt], ctx.peer_tokens(s.w1_new))
         return Cell(decode_ms_per_step(runs["hf"]))
 
     def generate_batch() -> Cell:
@@ -84,22 +121,40 @@ def w1_latency(ctx: BenchContext) -> list[Row]:
     row.hf_generate = ctx.measure(row, "hf_generate", generate, repeat=True)
     row.other_peer = ctx.measure(row, "hf_static", static)
     row.hf_generate_batch = ctx.measure(row, "hf_generate_batch", generate_batch, repeat=True)
-    kv = bm.kv_bytes_per_token() * (s.w1_prompt + s.w1_new / 2)
-    floor_s = decode_step_floor(_weights_bytes(ctx), kv, bm.decode_params(), 1, ctx.ceilings)
-    row.floor = Cell(1000 * floor_s)
+    row.floor = Cell(1000 * _batch1_floor_s(ctx, row))
+    if ctx.peer_tokens(s.w1_new) < s.w1_new:
+        row.details["hf_new_tokens"] = ctx.peer_tokens(s.w1_new)
     if "engine" in runs and "hf" in runs:
         row.details["greedy_agreement_with_hf_generate"] = round(
             prefix_agreement(runs["engine"].token_ids, runs["hf"].token_ids), 3)
     return [row]
 
 
-def _rollout_floor(ctx: BenchContext, prompts: int, prompt_len: int, seqs: int, new: int) -> float:
-    """Output tokens/s at the floor: prefill every distinct prompt once, then `new` decode steps of
-    `seqs` sequences reading the shared prompt KV once and each sequence's own generated KV."""
+def _batch1_floor_s(ctx: BenchContext, row: Row) -> float:
+    """One batch-1 decode step at the floor (W1, W5): an MoE token reads its k experts in every MoE layer."""
+    bm, s = ctx.bm, ctx.shapes
+    spec = bm.moe
+    experts_read = 0 if spec is None else len(spec.sparse_layers) * spec.top_k
+    _moe_floor_details(ctx, row, experts_read, counted=False)
+    kv = bm.kv_bytes_per_token() * (s.w1_prompt + s.w1_new / 2)
+    return decode_step_floor(_step_weight_bytes(ctx, experts_read), kv, bm.active_params(), 1, ctx.ceilings)
+
+
+def _rollout_floor(ctx: BenchContext, row: Row, prompts: int, prompt_len: int, seqs: int, new: int,
+                   routed: list | None) -> float:
+    """Output tokens/s at the floor: prefill every distinct prompt once (every weight read), then `new` decode
+    steps of `seqs` sequences reading the shared prompt KV once and each sequence's own generated KV, and of an
+    MoE model the experts its tokens route to (counted from `routed`, else expected for uniform routing)."""
     bm = ctx.bm
-    t = prefill_floor(_weights_bytes(ctx), bm.decode_params(), prompts * prompt_len, ctx.ceilings)
+    t = prefill_floor(_weights_bytes(ctx), bm.active_params(), prompts * prompt_len, ctx.ceilings)
     kv = bm.kv_bytes_per_token() * (prompts * prompt_len + seqs * new / 2)
-    t += new * decode_step_floor(_weights_bytes(ctx), kv, bm.decode_params(), seqs, ctx.ceilings)
+    experts_read, spec = experts_read_per_step(routed or []), bm.moe
+    counted = experts_read is not None
+    if spec is not None and not counted:
+        experts_read = len(spec.sparse_layers) * spec.num_experts * (1 - (1 - spec.top_k / spec.num_experts) ** seqs)
+    _moe_floor_details(ctx, row, experts_read or 0, counted)
+    t += new * decode_step_floor(_step_weight_bytes(ctx, experts_read or 0), kv, bm.active_params(), seqs,
+                                 ctx.ceilings)
     return seqs * new / t
 
 
@@ -119,28 +174,34 @@ def _throughput_row(ctx: BenchContext, name: str, metric: str, prompts: list[lis
             row.details.update(engine_facts(client))
         return Cell(total / runs["engine"].seconds)
 
+    peer_new = ctx.peer_tokens(new)
+    peer_total = len(prompts) * n * peer_new
+    if peer_new < new:
+        row.details["hf_new_tokens"] = peer_new
+
     def generate() -> Cell:
         hf_generate(bm, warm, 2)
-        runs["hf"] = hf_generate(bm, prompts, new, n, temperature)
+        runs["hf"] = hf_generate(bm, prompts, peer_new, n, temperature)
         # One padded call prefills every sample's copy of its prompt, so long prompts make it the slow
         # part of a run: its wall time (the best run's, as the cell's) is what a time budget must fit.
         secs = round(runs["hf"].seconds, 2)
         row.details["hf_generate_s"] = min(secs, row.details.get("hf_generate_s", secs))
-        return Cell(total / runs["hf"].seconds)
+        return Cell(peer_total / runs["hf"].seconds)
 
     def generate_batch() -> Cell:
         if not has_generate_batch(bm):
             return Cell.na("this transformers version has no generate_batch")
         warm_generate_batch(ctx, warm)
-        run = hf_generate_batch(bm, prompts, new, n, temperature)
+        run = hf_generate_batch(bm, prompts, peer_new, n, temperature)
         row.details.update(hf_generate_batch_call_s=round(run.call_seconds, 2), hf_generate_batch_timed=run.basis)
-        return Cell(total / run.seconds)
+        return Cell(peer_total / run.seconds)
 
     row.engine = ctx.measure(row, "engine", engine, repeat=True)
     row.hf_generate = ctx.measure(row, "hf_generate", generate, repeat=True)
     row.hf_generate_batch = ctx.measure(row, "hf_generate_batch", generate_batch, repeat=True)
     row.other_peer = Cell.na("none for this workload")
-    row.floor = Cell(_rollout_floor(ctx, len(prompts), len(prompts[0]), len(prompts) * n, new))
+    routed = runs["engine"].routed if "engine" in runs else None
+    row.floor = Cell(_rollout_floor(ctx, row, len(prompts), len(prompts[0]), len(prompts) * n, new, routed))
     if temperature == 0 and "engine" in runs and "hf" in runs:
         row.details["greedy_agreement_with_hf_generate"] = round(
             prefix_agreement(runs["engine"].token_ids, runs["hf"].token_ids), 3)
@@ -178,8 +239,7 @@ def w5_graphs(ctx: BenchContext) -> list[Row]:
     row = Row(bm.name, "W5", "decode ms/step, batch 1, CUDA graphs on (engine) vs off (other peer)", "ms", False)
     na = "HF peers do not apply: W5 compares the engine with itself"
     row.hf_generate, row.hf_generate_batch = Cell.na(na), Cell.na(na)
-    kv = bm.kv_bytes_per_token() * (s.w1_prompt + s.w1_new / 2)
-    row.floor = Cell(1000 * decode_step_floor(_weights_bytes(ctx), kv, bm.decode_params(), 1, ctx.ceilings))
+    row.floor = Cell(1000 * _batch1_floor_s(ctx, row))
     if ctx.device.type != "cuda":
         row.engine = row.other_peer = Cell.na("CUDA graphs need a GPU")
         return [row]
