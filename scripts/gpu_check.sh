@@ -10,7 +10,7 @@
 #        GPU_CHECK_MODELS (default qwen2.5-0.5b,llama3-8b), GPU_CHECK_ARGS (extra harness arguments),
 #        GPU_CHECK_RESULTS (default benchmarks/results), GPU_CHECK_TAG (suffix of the result files),
 #        GPU_CHECK_BENCH (the benchmark steps, in order: default w7,rls,w6,w3,w4,w2p,wbi,main,moe; the budget cuts the
-#        last ones)
+#        last ones), GPU_CHECK_MOE (the moe step's workloads, default WM,W2,W1,W5,WMF,WBI)
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -136,7 +136,7 @@ fi
 # static-cache and generate_batch peers are left out.
 MOE_S=$(( $(left) > 200 ? $(left) - 20 : 0 ))
 if wanted moe && [ "$MOE_S" -gt 0 ]; then
-  step bench_moe "$MOE_S" "$PY" scripts/bench.py --model qwen3-30b-a3b --workloads WM,W2,W1,W5,WMF,WBI \
+  step bench_moe "$MOE_S" "$PY" scripts/bench.py --model qwen3-30b-a3b --workloads "${GPU_CHECK_MOE:-WM,W2,W1,W5,WMF,WBI}" \
     --engine-opt load_format=share --peer-new-tokens 32 --skip hf_static --skip hf_generate_batch \
     --shape wbi_check=4 --shape wbi_learner_check=16 --budget-s $(( MOE_S - 30 )) --out "$RESULTS" --tag "moe${TAG}"
 fi

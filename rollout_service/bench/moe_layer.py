@@ -7,7 +7,8 @@ the host). Which one the engine takes at each T (ops/cuda_moe.py GEMV_ROWS) is c
 
 Times are CUDA-event medians over calls that cycle through ROTATE sets of tokens and routings, so the experts one
 call reads are not still in L2 from the last (one layer's 8 experts fit in an H100's 50 MB). The floor is the
-distinct experts the step's tokens route to, read once, plus the rows in and out, over the copy bandwidth.
+distinct experts the step's tokens route to, read once, plus the rows in and out, over the copy bandwidth, or the
+products' FLOPs at the matmul rate, whichever takes longer.
 """
 from __future__ import annotations
 
@@ -73,7 +74,9 @@ def wm_moe_layer(ctx: BenchContext) -> list[Row]:
         touched = statistics.mean(len(torch.unique(ids)) for _, ids, _ in sets)
         row = Row(bm.name, f"WM T={tokens}", f"µs per MoE layer's experts, {tokens} tokens x top-{k} of {experts}",
                   "µs", False)
-        row.floor = Cell((touched * expert_bytes + 2 * tokens * hidden * bm.elem_bytes) / ctx.ceilings.stream_Bps * 1e6)
+        moved = touched * expert_bytes + 2 * tokens * hidden * bm.elem_bytes
+        flops = 2 * tokens * k * 3 * hidden * inter
+        row.floor = Cell(1e6 * max(moved / ctx.ceilings.stream_Bps, flops / ctx.ceilings.matmul_flops))
         row.details.update(experts_touched=round(touched, 1), rows=tokens * k, gemv_rows_limit=cuda_moe.GEMV_ROWS)
         ways = {
             "gemv": (lambda x, i, w: kernels.moe_combine(

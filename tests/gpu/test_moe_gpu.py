@@ -64,9 +64,13 @@ def test_route_kernel_is_the_reference_routing(kernels, experts, k, renormalize)
     logits = F.linear(x, router)
     ids, weights = kernels.moe_route(logits, k, renormalize, None, None)
     ref_ids, ref_weights = moe.route(x, router, k, renormalize)
-    top = torch.softmax(logits.float(), -1).topk(min(k + 1, experts), dim=-1).values
-    clear = ((top[:, :-1] - top[:, 1:]) / top[:, :1]).min(-1).values > 1e-4  # no near-tie in the top k + 1
-    assert clear.float().mean() > 0.9
+    # bf16 logits tie often among many experts: the chosen probabilities must be the same, slot by slot, and the
+    # ids too wherever the top k + 1 has no tie (a tie is broken by the lower id here, as torch.topk may not)
+    probs = torch.softmax(logits.float(), -1)
+    assert torch.equal(probs.gather(1, ids.long()), probs.gather(1, ref_ids.long()))
+    top = probs.topk(min(k + 1, experts), dim=-1).values
+    clear = (top[:, :-1] > top[:, 1:]).all(-1)
+    assert clear.sum() >= 30
     assert torch.equal(ids[clear], ref_ids[clear])
     torch.testing.assert_close(weights, ref_weights, rtol=2e-6, atol=1e-7)
 
@@ -218,8 +222,8 @@ def hf():
 def engine(hf, **config):
     from rollout_service.engine.engine import Engine
 
-    config = {"num_pages": 1024, "max_num_seqs": 32, "cuda_graph_max_batch": 32, **config}
-    return Engine(model_source=hf, device="cuda", dtype="bfloat16", backend="cuda", **config)
+    config = {"backend": "cuda", "num_pages": 1024, "max_num_seqs": 32, "cuda_graph_max_batch": 32, **config}
+    return Engine(model_source=hf, device="cuda", dtype="bfloat16", **config)
 
 
 def prompts(n: int, seed: int) -> list[list[int]]:
