@@ -61,9 +61,14 @@ def _row(ctx: BenchContext, name: str, shape: str, prompts: list[list[int]], new
             facts = engine_facts(client)
             row.details[f"{mode}_backend"] = facts.get("engine_backend", "?")
             row.details[f"{mode}_preemptions"] = facts.get("engine_preemptions", "?")
-            if invariant and pending_check:
+            checked = invariant and bool(pending_check)
+            if checked:
                 pending_check.clear()
-                _bitwise(ctx, row, client, prompts, sp, results)
+                learner_idx = _bitwise_alone(ctx, row, client, prompts, sp, results)
+                engine_dtype = next(client.engine.model.parameters()).dtype
+        if checked:  # once the engine is closed: the learner's forward needs the memory its KV held
+            _guarded(ctx, row, "bitwise_learner",
+                     lambda: _learner(ctx, row, engine_dtype, [results[i] for i in learner_idx], sp.temperature))
         note = "" if invariant else f"engine, batch_invariant off (backend {row.details['fast_backend']})"
         return Cell(total / seconds, note)
 
@@ -97,15 +102,14 @@ def _checked_indices(total: int, limit: int) -> list[int]:
     return sorted(random.Random(19).sample(range(total), limit))
 
 
-def _bitwise(ctx: BenchContext, row: Row, client, prompts: list[list[int]], sp, results: list) -> None:
-    """row.details: bitwise_alone and bitwise_learner as "equal/checked" (or the error that stopped one)."""
+def _bitwise_alone(ctx: BenchContext, row: Row, client, prompts: list[list[int]], sp, results: list) -> list[int]:
+    """row.details: bitwise_alone as "equal/checked" (or the error that stopped it); returns the indices of the
+    results the learner check recomputes (row.details bitwise_learner, once the engine is closed)."""
     idx = _checked_indices(len(results), ctx.shapes.wbi_check)
     learner_idx = _checked_indices(len(results), ctx.shapes.wbi_learner_check)
     row.details["bitwise_checked"] = f"alone {len(idx)}, learner {len(learner_idx)} of {len(results)} sequences"
-    engine_dtype = next(client.engine.model.parameters()).dtype
     _guarded(ctx, row, "bitwise_alone", lambda: _alone(client, prompts, sp, idx, [results[i] for i in idx]))
-    _guarded(ctx, row, "bitwise_learner",
-             lambda: _learner(ctx, row, engine_dtype, [results[i] for i in learner_idx], sp.temperature))
+    return learner_idx
 
 
 def _guarded(ctx: BenchContext, row: Row, key: str, fn) -> None:

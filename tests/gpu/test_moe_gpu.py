@@ -211,6 +211,8 @@ def moe_hf(**overrides):
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
         model.lm_head.weight.mul_(8.0)  # sharp logits: sampled tokens depend on the log-probs
+        for block in model.model.layers:
+            block.mlp.gate.weight.mul_(10.0)  # decided routers: random ones near-tie among 16 experts everywhere
     return model
 
 
