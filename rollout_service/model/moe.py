@@ -50,14 +50,15 @@ class SparseMoeBlock(nn.Module):
     def fuse(self) -> None:
         """Nothing to fuse: the experts' weights are stacked already."""
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(expert ids int32 [T, k], weights float32 [T, k]) of this layer for rows x."""
-        return self.ops.moe_route(x, self.gate.weight, self.top_k, self.renormalize)
+    def route(self, x: torch.Tensor, slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(expert ids int32 [T, k], weights float32 [T, k]) of this layer for rows x; with slots (and a store),
+        the ids are also recorded there."""
+        record = self.routed if slots is not None else None
+        return self.ops.moe_route(x, self.gate.weight, self.top_k, self.renormalize, record, slots)
 
     def forward(self, x: torch.Tensor, slots: torch.Tensor | None = None) -> torch.Tensor:
         """slots: the rows' KV slots (int64 [T]), where their expert ids are recorded when there is a store."""
-        record = self.routed if slots is not None else None
-        ids, weights = self.ops.moe_route(x, self.gate.weight, self.top_k, self.renormalize, record, slots)
+        ids, weights = self.route(x, slots)
         return self.ops.moe_experts(x, ids, weights, self.experts.gate_up_proj, self.experts.down_proj)
 
 
