@@ -53,10 +53,17 @@ def _run(cmd: list[str], env: dict, cwd: Path = REPO, timeout: float = 120) -> t
     return proc.returncode, lines, time.monotonic() - t0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _free_ports(n: int) -> list[int]:
+    """n distinct free ports: every socket stays bound until all are chosen (one at a time, the kernel may hand
+    the same port out twice, and Ray refuses two components on one port)."""
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
 
 
 # ---- item 2: build-kernels without CUDA ------------------------------------------------------------------
@@ -236,11 +243,11 @@ def token_head(tmp_path_factory):
     token.write_text(secrets.token_hex(32))
     token.chmod(0o600)
     ray_tmp = Path(tempfile.mkdtemp(prefix="rt-", dir="/tmp"))
-    gcs = _free_port()
+    flags = ("dashboard-agent-listen-port", "dashboard-agent-grpc-port", "runtime-env-agent-port",
+             "metrics-export-port", "ray-client-server-port")
+    gcs, *free = _free_ports(1 + len(flags))
     # every port explicit: the session's test cluster already holds Ray's default ones on this machine
-    ports = [f"--{flag}={_free_port()}" for flag in ("dashboard-agent-listen-port", "dashboard-agent-grpc-port",
-                                                    "runtime-env-agent-port", "metrics-export-port",
-                                                    "ray-client-server-port")]
+    ports = [f"--{flag}={port}" for flag, port in zip(flags, free)]
     log = open(tmp / "head.log", "w")
     head = subprocess.Popen([RAY, "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={gcs}",
                              "--include-dashboard=false", "--num-cpus=1", "--disable-usage-stats", *ports],
