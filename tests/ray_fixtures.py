@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import time
 from typing import Iterator
 
@@ -180,3 +181,16 @@ def make_tiny_llama():
 def service_config(tiny_model_dir):
     """service_config(**overrides) -> a 2-worker service config dict on the tiny model."""
     return lambda **overrides: tiny_service_config(tiny_model_dir, **overrides)
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct free ports: every socket stays bound until all are chosen (one at a time, the kernel may hand
+    the same port out twice, and Ray refuses two components on one port)."""
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from ray_fixtures import free_ports
 
 pytest_plugins = ["ray_fixtures"]
 REPO = Path(__file__).resolve().parents[1]
@@ -51,19 +52,6 @@ def _run(cmd: list[str], env: dict, cwd: Path = REPO, timeout: float = 120) -> t
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
     return proc.returncode, lines, time.monotonic() - t0
-
-
-def _free_ports(n: int) -> list[int]:
-    """n distinct free ports: every socket stays bound until all are chosen (one at a time, the kernel may hand
-    the same port out twice, and Ray refuses two components on one port)."""
-    sockets = [socket.socket() for _ in range(n)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 # ---- item 2: build-kernels without CUDA ------------------------------------------------------------------
@@ -245,7 +233,7 @@ def token_head(tmp_path_factory):
     ray_tmp = Path(tempfile.mkdtemp(prefix="rt-", dir="/tmp"))
     flags = ("dashboard-agent-listen-port", "dashboard-agent-grpc-port", "runtime-env-agent-port",
              "metrics-export-port", "ray-client-server-port")
-    gcs, *free = _free_ports(1 + len(flags))
+    gcs, *free = free_ports(1 + len(flags))
     # every port explicit: the session's test cluster already holds Ray's default ones on this machine
     ports = [f"--{flag}={port}" for flag, port in zip(flags, free)]
     log = open(tmp / "head.log", "w")

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from ray_fixtures import free_ports
 
 from rollout_service.results_file import load_results
 
@@ -27,12 +28,6 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[1]
 RAY = str(Path(sys.executable).with_name("ray"))
 CLI = [sys.executable, "-m", "rollout_service.cli"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_for_dashboard(port: int, head: subprocess.Popen, timeout: float = 90) -> None:
@@ -54,11 +49,11 @@ def ray_head(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ray_head")
     token = tmp / "auth_token"
     token.write_text(secrets.token_hex(32))
-    gcs, dash = _free_port(), _free_port()
+    flags = ("dashboard-agent-listen-port", "dashboard-agent-grpc-port", "runtime-env-agent-port",
+             "metrics-export-port", "ray-client-server-port")
+    gcs, dash, *free = free_ports(2 + len(flags))
     # every port explicit: the session's test cluster already holds Ray's default ones on this machine
-    extra = [f"--{flag}={_free_port()}" for flag in ("dashboard-agent-listen-port", "dashboard-agent-grpc-port",
-                                                    "runtime-env-agent-port", "metrics-export-port",
-                                                    "ray-client-server-port")]
+    extra = [f"--{flag}={port}" for flag, port in zip(flags, free)]
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE")}
     env["RAY_AUTH_TOKEN_PATH"] = str(token)
     log = open(tmp / "head.log", "w")
