@@ -13,7 +13,7 @@ from rollout_service.bench.ceilings import Ceilings, decode_step_floor
 from rollout_service.bench.context import parse_shape
 from rollout_service.bench.engine_side import kv_pages
 from rollout_service.bench.report import Cell, Row, render_markdown
-from rollout_service.bench.workloads import prefix_agreement
+from rollout_service.bench.workloads import experts_read_per_step, prefix_agreement
 
 
 def _load(out_dir):
@@ -202,3 +202,32 @@ def test_ratio_direction_and_floor():
 def test_prefix_agreement():
     assert prefix_agreement([[1, 2, 3, 4]], [[1, 2, 9, 4]]) == 0.5
     assert prefix_agreement([[1, 2], [3]], [[1, 2], [3]]) == 1.0
+
+
+def test_experts_read_per_step_counts_distinct_experts_per_layer():
+    # two sequences, three tokens (the first from the prefill: not counted), two layers, top-2
+    a = np.array([[[0, 1], [2, 3]], [[0, 1], [2, 3]], [[4, 5], [6, 7]]], dtype=np.uint8)
+    b = np.array([[[7, 6], [5, 4]], [[1, 2], [3, 4]], [[4, 5], [6, 7]]], dtype=np.uint8)
+    # step 1: layer 0 {0,1,2} + layer 1 {2,3,4} = 6; step 2: {4,5} + {6,7} = 4
+    assert experts_read_per_step([a, b]) == 5.0
+    assert experts_read_per_step([a, None]) is None and experts_read_per_step([]) is None
+
+
+def test_quick_moe_run_counts_experts_in_its_floors_and_caps_the_peers(tmp_path):
+    rc = main(["--quick", "--model", "tiny-qwen3-moe", "--workloads", "W2,W1,WM,WMF", "--out", str(tmp_path),
+               "--peer-new-tokens", "4", "--skip", "hf_generate_batch", "--skip", "hf_static"])
+    assert rc == 0
+    _, doc, _ = _load(str(tmp_path))
+    assert not doc["meta"].get("errors"), doc["meta"].get("errors")
+    rows = {r["workload"]: r for r in doc["rows"]}
+    w2, w1 = rows["W2"], rows["W1"]
+    assert w2["details"]["floor_experts_basis"] == "counted from the engine's routed experts"
+    assert 2 <= w2["details"]["floor_experts_read_per_layer"] <= 8  # top-2 of 8, 4 sequences
+    assert w1["details"]["floor_experts_read_per_layer"] == 2.0
+    assert w2["details"]["hf_new_tokens"] == w1["details"]["hf_new_tokens"] == 4
+    assert w2["hf_generate"]["value"] > 0 and w1["hf_generate"]["value"] > 0
+    assert rows["WM"]["engine"]["value"] is None  # a GPU workload
+    fidelity = rows["WMF"]["details"]
+    assert fidelity["mean_entropy_nats"] == pytest.approx(1.5, abs=0.05)
+    for key in ("own_routing", "replay"):
+        assert fidelity[key]["n_tokens"] == 64 * 128 and fidelity[key]["max_abs"] < 1e-3  # fp32 on both sides
