@@ -79,8 +79,7 @@ def wm_moe_layer(ctx: BenchContext) -> list[Row]:
         row.floor = Cell(1e6 * max(moved / ctx.ceilings.stream_Bps, flops / ctx.ceilings.matmul_flops))
         row.details.update(experts_touched=round(touched, 1), rows=tokens * k, gemv_rows_limit=cuda_moe.GEMV_ROWS)
         ways = {
-            "gemv": (lambda x, i, w: kernels.moe_combine(
-                kernels.moe_gemv(kernels.moe_gemv(x, gate_up, i, True), down, i, False), None, w)),
+            "gemv": lambda x, i, w: cuda_moe.gemv_experts(kernels, x, i, w, gate_up, down),
             "grouped": lambda x, i, w: cuda_moe.grouped_experts(kernels, x, i, w, gate_up, down),
             "reference": lambda x, i, w: moe.experts(x, i, w, gate_up, down),
         }

@@ -49,11 +49,12 @@ def shared_model(source: nn.Module, config: Any, dtype: torch.dtype, device: tor
             copied.append(name)
     model.tie_embeddings()
     model.fuse_projections()  # q/k/v and gate/up become views of new fused tensors: filled below
-    fused = [n for n, p in model.named_parameters() if n in state and p.data_ptr() != state[n].data_ptr()]
-    pairs, missing = resolve_named_tensors(model, [(n, state[n]) for n in dict.fromkeys(fused + copied) if n in state])
     absent = [n for n in copied if n not in state]
     if absent:
         raise ValueError(f"load_format='share': the model has no weight {absent[0]!r} ({len(absent)} missing)")
+    # what is not the model's own tensor now: the fused projections' views and the copies allocated above
+    fill = [n for n, p in model.named_parameters() if p.data_ptr() != state[n].data_ptr()]
+    pairs, _ = resolve_named_tensors(model, [(n, state[n]) for n in fill])
     apply_named_tensors(pairs)
     model.cos_sin = build_cos_sin_cache(config, model.max_positions, dtype, device)
     return model.eval()

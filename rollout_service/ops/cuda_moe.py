@@ -107,9 +107,16 @@ def experts(kernels, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, 
         return x.new_empty(0, x.shape[1])
     weights = weights.contiguous()
     if ids.numel() <= GEMV_ROWS:
-        act = kernels.moe_gemv(x, gate_up, ids, True)
-        return kernels.moe_combine(kernels.moe_gemv(act, down, ids, False), None, weights)
+        return gemv_experts(kernels, x, ids, weights, gate_up, down)
     return grouped_experts(kernels, x, ids, weights, gate_up, down)
+
+
+def gemv_experts(kernels, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+                 down: torch.Tensor) -> torch.Tensor:
+    """experts() through the gemv rows (each (token, slot) row streams its own expert), whatever the number of
+    rows (at most 65535)."""
+    act = kernels.moe_gemv(x, gate_up, ids, True)
+    return kernels.moe_combine(kernels.moe_gemv(act, down, ids, False), None, weights)
 
 
 def grouped_experts(kernels, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
