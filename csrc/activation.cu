@@ -3,10 +3,24 @@
 // silu is computed in float32 (accurate expf, as ATen) and rounded to T, then the product is rounded to T.
 #include <algorithm>
 
-#include "kernel_utils.cuh"
+#include "fp8.cuh"
 
 namespace rollout_kernels {
 namespace {
+
+// silu(gate) * up for vector i of a row, rounded as the reference rounds.
+template <typename T>
+__device__ __forceinline__ void silu_mul_vec(const T* gate, const T* up, int i, float (&out)[kVec]) {
+  Vec16<T> g, u;
+  g.raw = *reinterpret_cast<const uint4*>(gate + i);
+  u.raw = *reinterpret_cast<const uint4*>(up + i);
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) {
+    const float a = to_float(g.e[j]);
+    const float silu = round_to<T>(a / (1.f + expf(-a)));
+    out[j] = round_to<T>(silu * to_float(u.e[j]));
+  }
+}
 
 template <typename T>
 __global__ void silu_and_mul_kernel(T* __restrict__ out, const T* __restrict__ x, int inter, int64_t out_stride,
@@ -16,16 +30,38 @@ __global__ void silu_and_mul_kernel(T* __restrict__ out, const T* __restrict__ x
   const T* up = gate + inter;
   T* y = out + row * out_stride;
   for (int i = (blockIdx.y * blockDim.x + threadIdx.x) * kVec; i < inter; i += gridDim.y * blockDim.x * kVec) {
-    Vec16<T> g, u, o;
-    g.raw = *reinterpret_cast<const uint4*>(gate + i);
-    u.raw = *reinterpret_cast<const uint4*>(up + i);
+    float f[kVec];
+    silu_mul_vec(gate, up, i, f);
+    Vec16<T> o;
 #pragma unroll
-    for (int j = 0; j < kVec; ++j) {
-      const float a = to_float(g.e[j]);
-      const float silu = round_to<T>(a / (1.f + expf(-a)));
-      o.e[j] = from_float<T>(silu * to_float(u.e[j]));
-    }
+    for (int j = 0; j < kVec; ++j) o.e[j] = from_float<T>(f[j]);
     *reinterpret_cast<uint4*>(y + i) = o.raw;
+  }
+}
+
+// The product quantized to e4m3 per row (fp8.cuh) for the FP8 down projection: one CTA per row, since the
+// row's amax must be known before any byte is written; pass 2 recomputes the products (L1/L2 reads).
+template <typename T>
+__global__ void silu_and_mul_fp8_kernel(uint8_t* __restrict__ q, float* __restrict__ q_scale,
+                                        const T* __restrict__ x, int inter, int64_t x_stride) {
+  __shared__ float scratch[32];
+  const int64_t row = blockIdx.x;
+  const T* gate = x + row * x_stride;
+  const T* up = gate + inter;
+  float amax = 0.f;
+  for (int i = threadIdx.x * kVec; i < inter; i += blockDim.x * kVec) {
+    float f[kVec];
+    silu_mul_vec(gate, up, i, f);
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) amax = nan_max(amax, fabsf(f[j]));
+  }
+  const float s = e4m3_scale(block_amax(amax, scratch));
+  if (threadIdx.x == 0) q_scale[row] = s;
+  uint8_t* qr = q + row * inter;
+  for (int i = threadIdx.x * kVec; i < inter; i += blockDim.x * kVec) {
+    float f[kVec];
+    silu_mul_vec(gate, up, i, f);
+    *reinterpret_cast<uint2*>(qr + i) = to_e4m3x8(f, s);
   }
 }
 
@@ -43,6 +79,17 @@ cudaError_t silu_and_mul(void* out, const void* x, DType dtype, int64_t rows, in
   return ROLLOUT_DISPATCH_HALF(dtype, T, [&] {
     silu_and_mul_kernel<T><<<grid, threads, 0, stream>>>(static_cast<T*>(out), static_cast<const T*>(x),
                                                          static_cast<int>(inter), out_stride, x_stride);
+    return cudaGetLastError();
+  });
+}
+
+cudaError_t silu_and_mul_fp8(void* q, float* q_scale, const void* x, DType dtype, int64_t rows, int64_t inter,
+                             int64_t x_stride, cudaStream_t stream) {
+  if (inter % kVec != 0 || inter <= 0 || inter > 0x3fffffff || rows > 0x7fffffff) return cudaErrorInvalidValue;
+  if (rows == 0) return cudaSuccess;
+  return ROLLOUT_DISPATCH_HALF(dtype, T, [&] {
+    silu_and_mul_fp8_kernel<T><<<unsigned(rows), fp8_row_threads(inter), 0, stream>>>(
+        static_cast<uint8_t*>(q), q_scale, static_cast<const T*>(x), static_cast<int>(inter), x_stride);
     return cudaGetLastError();
   });
 }

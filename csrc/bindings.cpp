@@ -126,6 +126,62 @@ void add_rms_norm(at::Tensor out, at::Tensor x, at::Tensor residual, at::Tensor 
   norm_impl(out, x, residual, weight, eps);
 }
 
+// ---- FP8 activations (e4m3 rows + float32 per-row scales) ---------------------------------------------
+
+void check_fp8_out(const at::Tensor& q, const at::Tensor& scale, int64_t rows, int64_t cols, const at::Tensor& ref) {
+  check_cuda(q, "q", ref);
+  check_cuda(scale, "scale", ref);
+  TORCH_CHECK_VALUE(q.scalar_type() == at::kFloat8_e4m3fn, "q must be float8_e4m3fn, got ", q.scalar_type());
+  TORCH_CHECK_VALUE(q.dim() == 2 && q.size(0) == rows && q.size(1) == cols && q.is_contiguous() && aligned16(q),
+                    "q must be a contiguous 16-byte aligned [", rows, ", ", cols, "] tensor, got ", q.sizes());
+  TORCH_CHECK_VALUE(scale.scalar_type() == at::kFloat && scale.dim() == 1 && scale.size(0) == rows &&
+                        scale.is_contiguous(),
+                    "scale must be a contiguous float32 [", rows, "] tensor");
+}
+
+void fp8_quantize(at::Tensor q, at::Tensor scale, at::Tensor x) {
+  const rk::DType dtype = half_dtype(x, "x");
+  check_rows(x, "x", x);
+  TORCH_CHECK_VALUE(x.size(1) % 8 == 0, "x's row length must be a multiple of 8, got ", x.size(1));
+  check_fp8_out(q, scale, x.size(0), x.size(1), x);
+  const c10::cuda::CUDAGuard guard(x.device());
+  check_launch(rk::fp8_quantize(q.data_ptr(), scale.data_ptr<float>(), x.data_ptr(), dtype, x.size(0), x.size(1),
+                                x.stride(0), c10::cuda::getCurrentCUDAStream().stream()),
+               "fp8_quantize");
+}
+
+void rms_norm_fp8(at::Tensor q, at::Tensor scale, at::Tensor x, std::optional<at::Tensor> residual,
+                  at::Tensor weight, double eps) {
+  const rk::DType dtype = half_dtype(x, "x");
+  check_rows(x, "x", x);
+  if (residual) check_rows(*residual, "residual", x);
+  check_cuda(weight, "weight", x);
+  check_same_dtype(weight, "weight", x);
+  TORCH_CHECK_VALUE(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous() && aligned16(weight),
+                    "weight must be a contiguous [", x.size(1), "] tensor");
+  TORCH_CHECK_VALUE(x.size(1) % 8 == 0, "hidden size must be a multiple of 8, got ", x.size(1));
+  check_fp8_out(q, scale, x.size(0), x.size(1), x);
+  const c10::cuda::CUDAGuard guard(x.device());
+  check_launch(rk::rms_norm_fp8(q.data_ptr(), scale.data_ptr<float>(), x.data_ptr(),
+                                residual ? residual->data_ptr() : nullptr, weight.data_ptr(), dtype, x.size(0),
+                                x.size(1), x.stride(0), residual ? residual->stride(0) : 0, static_cast<float>(eps),
+                                c10::cuda::getCurrentCUDAStream().stream()),
+               "rms_norm_fp8");
+}
+
+void silu_and_mul_fp8(at::Tensor q, at::Tensor scale, at::Tensor x) {
+  const rk::DType dtype = half_dtype(x, "x");
+  TORCH_CHECK_VALUE(x.dim() == 2 && x.size(1) % 16 == 0, "x must be [rows, 2 * inter] with inter a multiple of 8, "
+                    "got ", x.sizes());
+  TORCH_CHECK_VALUE(x.stride(1) == 1 && x.stride(0) % 8 == 0 && aligned16(x),
+                    "x rows must be contiguous and 16-byte aligned");
+  check_fp8_out(q, scale, x.size(0), x.size(1) / 2, x);
+  const c10::cuda::CUDAGuard guard(x.device());
+  check_launch(rk::silu_and_mul_fp8(q.data_ptr(), scale.data_ptr<float>(), x.data_ptr(), dtype, x.size(0),
+                                    x.size(1) / 2, x.stride(0), c10::cuda::getCurrentCUDAStream().stream()),
+               "silu_and_mul_fp8");
+}
+
 // ---- rope / kv write -------------------------------------------------------------------------------
 
 rk::RopeKVParams rope_params(const at::Tensor& k) {
@@ -255,6 +311,49 @@ void gemv(at::Tensor out, at::Tensor x, at::Tensor weight, std::optional<at::Ten
   p.out_float = out_float;
   p.split = rk::gemv_split(p.n, p.k, static_cast<int>(num_sms(x)));
   check_launch(rk::gemv(p, c10::cuda::getCurrentCUDAStream().stream()), "gemv");
+}
+
+// One row's FP8 product: out [1, n] = x [1, k] e4m3 times weight [n, k] e4m3, scaled by x_scale [1] and
+// w_scale [n] (float32), + bias; rounded to out's dtype (bf16 / fp16).
+void fp8_gemv(at::Tensor out, at::Tensor x, at::Tensor x_scale, at::Tensor weight, at::Tensor w_scale,
+              std::optional<at::Tensor> bias) {
+  rk::GemvFp8Params p;
+  p.dtype = half_dtype(out, "out");
+  for (const auto& [t, name] : {std::pair<const at::Tensor*, const char*>{&x, "x"}, {&weight, "weight"}}) {
+    check_cuda(*t, name, out);
+    TORCH_CHECK_VALUE(t->scalar_type() == at::kFloat8_e4m3fn, name, " must be float8_e4m3fn, got ", t->scalar_type());
+    TORCH_CHECK_VALUE(t->dim() == 2 && t->is_contiguous() && aligned16(*t), name,
+                      " must be a contiguous 16-byte aligned 2-D tensor, got ", t->sizes());
+  }
+  TORCH_CHECK_VALUE(x.size(0) == 1 && x.size(1) % 16 == 0, "x must be one row [1, k] with k % 16 == 0, got ",
+                    x.sizes());
+  TORCH_CHECK_VALUE(weight.size(1) == x.size(1), "weight must be [n, ", x.size(1), "], got ", weight.sizes());
+  const int64_t n = weight.size(0);
+  TORCH_CHECK_VALUE(n < (int64_t(1) << 31), "weight has too many rows: ", n);
+  for (const auto& [t, len, name] : {std::tuple<const at::Tensor*, int64_t, const char*>{&x_scale, 1, "x_scale"},
+                                     {&w_scale, n, "w_scale"}}) {
+    check_cuda(*t, name, out);
+    TORCH_CHECK_VALUE(t->scalar_type() == at::kFloat && t->numel() == len && t->is_contiguous(), name,
+                      " must be a contiguous float32 tensor of ", len, " elements");
+  }
+  if (bias) {
+    check_cuda(*bias, "bias", out);
+    check_same_dtype(*bias, "bias", out);
+    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == n && bias->is_contiguous(), "bias must be [", n, "]");
+  }
+  TORCH_CHECK_VALUE(out.dim() == 2 && out.size(0) == 1 && out.size(1) == n && out.is_contiguous(),
+                    "out must be a contiguous [1, ", n, "] row, got ", out.sizes());
+  const c10::cuda::CUDAGuard guard(out.device());
+  p.x = x.data_ptr();
+  p.x_scale = x_scale.data_ptr<float>();
+  p.weight = weight.data_ptr();
+  p.w_scale = w_scale.data_ptr<float>();
+  p.bias = bias ? bias->data_ptr() : nullptr;
+  p.out = out.data_ptr();
+  p.n = static_cast<int>(n);
+  p.k = static_cast<int>(x.size(1));
+  p.split = rk::gemv_fp8_split(p.n, p.k, static_cast<int>(num_sms(out)));
+  check_launch(rk::gemv_fp8(p, c10::cuda::getCurrentCUDAStream().stream()), "fp8_gemv");
 }
 
 // ---- mixture of experts ----------------------------------------------------------------------------
@@ -640,10 +739,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "out = silu(x[:, :inter]) * x[:, inter:] (x [rows, 2 * inter])");
   m.def("rms_norm", &rms_norm, "out = rms_norm(x) * weight (x [rows, hidden])");
   m.def("add_rms_norm", &add_rms_norm, "residual += x (in place); out = rms_norm(residual) * weight");
+  m.def("fp8_quantize", &fp8_quantize, "q, scale = x rows as e4m3 with float32 scales amax / 448");
+  m.def("rms_norm_fp8", &rms_norm_fp8, "rms_norm (after residual += x, in place, when given) quantized to e4m3 rows");
+  m.def("silu_and_mul_fp8", &silu_and_mul_fp8, "silu_and_mul quantized to e4m3 rows");
   m.def("rope", &rope, "rotate-half RoPE of q and k in place");
   m.def("write_kv", &write_kv, "store k, v [T, Hk, D] in the paged cache at slot_mapping");
   m.def("rope_write_kv", &rope_write_kv, "RoPE of q, k in place + store rotated k and v in the cache");
   m.def("gemv", &gemv, "out = x @ weight.T (+ bias) for one row; gated: silu(gate) * up of the fused gate_up");
+  m.def("fp8_gemv", &fp8_gemv, "one row's FP8 product: e4m3 x and weight, float32 sums, row and channel scales");
   m.def("moe_route", &moe_route, "(ids, weights) of router logits: float32 softmax, top-k, optional renormalisation; "
         "optionally recorded at the tokens' KV slots");
   m.def("moe_gemv", &moe_gemv, "each (token, slot) row through its expert's weight (small batches)");

@@ -17,7 +17,14 @@
 //
 // kGated computes the MLP's gate_up projection and silu_and_mul in one launch: the warp of column n also
 // streams weight row n + N (up) and writes silu(gate) * up with the torch reference's roundings.
+//
+// gemv_fp8 is the FP8 product of ops/fp8.py for one row: e4m3 activations (quantized by fp8.cu or a fused norm /
+// SiLU·mul) times an e4m3 weight, float32 sums of the exact products, (sum * x_scale) * w_scale[n] (+ bias),
+// rounded once. The weight streams at one byte per element; the hardware e4m3x2 -> f16x2 conversion (sm_89+)
+// feeds float32 FMAs, and each warp owns kFp8Cols columns so that one x vector's conversion serves all of them.
 #include <algorithm>
+
+#include <cuda_fp8.h>
 
 #include "kernel_utils.cuh"
 
@@ -123,7 +130,101 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(const GemvParams p) {
   }
 }
 
+constexpr int kFp8Cols = 4;   // columns per warp
+constexpr int kFp8Vec = 16;   // e4m3 values per 16-byte load
+constexpr int kFp8Unroll = 2;  // rounds of loads in flight per lane (kFp8Cols + 1 loads each)
+
+// Sixteen e4m3 values as floats, exactly (e4m3 -> f16 -> f32 loses nothing).
+__device__ __forceinline__ void e4m3x16_to_float(const uint4& v, float (&f)[kFp8Vec]) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const __half2_raw raw =
+          __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w[i] >> (16 * h)), __NV_E4M3);
+      const float2 pair = __half22float2(__half2(raw));
+      f[4 * i + 2 * h] = pair.x;
+      f[4 * i + 2 * h + 1] = pair.y;
+    }
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) gemv_fp8_kernel(const GemvFp8Params p) {
+  __shared__ float partial[kWarps][kFp8Cols];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int group = blockIdx.x * (kWarps / p.split) + warp / p.split;
+  const int part = warp % p.split;
+  const int col0 = group * kFp8Cols;
+  const int vecs = p.k / kFp8Vec;
+  const uint8_t* weight = static_cast<const uint8_t*>(p.weight);
+  const uint8_t* x = static_cast<const uint8_t*>(p.x);
+  // Columns past n (in the last group) read row 0 and are not stored.
+  const uint8_t* w[kFp8Cols];
+#pragma unroll
+  for (int c = 0; c < kFp8Cols; ++c) w[c] = weight + int64_t(col0 + c < p.n ? col0 + c : 0) * p.k;
+
+  float acc[kFp8Cols] = {};
+  const int step = 32 * p.split;
+  for (int i = part * 32 + lane; i < vecs; i += kFp8Unroll * step) {
+    uint4 wv[kFp8Unroll][kFp8Cols], xv[kFp8Unroll];
+#pragma unroll
+    for (int u = 0; u < kFp8Unroll; ++u) {
+      const int v = i + u * step;
+      const bool live = v < vecs;
+#pragma unroll
+      for (int c = 0; c < kFp8Cols; ++c) wv[u][c] = load_stream(w[c] + int64_t(v) * kFp8Vec, live);
+      xv[u] = load_cached(x + int64_t(v) * kFp8Vec, live);
+    }
+#pragma unroll
+    for (int u = 0; u < kFp8Unroll; ++u) {  // zeros past the end add nothing
+      float xf[kFp8Vec];
+      e4m3x16_to_float(xv[u], xf);
+#pragma unroll
+      for (int c = 0; c < kFp8Cols; ++c) {
+        float wf[kFp8Vec];
+        e4m3x16_to_float(wv[u][c], wf);
+#pragma unroll
+        for (int j = 0; j < kFp8Vec; ++j) acc[c] = fmaf(wf[j], xf[j], acc[c]);
+      }
+    }
+  }
+#pragma unroll
+  for (int c = 0; c < kFp8Cols; ++c) acc[c] = warp_sum(acc[c]);
+  if (lane == 0) {
+#pragma unroll
+    for (int c = 0; c < kFp8Cols; ++c) partial[warp][c] = acc[c];
+  }
+  __syncthreads();
+  // Lane c of the group's first warp sums column c's split warps in order and writes it.
+  const int col = col0 + lane;
+  if (part != 0 || lane >= kFp8Cols || col >= p.n) return;
+  float y = 0.f;
+  for (int s = 0; s < p.split; ++s) y += partial[warp + s][lane];
+  y = y * p.x_scale[0] * p.w_scale[col];
+  if (p.bias != nullptr) y += to_float(static_cast<const T*>(p.bias)[col]);
+  static_cast<T*>(p.out)[col] = from_float<T>(y);
+}
+
 }  // namespace
+
+int gemv_fp8_split(int n, int k, int num_sms) {
+  return gemv_split((int64_t(n) + kFp8Cols - 1) / kFp8Cols, k / 2, num_sms);  // k / 2: a load holds 16, not 8
+}
+
+cudaError_t gemv_fp8(const GemvFp8Params& p, cudaStream_t stream) {
+  if (p.k <= 0 || p.k % kFp8Vec != 0 || p.n < 0 || p.split < 1 || p.split > kWarps || (p.split & (p.split - 1)) != 0) {
+    return cudaErrorInvalidValue;
+  }
+  if (p.n == 0) return cudaSuccess;
+  const int64_t groups = (int64_t(p.n) + kFp8Cols - 1) / kFp8Cols;
+  const dim3 blocks(unsigned((groups * p.split + kWarps - 1) / kWarps));
+  return ROLLOUT_DISPATCH_HALF(p.dtype, T, [&] {
+    gemv_fp8_kernel<T><<<blocks, kThreads, 0, stream>>>(p);
+    return cudaGetLastError();
+  });
+}
 
 int gemv_split(int64_t columns, int k, int num_sms) {
   // Split K over more warps while the chip still has room for them (64 warps per SM) and each warp keeps at

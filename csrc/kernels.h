@@ -21,6 +21,18 @@ cudaError_t rms_norm(void* out, const void* x, void* residual, const void* weigh
 cudaError_t silu_and_mul(void* out, const void* x, DType dtype, int64_t rows, int64_t inter, int64_t out_stride,
                          int64_t x_stride, cudaStream_t stream);
 
+// FP8 activations (fp8.cuh): q [rows, cols] e4m3 bytes, contiguous; scale [rows] float32, per row
+// amax / 448 (ops/fp8.py's quantize_rows). rms_norm_fp8 is rms_norm (residual add included when residual is
+// given) with its output quantized instead of stored; silu_and_mul_fp8 is silu_and_mul's, q [rows, inter].
+int fp8_row_threads(int64_t cols);  // threads of a one-CTA-per-row kernel over cols values
+cudaError_t fp8_quantize(void* q, float* scale, const void* x, DType dtype, int64_t rows, int64_t cols,
+                         int64_t x_stride, cudaStream_t stream);
+cudaError_t rms_norm_fp8(void* q, float* q_scale, const void* x, void* residual, const void* weight, DType dtype,
+                         int64_t rows, int64_t hidden, int64_t x_stride, int64_t residual_stride, float eps,
+                         cudaStream_t stream);
+cudaError_t silu_and_mul_fp8(void* q, float* q_scale, const void* x, DType dtype, int64_t rows, int64_t inter,
+                             int64_t x_stride, cudaStream_t stream);
+
 // Rotate-half RoPE of q and k in place and/or store k and v in the paged cache at slot_mapping.
 struct RopeKVParams {
   void* q = nullptr;  // [T, Hq, D], may be null when apply_rope is false
@@ -112,6 +124,22 @@ struct GemvParams {
 // columns: n times the rows.
 int gemv_split(int64_t columns, int k, int num_sms);
 cudaError_t gemv(const GemvParams& p, cudaStream_t stream);
+
+// One row's FP8 product (ops/fp8.py): out [n] (the dtype) = (sum_k x[k] * weight[n, k]) * x_scale[0] * w_scale[n]
+// (+ bias[n]), x [k] and weight [n, k] e4m3 (k % 16 == 0, 16-byte aligned), float32 sums.
+struct GemvFp8Params {
+  const void* x = nullptr;
+  const float* x_scale = nullptr;
+  const void* weight = nullptr;
+  const float* w_scale = nullptr;
+  const void* bias = nullptr;  // [n] in the dtype, or null
+  void* out = nullptr;
+  int n = 0, k = 0;
+  int split = 1;  // warps per group of output columns (gemv_fp8_split)
+  DType dtype = DType::kBFloat16;
+};
+int gemv_fp8_split(int n, int k, int num_sms);
+cudaError_t gemv_fp8(const GemvFp8Params& p, cudaStream_t stream);
 
 // Mixture-of-experts around the grouped products (csrc/moe.cu; the semantics: ops/moe.py).
 constexpr int kMoeMaxExperts = 512;

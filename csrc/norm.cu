@@ -1,7 +1,9 @@
 // RMSNorm and fused residual-add + RMSNorm, one CTA per row, 16-byte vectors, float32 math.
 // Rounding follows the torch reference (HF Llama): the residual sum is rounded to T, the normalised
 // value is rounded to T before the weight multiply, whose product is rounded again.
-#include "kernel_utils.cuh"
+// kQuant: the output is not stored in T but quantized to e4m3 per row (fp8.cuh) for an FP8 product: a third
+// pass recomputes the outputs once their amax is known (cheaper than a second launch reading them back).
+#include "fp8.cuh"
 
 namespace rollout_kernels {
 namespace {
@@ -16,10 +18,24 @@ __device__ float block_sum(float v, float* scratch) {
   return v;
 }
 
-template <typename T, bool kAddResidual>
-__global__ void rms_norm_kernel(T* __restrict__ out, const T* __restrict__ x, T* residual,
-                                const T* __restrict__ weight, int hidden, int64_t out_stride, int64_t x_stride,
-                                int64_t residual_stride, float eps) {
+// weight * round(v * inv_rms) for vector i of a row, rounded as the reference rounds.
+template <typename T>
+__device__ __forceinline__ Vec16<T> normed_vec(const T* src, const T* weight, int i, float inv_rms) {
+  Vec16<T> v, w;
+  v.raw = *reinterpret_cast<const uint4*>(src + i * kVec);
+  w.raw = *reinterpret_cast<const uint4*>(weight + i * kVec);
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) {
+    const float normed = round_to<T>(to_float(v.e[j]) * inv_rms);
+    v.e[j] = from_float<T>(to_float(w.e[j]) * normed);
+  }
+  return v;
+}
+
+template <typename T, bool kAddResidual, bool kQuant>
+__global__ void rms_norm_kernel(T* __restrict__ out, uint8_t* __restrict__ q, float* __restrict__ q_scale,
+                                const T* __restrict__ x, T* residual, const T* __restrict__ weight, int hidden,
+                                int64_t out_stride, int64_t x_stride, int64_t residual_stride, float eps) {
   __shared__ float scratch[32];
   const int64_t row = blockIdx.x;
   const T* xr = x + row * x_stride;
@@ -53,34 +69,43 @@ __global__ void rms_norm_kernel(T* __restrict__ out, const T* __restrict__ x, T*
 
   // Second pass: each thread re-reads the same vectors it handled above (its own writes for residual).
   const T* src = kAddResidual ? rr : xr;
+  float amax = 0.f;
   for (int i = threadIdx.x; i < nvec; i += blockDim.x) {
-    Vec16<T> v, w;
-    v.raw = *reinterpret_cast<const uint4*>(src + i * kVec);
-    w.raw = *reinterpret_cast<const uint4*>(weight + i * kVec);
+    Vec16<T> v = normed_vec(src, weight, i, inv_rms);
+    if constexpr (kQuant) {
 #pragma unroll
-    for (int j = 0; j < kVec; ++j) {
-      const float normed = round_to<T>(to_float(v.e[j]) * inv_rms);
-      v.e[j] = from_float<T>(to_float(w.e[j]) * normed);
+      for (int j = 0; j < kVec; ++j) amax = nan_max(amax, fabsf(to_float(v.e[j])));
+    } else {
+      *reinterpret_cast<uint4*>(yr + i * kVec) = v.raw;
     }
-    *reinterpret_cast<uint4*>(yr + i * kVec) = v.raw;
+  }
+  if constexpr (kQuant) {
+    const float s = e4m3_scale(block_amax(amax, scratch));
+    if (threadIdx.x == 0) q_scale[row] = s;
+    uint8_t* qr = q + row * hidden;
+    for (int i = threadIdx.x; i < nvec; i += blockDim.x) {
+      Vec16<T> v = normed_vec(src, weight, i, inv_rms);
+      float f[kVec];
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) f[j] = to_float(v.e[j]);
+      *reinterpret_cast<uint2*>(qr + i * kVec) = to_e4m3x8(f, s);
+    }
   }
 }
 
-template <typename T>
-cudaError_t launch_rms_norm(void* out, const void* x, void* residual, const void* weight, int64_t rows,
-                            int64_t hidden, int64_t out_stride, int64_t x_stride, int64_t residual_stride,
-                            float eps, cudaStream_t stream) {
-  const int nvec = static_cast<int>(hidden / kVec);
-  int threads = ((nvec + 31) / 32) * 32;
-  threads = threads < 32 ? 32 : (threads > 1024 ? 1024 : threads);
+template <typename T, bool kQuant>
+cudaError_t launch_rms_norm(void* out, uint8_t* q, float* q_scale, const void* x, void* residual,
+                            const void* weight, int64_t rows, int64_t hidden, int64_t out_stride, int64_t x_stride,
+                            int64_t residual_stride, float eps, cudaStream_t stream) {
+  const int threads = fp8_row_threads(hidden);
   const dim3 grid(static_cast<unsigned>(rows));
   if (residual != nullptr) {
-    rms_norm_kernel<T, true><<<grid, threads, 0, stream>>>(
-        static_cast<T*>(out), static_cast<const T*>(x), static_cast<T*>(residual), static_cast<const T*>(weight),
-        static_cast<int>(hidden), out_stride, x_stride, residual_stride, eps);
+    rms_norm_kernel<T, true, kQuant><<<grid, threads, 0, stream>>>(
+        static_cast<T*>(out), q, q_scale, static_cast<const T*>(x), static_cast<T*>(residual),
+        static_cast<const T*>(weight), static_cast<int>(hidden), out_stride, x_stride, residual_stride, eps);
   } else {
-    rms_norm_kernel<T, false><<<grid, threads, 0, stream>>>(
-        static_cast<T*>(out), static_cast<const T*>(x), nullptr, static_cast<const T*>(weight),
+    rms_norm_kernel<T, false, kQuant><<<grid, threads, 0, stream>>>(
+        static_cast<T*>(out), q, q_scale, static_cast<const T*>(x), nullptr, static_cast<const T*>(weight),
         static_cast<int>(hidden), out_stride, x_stride, 0, eps);
   }
   return cudaGetLastError();
@@ -94,8 +119,19 @@ cudaError_t rms_norm(void* out, const void* x, void* residual, const void* weigh
   if (hidden % kVec != 0 || hidden <= 0) return cudaErrorInvalidValue;
   if (rows == 0) return cudaSuccess;
   return ROLLOUT_DISPATCH_HALF(dtype, T, [&] {
-    return launch_rms_norm<T>(out, x, residual, weight, rows, hidden, out_stride, x_stride, residual_stride, eps,
-                              stream);
+    return launch_rms_norm<T, false>(out, nullptr, nullptr, x, residual, weight, rows, hidden, out_stride,
+                                     x_stride, residual_stride, eps, stream);
+  });
+}
+
+cudaError_t rms_norm_fp8(void* q, float* q_scale, const void* x, void* residual, const void* weight, DType dtype,
+                         int64_t rows, int64_t hidden, int64_t x_stride, int64_t residual_stride, float eps,
+                         cudaStream_t stream) {
+  if (hidden % kVec != 0 || hidden <= 0 || hidden > 0x7fffffff) return cudaErrorInvalidValue;
+  if (rows == 0) return cudaSuccess;
+  return ROLLOUT_DISPATCH_HALF(dtype, T, [&] {
+    return launch_rms_norm<T, true>(nullptr, static_cast<uint8_t*>(q), q_scale, x, residual, weight, rows, hidden,
+                                    0, x_stride, residual_stride, eps, stream);
   });
 }
 

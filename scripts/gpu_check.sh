@@ -10,7 +10,9 @@
 #        GPU_CHECK_MODELS (default qwen2.5-0.5b,llama3-8b), GPU_CHECK_ARGS (extra harness arguments),
 #        GPU_CHECK_RESULTS (default benchmarks/results), GPU_CHECK_TAG (suffix of the result files),
 #        GPU_CHECK_BENCH (the benchmark steps, in order: default w7,rls,w6,w3,w4,w2p,wbi,main,moe; the budget cuts the
-#        last ones), GPU_CHECK_MOE (the moe step's workloads, default WM,W2,W1,W5,WMF,WBI)
+#        last ones), GPU_CHECK_MOE (the moe step's workloads, default WM,W2,W1,W5,WMF,WBI),
+#        GPU_CHECK_MAIN (the main step's workloads, default W1,W2,W5,W2fp8,W1fp8,W2w,WP,W2n),
+#        GPU_CHECK_W6_MODELS (the w6 step's models, default GPU_CHECK_MODELS)
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -69,11 +71,12 @@ if wanted rls && [ "$RLS_S" -gt 0 ]; then
 fi
 
 # W6 (one colocated GRPO step per model: a Ray service with a learner actor on the same GPU) on its own, first:
-# it is the RL loop as users run it. Only the models' configs are loaded in this process.
+# it is the RL loop as users run it; W6fp8 the same step with FP8 rollouts and the learner's TIS correction.
+# Only the models' configs are loaded in this process.
 W6_S=$(( $(left) > 200 ? ($(left) > 420 ? 330 : $(left) - 60) : 0 ))
 if wanted w6 && [ "$W6_S" -gt 0 ]; then
-  step bench_w6 "$W6_S" "$PY" scripts/bench.py --model "$MODELS" --workloads W6 --budget-s $(( W6_S - 30 )) \
-    --out "$RESULTS" --tag "w6${TAG}"
+  step bench_w6 "$W6_S" "$PY" scripts/bench.py --model "${GPU_CHECK_W6_MODELS:-$MODELS}" --workloads W6,W6fp8 \
+    --budget-s $(( W6_S - 30 )) --out "$RESULTS" --tag "w6${TAG}"
 fi
 
 # W3 (weight refresh by every transport through a one-worker service, and the sleep/wake cycle) on its own:
@@ -120,10 +123,13 @@ if ! wanted main; then
   echo "== bench: not in GPU_CHECK_BENCH=$BENCH_STEPS" | tee -a "$LOG"
 elif [ "$BENCH_S" -gt 90 ]; then
   # shellcheck disable=SC2086  # GPU_CHECK_ARGS is meant to split into words
+  # W2fp8 / W1fp8 (FP8 rollouts; their HF peers are W2's and W1's), W2w (1024 sequences) and WP (a decode step's
+  # GPU time by kernel class at W2's and W2w's batch) for the small model's gap to its floor.
   step bench "$BENCH_S" "$PY" scripts/bench.py --model "$MODELS" \
-    --workloads W1,W2,W5,W2n --budget-s $(( BENCH_S - 50 )) --out "$RESULTS" ${TAG:+--tag "${TAG#-}"} \
-    --skip llama3-8b:hf_static --skip llama3-8b:W2n --skip W2n:hf_generate_batch \
-    --skip llama3-8b:W1:hf_generate_batch ${GPU_CHECK_ARGS:-}
+    --workloads "${GPU_CHECK_MAIN:-W1,W2,W5,W2fp8,W1fp8,W2w,WP,W2n}" --budget-s $(( BENCH_S - 50 )) --out "$RESULTS" \
+    ${TAG:+--tag "${TAG#-}"} --skip llama3-8b:hf_static --skip llama3-8b:W2n --skip W2n:hf_generate_batch \
+    --skip llama3-8b:W1:hf_generate_batch --skip llama3-8b:W2w --skip llama3-8b:WP --skip W2w:hf_generate_batch \
+    ${GPU_CHECK_ARGS:-}
 else
   echo "== bench: cut by the budget, only $(left)s left (choose steps with GPU_CHECK_BENCH)" | tee -a "$LOG"
 fi

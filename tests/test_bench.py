@@ -231,3 +231,38 @@ def test_quick_moe_run_counts_experts_in_its_floors_and_caps_the_peers(tmp_path)
     assert fidelity["mean_entropy_nats"] == pytest.approx(1.5, abs=0.05)
     for key in ("own_routing", "replay"):
         assert fidelity[key]["n_tokens"] == 64 * 128 and fidelity[key]["max_abs"] < 1e-3  # fp32 on both sides
+
+
+def test_quick_fp8_and_wide_rows_count_fp8_bytes_in_their_floors(tmp_path):
+    rc = main(["--quick", "--model", "tiny-llama", "--dtype", "bfloat16", "--workloads", "W2,W2fp8,W1fp8,W2w",
+               "--out", str(tmp_path)])
+    assert rc == 0
+    _, doc, md = _load(str(tmp_path))
+    rows = {r["workload"]: r for r in doc["rows"]}
+    assert not doc["meta"].get("errors"), doc["meta"].get("errors")
+    for name in ("W2fp8", "W1fp8", "W2w"):
+        assert rows[name]["engine"]["value"] > 0 and rows[name]["floor"]["value"] > 0, rows[name]
+    # the same workload reads fewer weight bytes with e4m3 projections: a higher tok/s floor
+    assert rows["W2fp8"]["floor"]["value"] > rows["W2"]["floor"]["value"]
+    assert rows["W2fp8"]["hf_generate"]["note"] == "see W2: the same peers"
+    assert "8 seqs" in rows["W2w"]["metric"] and rows["W2w"]["hf_generate"]["value"] > 0
+
+
+def test_profile_breakdown_classes_kernels_and_finds_the_lm_head_and_idle_time():
+    from rollout_service.bench.decode_profile import breakdown
+    step = [("rms_norm_kernel", 2.0), ("nvjet_tst_128x64", 10.0), ("decode_kernel<bf16>", 5.0),
+            ("sm90_xmma_gemm_bf16", 8.0), ("Memcpy HtoD", 1.0), ("nvjet_tst_256x128", 20.0),
+            ("argmax_logsumexp_kernel", 4.0), ("argmax_logsumexp_combine_kernel", 1.0)]
+    events, t = [], 0.0
+    for _ in range(3):  # three steps, each kernel right after the last, then a 9 µs gap
+        for name, dur in step:
+            events.append((name, t, dur))
+            t += dur
+        t += 9.0
+    found = breakdown(events)
+    assert found["steps"] == 3 and found["kernels"] == 24
+    per = found["per_class_us"]
+    assert per["lm_head"] == 60.0 and per["gemm"] == 54.0 and per["sampling"] == 15.0
+    assert per["attention"] == 15.0 and per["norm_rope_act"] == 6.0 and per["copy"] == 3.0
+    assert found["busy_us"] == 153.0 and found["span_us"] == 153.0 + 2 * 9.0
+    assert found["top"][0][0] == "nvjet_tst_256x128"

@@ -64,7 +64,7 @@ def test_w6_runs_on_a_tiny_model(ray_cluster, tmp_path):
     import json
 
     from rollout_service.bench import main
-    rc = main(["--quick", "--device", "cpu", "--model", "tiny-llama", "--workloads", "W6", "--out", str(tmp_path)])
+    rc = main(["--quick", "--device", "cpu", "--model", "tiny-llama", "--workloads", "W6,W6fp8", "--out", str(tmp_path)])
     assert rc == 0
     rows = {r["workload"]: r for r in json.loads(next(tmp_path.glob("*.json")).read_text())["rows"]}
     step, share, rate = rows["W6"], rows["W6 overhead"], rows["W6 rollout"]
@@ -74,3 +74,7 @@ def test_w6_runs_on_a_tiny_model(ray_cluster, tmp_path):
     s1 = step["details"]["step1"]
     assert all(s1[f"{p}_s"] >= 0 for p in PHASES) and s1["sleep_s"] > 0 and s1["wake_s"] > 0
     assert step["details"]["fidelity_reports"] and "step1_fidelity_vs_fp32" in step["details"]
+    # FP8 rollouts (bf16 e4m3 products) against the float32 learner, corrected by TIS: a larger step-1 mismatch
+    fp8 = rows["W6fp8"]
+    assert fp8["engine"]["value"] > 0 and fp8["details"]["steps_run"] == 2, fp8["engine"]
+    assert fp8["details"]["step1"]["mismatch_mean"] > s1["mismatch_mean"]

@@ -28,6 +28,7 @@ class Shapes:
     w2_seqs: int = 256
     w2_prompt: int = 128
     w2_new: int = 256
+    w2w_seqs: int = 1024  # W2w: W2's prompts and new tokens at an RL batch size
     w2n_prompts: int = 32
     w2n_n: int = 8
     w2n_prompt: int = 512
@@ -62,7 +63,7 @@ class Shapes:
         return dataclasses.replace(self, **kw)
 
 
-QUICK = Shapes(w1_prompt=8, w1_new=8, w2_seqs=4, w2_prompt=8, w2_new=8, w2n_prompts=2, w2n_n=2,
+QUICK = Shapes(w1_prompt=8, w1_new=8, w2_seqs=4, w2_prompt=8, w2_new=8, w2w_seqs=8, w2n_prompts=2, w2n_n=2,
                w2n_prompt=16, w2n_new=8, w2p_prompts=2, w2p_n=4, w2p_prompt=40, w2p_new=12, w3_check_new=4,
                w4_batches=(1, 4), w4_contexts=(64,),
                w4_prefill_seqs=2, w4_prefill_len=64, w6_prompts=2, w6_n=2, w6_prompt=8, w6_new=8,
@@ -76,7 +77,7 @@ QUICK = Shapes(w1_prompt=8, w1_new=8, w2_seqs=4, w2_prompt=8, w2_new=8, w2n_prom
 # W6 on the CPU: 8 prompts x n=4, prompt 64, 32 new tokens. W7 on the CPU: 8 episodes x 4 turns, prompt and
 # observations 128, answers 32. WBI on the CPU checks 8 sequences of each run: a re-run alone is a batch of
 # one, which the invariant products pad to a 16-row tile (seconds per sequence with SmolLM2 on 2 cores).
-CPU = Shapes(w2_seqs=32, w2_new=64, w2n_prompts=4, w2n_prompt=128, w2n_new=64, w2p_prompts=4, w2p_n=4,
+CPU = Shapes(w2_seqs=32, w2_new=64, w2w_seqs=64, w2n_prompts=4, w2n_prompt=128, w2n_new=64, w2p_prompts=4, w2p_n=4,
              w2p_prompt=256, w2p_new=32, w4_batches=(1, 32),
              w4_contexts=(1024,), w4_prefill_len=512, w6_prompts=8, w6_n=4, w6_prompt=64, w6_new=32,
              w7_episodes=8, w7_prompt=128, w7_obs=128, w7_new=32, ds_groups=4, ds_n=4, ds_prompt=32, ds_new=16,

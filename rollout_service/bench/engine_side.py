@@ -46,8 +46,8 @@ def open_engine(bm: BenchModel, backend: str, num_seqs: int, max_len: int, extra
     """n, prompt_len: the samples per prompt and the prompt length, when prompts are shared (kv_pages)."""
     from rollout_service import RolloutClient  # imported late: the harness runs without an engine too
 
-    client = RolloutClient.local(model=bm.hf_model, backend=backend, dtype=None,
-                                 **engine_options(bm, num_seqs, max_len, extra, n, prompt_len))
+    client = RolloutClient.local(model=bm.hf_model, backend=backend,
+                                 **{"dtype": None, **engine_options(bm, num_seqs, max_len, extra, n, prompt_len)})
     try:
         yield client
     finally:

@@ -110,6 +110,12 @@ class BenchModel:
         routed = 0 if spec is None else len(spec.sparse_layers) * spec.top_k * self.expert_params()
         return self.dense_decode_params() + routed
 
+    def projection_params(self) -> int:
+        """The attention and MLP projections' weights of a dense model: what quantization='fp8' holds in e4m3."""
+        c, h = self.config, int(self.config.hidden_size)
+        attn = h * self.head_dim * 2 * (int(c.num_attention_heads) + self.num_kv_heads)
+        return self.num_layers * (attn + 3 * h * int(c.intermediate_size))
+
     def kv_bytes_per_token(self) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.elem_bytes
 

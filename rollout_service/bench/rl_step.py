@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import tempfile
 import time
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -62,6 +63,20 @@ def w6_rl_step(ctx: BenchContext) -> list[Row]:
         return [step, share, rate]
     step.engine = ctx.measure(step, "engine", lambda: _run(ctx, step, share, rate))
     return [step, share, rate]
+
+
+def w6_fp8(ctx: BenchContext) -> list[Row]:
+    """W6 with FP8 rollouts (e4m3 projections) and the bf16 learner's TIS correction, as slime / NeMo-RL run it:
+    its step-1 mismatch (rows' details) is the one to read beside W6's."""
+    if ctx.bm.moe is not None:
+        return [Row(ctx.bm.name, "W6fp8", "-", "-", False, engine=Cell.na("FP8 has no mixture-of-experts path"))]
+    # FP8 products round to a half dtype: the bench model's, else bf16 (the CPU's float32 run)
+    dtype = str(ctx.bm.dtype).removeprefix("torch.") if ctx.bm.dtype in (torch.bfloat16, torch.float16) else "bfloat16"
+    rows = w6_rl_step(replace(ctx, engine_extra={**ctx.engine_extra, "quantization": "fp8", "dtype": dtype}))
+    for row in rows:
+        row.workload = row.workload.replace("W6", "W6fp8", 1)
+        row.metric = f"FP8 rollouts, rollout_correction tis: {row.metric}"
+    return rows
 
 
 def _run(ctx: BenchContext, step: Row, share: Row, rate: Row) -> Cell:
@@ -116,9 +131,9 @@ def _service(ctx: BenchContext, folder: str) -> dict:
         pages = max(64, min(pages, int(spare // (bm.kv_bytes_per_token() * PAGE_SIZE))))
     batch = min(max(seqs, s.w2n_prompts * s.w2n_n), 512)
     # every decode batch in a graph: at 512 sequences the default 256-batch cap ran a 0.5B model eager (0.6x W2n)
-    engine = dict(model=folder, load_format="dummy", backend=ctx.backend, dtype=str(bm.dtype).removeprefix("torch."),
-                  device=bm.device.type, num_pages=pages, max_num_seqs=batch, cuda_graph_max_batch=batch,
-                  max_model_len=max_len, **ctx.engine_extra)
+    engine = {**dict(model=folder, load_format="dummy", backend=ctx.backend, dtype=str(bm.dtype).removeprefix("torch."),
+                     device=bm.device.type, num_pages=pages, max_num_seqs=batch, cuda_graph_max_batch=batch,
+                     max_model_len=max_len), **ctx.engine_extra}
     return {"name": "w6-bench", "num_workers": 1, "colocate": True, "engine": engine,
             "resources": {"num_cpus": 2 if gpu else 1, "num_gpus": 1 if gpu else 0}}
 
@@ -141,10 +156,11 @@ def _learner_bytes(ctx: BenchContext) -> int:
 def _grpo_config(ctx: BenchContext) -> dict:
     bm, s = ctx.bm, ctx.shapes
     gpu = bm.device.type == "cuda"
+    fp8 = ctx.engine_extra.get("quantization") == "fp8"  # FP8 rollouts: the learner corrects with TIS
     return {"group_size": s.w6_n, "prompts_per_step": s.w6_prompts, "max_tokens": s.w6_new, "temperature": 1.0,
             "ignore_eos": True, "lr": 1e-6, "device": "cuda" if gpu else "cpu",
             "dtype": "bfloat16" if gpu else "float32", "colocate": True, "sleep_level": 1,
-            **{**LEARNER_DEFAULT, **LEARNER.get(bm.name, {})}}
+            **({"rollout_correction": "tis"} if fp8 else {}), **{**LEARNER_DEFAULT, **LEARNER.get(bm.name, {})}}
 
 
 def _w2n(ctx: BenchContext, client, rate: Row) -> Cell:
@@ -169,7 +185,8 @@ def _fill(ctx: BenchContext, rows: list[dict], step: Row, share: Row, rate: Row)
             "mismatch_tokens": r["mismatch_tokens"], "learner_memory": r["learner_memory"],
             "engine_memory_asleep": r["engine_memory_asleep"], "optimizer_state_bytes": r["optimizer_state_bytes"]}
     step.details["learner"] = {k: v for k, v in _grpo_config(ctx).items() if k in ("optimizer", "micro_batch",
-                                                                                 "gradient_checkpointing", "dtype")}
+                                                                                 "gradient_checkpointing", "dtype",
+                                                                                 "rollout_correction")}
     step.details["steps_run"] = len(rows)
     fid = rows[0].get("fidelity_vs_fp32")
     if fid:

@@ -1,10 +1,13 @@
-"""Generation workloads W1 (latency), W2 (rollout), W2n (n samples per prompt), W2p (long prompts), W5 (CUDA graphs).
+"""Generation workloads W1 (latency), W2 (rollout), W2w (wide rollout), W2n (n samples per prompt), W2p (long
+prompts), W5 (CUDA graphs), and W1fp8 / W2fp8 (W1 and W2 with FP8 rollouts).
 
 Each returns Rows; the engine and the HF peers run the same prompts on the same live model object.
 Every runner gets one small warm-up call first, so no one pays one-time set-up inside the timing.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import numpy as np
 
@@ -25,8 +28,23 @@ def prefix_agreement(a: list[list[int]], b: list[list[int]]) -> float:
     return sum(fracs) / max(len(fracs), 1)
 
 
+def _fp8(ctx: BenchContext) -> bool:
+    return ctx.engine_extra.get("quantization") == "fp8"
+
+
 def _weights_bytes(ctx: BenchContext) -> float:
-    return ctx.bm.decode_params() * ctx.bm.elem_bytes
+    """Weight bytes a dense decode step reads; with FP8 rollouts the projections' are one byte each."""
+    bm = ctx.bm
+    if _fp8(ctx):
+        return (bm.decode_params() - bm.projection_params()) * bm.elem_bytes + bm.projection_params()
+    return bm.decode_params() * bm.elem_bytes
+
+
+def _compute_params(ctx: BenchContext) -> float:
+    """Parameters a token multiplies by, counted at the bf16 rate the matmul ceiling measures: an FP8 product
+    counts half (FP8 tensor cores run at twice the bf16 rate)."""
+    bm = ctx.bm
+    return bm.active_params() - (bm.projection_params() / 2 if _fp8(ctx) else 0)
 
 
 def _step_weight_bytes(ctx: BenchContext, experts_read: float) -> float:
@@ -137,7 +155,7 @@ def _batch1_floor_s(ctx: BenchContext, row: Row) -> float:
     experts_read = 0 if spec is None else len(spec.sparse_layers) * spec.top_k
     _moe_floor_details(ctx, row, experts_read, counted=False)
     kv = bm.kv_bytes_per_token() * (s.w1_prompt + s.w1_new / 2)
-    return decode_step_floor(_step_weight_bytes(ctx, experts_read), kv, bm.active_params(), 1, ctx.ceilings)
+    return decode_step_floor(_step_weight_bytes(ctx, experts_read), kv, _compute_params(ctx), 1, ctx.ceilings)
 
 
 def _rollout_floor(ctx: BenchContext, row: Row, prompts: int, prompt_len: int, seqs: int, new: int,
@@ -146,14 +164,14 @@ def _rollout_floor(ctx: BenchContext, row: Row, prompts: int, prompt_len: int, s
     steps of `seqs` sequences reading the shared prompt KV once and each sequence's own generated KV, and of an
     MoE model the experts its tokens route to (counted from `routed`, else expected for uniform routing)."""
     bm = ctx.bm
-    t = prefill_floor(_weights_bytes(ctx), bm.active_params(), prompts * prompt_len, ctx.ceilings)
+    t = prefill_floor(_weights_bytes(ctx), _compute_params(ctx), prompts * prompt_len, ctx.ceilings)
     kv = bm.kv_bytes_per_token() * (prompts * prompt_len + seqs * new / 2)
     experts_read, spec = experts_read_per_step(routed or []), bm.moe
     counted = experts_read is not None
     if spec is not None and not counted:
         experts_read = len(spec.sparse_layers) * spec.num_experts * (1 - (1 - spec.top_k / spec.num_experts) ** seqs)
     _moe_floor_details(ctx, row, experts_read or 0, counted)
-    t += new * decode_step_floor(_step_weight_bytes(ctx, experts_read or 0), kv, bm.active_params(), seqs,
+    t += new * decode_step_floor(_step_weight_bytes(ctx, experts_read or 0), kv, _compute_params(ctx), seqs,
                                  ctx.ceilings)
     return seqs * new / t
 
@@ -213,6 +231,42 @@ def w2_rollout(ctx: BenchContext) -> list[Row]:
     prompts = random_prompts(s.w2_seqs, s.w2_prompt, ctx.bm.vocab_size, seed=2)
     metric = f"output tok/s, {s.w2_seqs} seqs, prompt {s.w2_prompt}, {s.w2_new} new, greedy"
     return [_throughput_row(ctx, "W2", metric, prompts, s.w2_new, 1, 0.0)]
+
+
+def w2w_wide(ctx: BenchContext) -> list[Row]:
+    """W2 at the batch sizes RL rollouts run (1024 sequences by default): the engine's graphs must cover it."""
+    s = ctx.shapes
+    prompts = random_prompts(s.w2w_seqs, s.w2_prompt, ctx.bm.vocab_size, seed=9)
+    metric = f"output tok/s, {s.w2w_seqs} seqs, prompt {s.w2_prompt}, {s.w2_new} new, greedy"
+    return [_throughput_row(ctx, "W2w", metric, prompts, s.w2_new, 1, 0.0)]
+
+
+def _fp8_row(ctx: BenchContext, runner, name: str) -> list[Row]:
+    """`runner`'s engine with quantization='fp8' (floors from FP8 weight bytes); its HF peers are the model-dtype
+    row's, run in the same process, so they are not run twice."""
+    if ctx.bm.moe is not None:
+        row = Row(ctx.bm.name, name, "-", "-", True, engine=Cell.na("FP8 has no mixture-of-experts path"))
+        return [row]
+    skip = ctx.skip | {"hf_generate", "hf_generate_batch", "hf_static"}
+    # FP8 products round to the model dtype: the engine runs the bench model's (bf16 unless --dtype says)
+    dtype = str(ctx.bm.dtype).removeprefix("torch.")
+    fp8_ctx = replace(ctx, engine_extra={"dtype": dtype, **ctx.engine_extra, "quantization": "fp8"}, skip=skip)
+    rows = runner(fp8_ctx)
+    base = name.removesuffix("fp8")
+    for row in rows:
+        row.workload = name
+        row.metric = f"FP8 rollouts (e4m3 projections): {row.metric}"
+        for peer in ("hf_generate", "hf_generate_batch", "other_peer"):
+            setattr(row, peer, Cell.na(f"see {base}: the same peers"))
+    return rows
+
+
+def w1_fp8(ctx: BenchContext) -> list[Row]:
+    return _fp8_row(ctx, w1_latency, "W1fp8")
+
+
+def w2_fp8(ctx: BenchContext) -> list[Row]:
+    return _fp8_row(ctx, w2_rollout, "W2fp8")
 
 
 def w2n_samples(ctx: BenchContext) -> list[Row]:

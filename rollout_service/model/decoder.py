@@ -15,6 +15,7 @@ from rollout_service.model.moe import SparseMoeBlock
 from rollout_service.model.registry import ArchFlags, MoeSpec, arch_flags, moe_spec
 from rollout_service.ops.attention import AttentionMetadata
 from rollout_service.ops.backend import Ops, select_ops
+from rollout_service.ops.fp8 import Fp8Rows
 from rollout_service.ops.rope import build_cos_sin_cache, rope_head_dim
 
 
@@ -41,9 +42,10 @@ def fuse_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor |
     return weight, bias
 
 
-def project(ops: Ops, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+def project(ops: Ops, x: torch.Tensor | Fp8Rows, weight: torch.Tensor, bias: torch.Tensor | None,
             scale: torch.Tensor | None) -> torch.Tensor:
-    """x @ weight.T (+ bias): an FP8 product when the weight was quantized (`scale`: its per-channel scales)."""
+    """x @ weight.T (+ bias): an FP8 product when the weight was quantized (`scale`: its per-channel scales;
+    x may then come quantized already, from the norm or SiLU·mul before it)."""
     return ops.linear(x, weight, bias) if scale is None else ops.fp8_linear(x, weight, scale, bias)
 
 
@@ -81,7 +83,7 @@ class Attention(nn.Module):
         self.qkv = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata,
+        self, x: torch.Tensor | Fp8Rows, positions: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata,
         cos_sin: torch.Tensor,
     ) -> torch.Tensor:
         tokens = x.shape[0]
@@ -115,9 +117,9 @@ class MLP(nn.Module):
     def fuse(self) -> None:
         self.gate_up = fuse_linears([self.gate_proj, self.up_proj])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
         if self.gate_up_scale is not None:
-            x = self.ops.silu_and_mul(project(self.ops, x, *self.gate_up, self.gate_up_scale))
+            x = self.ops.silu_and_mul_fp8(project(self.ops, x, *self.gate_up, self.gate_up_scale))
         elif self.gate_up is not None:
             x = self.ops.gated_linear(x, *self.gate_up)
         else:
@@ -143,17 +145,24 @@ class DecoderLayer(nn.Module):
         meta: AttentionMetadata, cos_sin: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # The residual add of the previous block is fused into this block's first norm.
-        norm = self.input_layernorm
-        if residual is None:
-            residual, x = x, self.ops.rms_norm(x, norm.weight, norm.eps)
-        else:
-            x, residual = self.ops.add_rms_norm(x, residual, norm.weight, norm.eps)
+        x, residual = self._norm(self.input_layernorm, x, residual, self.self_attn.qkv_scale is not None)
         x = self.self_attn(x, positions, kv_layer, meta, cos_sin)
-        norm = self.post_attention_layernorm
-        x, residual = self.ops.add_rms_norm(x, residual, norm.weight, norm.eps)
+        x, residual = self._norm(self.post_attention_layernorm, x, residual,
+                                 getattr(self.mlp, "gate_up_scale", None) is not None)
         if isinstance(self.mlp, SparseMoeBlock):
             return self.mlp(x, meta.slot_mapping), residual
         return self.mlp(x), residual
+
+
+    def _norm(self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None,
+              quantized: bool) -> tuple[torch.Tensor | Fp8Rows, torch.Tensor]:
+        """(norm(x + residual), x + residual), x itself the residual when there is none yet; quantized for an
+        FP8 projection next (one kernel on a kernel backend)."""
+        if quantized:
+            return self.ops.rms_norm_fp8(x, residual, norm.weight, norm.eps)
+        if residual is None:
+            return self.ops.rms_norm(x, norm.weight, norm.eps), x
+        return self.ops.add_rms_norm(x, residual, norm.weight, norm.eps)
 
 
 class Backbone(nn.Module):

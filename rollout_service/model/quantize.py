@@ -42,6 +42,10 @@ def check_quantization(quantization: str | None, dtype: torch.dtype, device: tor
     if batch_invariant:
         raise ValueError("quantization='fp8' with batch_invariant: the batch-invariant products are model-dtype "
                          "ones; turn one of them off")
+    if device.type == "cuda":
+        # Find the GPU's FP8 GEMM now, before any decode step is captured in a CUDA graph (ops/cuda_fp8.py).
+        from rollout_service.ops import cuda_fp8
+        cuda_fp8.probe(dtype, device)
 
 
 def quantize_fp8(model: Any) -> None:

@@ -16,7 +16,7 @@ import logging
 
 import torch
 
-from rollout_service.ops import attention as attention_ref, cuda_moe
+from rollout_service.ops import attention as attention_ref, cuda_fp8, cuda_moe, fp8
 from rollout_service.ops._ext import load_kernels
 from rollout_service.ops.torch_ops import TorchOps
 
@@ -135,6 +135,54 @@ class CudaOps(TorchOps):
         out = hidden.new_empty(hidden.shape[0], weight.shape[0], dtype=torch.float32)
         self.kernels.gemv(out, hidden, weight, None, False)
         return out
+
+    # ---- FP8 products (ops/cuda_fp8.py) ------------------------------------------------------------
+
+    def _fp8_out(self, rows: torch.Tensor, cols: int, dtype: torch.dtype) -> fp8.Fp8Rows:
+        return fp8.Fp8Rows(rows.new_empty(rows.shape[0], cols, dtype=fp8.E4M3),
+                           rows.new_empty(rows.shape[0], dtype=torch.float32), dtype)
+
+    def fp8_quantize(self, x: torch.Tensor) -> fp8.Fp8Rows:
+        ok = x.is_cuda and x.dtype in _HALF and x.dim() == 2 and x.shape[1] % 8 == 0 and _rows_ok(x)
+        if not ok:
+            self._fallback("fp8_quantize", f"{x.dtype} {tuple(x.shape)}")
+            return super().fp8_quantize(x)
+        out = self._fp8_out(x, x.shape[1], x.dtype)
+        self.kernels.fp8_quantize(out.q, out.scale, x)
+        return out
+
+    def rms_norm_fp8(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                     eps: float) -> tuple[fp8.Fp8Rows, torch.Tensor]:
+        rows = self._norm_args(x, weight)
+        ok = rows is not None and x.dim() == 2 and (residual is None or (
+            residual.shape == x.shape and residual.dtype == x.dtype and residual.device == x.device
+            and residual.is_contiguous() and _aligned(residual)))
+        if not ok:
+            self._fallback("rms_norm_fp8", f"{x.dtype} {tuple(x.shape)}")
+            return super().rms_norm_fp8(x, residual, weight, eps)
+        out = self._fp8_out(rows, rows.shape[1], x.dtype)
+        self.kernels.rms_norm_fp8(out.q, out.scale, rows, None if residual is None else residual.view(rows.shape),
+                                  weight, eps)
+        return out, (x if residual is None else residual)
+
+    def silu_and_mul_fp8(self, gate_up: torch.Tensor) -> fp8.Fp8Rows:
+        ok = (gate_up.is_cuda and gate_up.dtype in _HALF and gate_up.dim() == 2 and gate_up.shape[1] % 16 == 0
+              and _rows_ok(gate_up))
+        if not ok:
+            self._fallback("silu_and_mul_fp8", f"{gate_up.dtype} {tuple(gate_up.shape)}")
+            return super().silu_and_mul_fp8(gate_up)
+        out = self._fp8_out(gate_up, gate_up.shape[1] // 2, gate_up.dtype)
+        self.kernels.silu_and_mul_fp8(out.q, out.scale, gate_up)
+        return out
+
+    def fp8_linear(self, x: torch.Tensor | fp8.Fp8Rows, weight: torch.Tensor, weight_scale: torch.Tensor,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+        rows = x if isinstance(x, fp8.Fp8Rows) else self.fp8_quantize(x)
+        why = cuda_fp8.product_blocker(rows, weight, weight_scale, bias)
+        if why:
+            self._fallback("fp8_linear", why)
+            return super().fp8_linear(rows, weight, weight_scale, bias)
+        return cuda_fp8.product(self.kernels, rows, weight, weight_scale, bias)
 
     # ---- mixture of experts (ops/cuda_moe.py) ------------------------------------------------------
 

@@ -9,6 +9,8 @@ at most 2^-4 per element, more for values near e4m3's subnormals).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -19,7 +21,9 @@ E4M3_MAX = 448.0
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(e4m3 [R, C], float32 scales [R]) of x [R, C]: x[r] ~= q[r] * scale[r]. An all-zero row gets scale 1."""
     amax = x.detach().abs().amax(dim=-1).float()
-    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    # a tensor divisor: torch's CUDA division by a Python scalar multiplies by its reciprocal (not always the
+    # IEEE quotient), which would make the reference differ between devices
+    scale = torch.where(amax > 0, amax / torch.full_like(amax, E4M3_MAX), torch.ones_like(amax))
     q = (x.detach().float() / scale.unsqueeze(-1)).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
     return q, scale
 
@@ -28,12 +32,31 @@ def dequantize_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.float() * scale.unsqueeze(-1)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+@dataclass
+class Fp8Rows:
+    """Activations already quantized for an FP8 product (by a norm or SiLU·mul that ended in the quantization):
+    q [T, K] e4m3, scale [T] float32, and the model dtype the product rounds to."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, x: torch.Tensor) -> "Fp8Rows":
+        return cls(*quantize_rows(x), x.dtype)
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+
+def linear(x: "torch.Tensor | Fp8Rows", weight: torch.Tensor, weight_scale: torch.Tensor,
            bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, K] (model dtype) times an e4m3 weight [N, K] with per-output-channel scales [N]: x is quantized per
-    token, the e4m3 products summed in float32 and scaled, plus the bias, rounded once to x's dtype."""
-    qx, x_scale = quantize_rows(x)
-    y = F.linear(qx.float(), weight.float()) * x_scale.unsqueeze(-1) * weight_scale
+    """x [T, K] (model dtype, or already quantized) times an e4m3 weight [N, K] with per-output-channel scales
+    [N]: x is quantized per token, the e4m3 products summed in float32 and scaled, plus the bias, rounded once
+    to the model dtype."""
+    rows = x if isinstance(x, Fp8Rows) else Fp8Rows.of(x)
+    y = F.linear(rows.q.float(), weight.float()) * rows.scale.unsqueeze(-1) * weight_scale
     if bias is not None:
         y = y + bias.float()
-    return y.to(x.dtype)
+    return y.to(rows.dtype)

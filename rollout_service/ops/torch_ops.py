@@ -40,11 +40,28 @@ class TorchOps:
             return cpu_linear.gated_linear(x, weight)
         return self.silu_and_mul(self.linear(x, weight, bias))
 
-    def fp8_linear(self, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+    def fp8_linear(self, x: torch.Tensor | fp8.Fp8Rows, weight: torch.Tensor, weight_scale: torch.Tensor,
                    bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x @ weight.T (+ bias) with an e4m3 weight and per-output-channel scales; x quantized per token
-        (ops/fp8.py)."""
+        """x @ weight.T (+ bias) with an e4m3 weight and per-output-channel scales; x quantized per token unless
+        it already is (ops/fp8.py)."""
         return fp8.linear(x, weight, weight_scale, bias)
+
+    def fp8_quantize(self, x: torch.Tensor) -> fp8.Fp8Rows:
+        """x [T, K] quantized per row for an FP8 product."""
+        return fp8.Fp8Rows.of(x)
+
+    def rms_norm_fp8(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                     eps: float) -> tuple[fp8.Fp8Rows, torch.Tensor]:
+        """(rms_norm quantized per row, the residual): add_rms_norm's when a residual is given, else x's norm
+        with x as the residual. For an FP8 product's input: a kernel backend fuses the quantization."""
+        if residual is None:
+            return self.fp8_quantize(self.rms_norm(x, weight, eps)), x
+        y, residual = self.add_rms_norm(x, residual, weight, eps)
+        return self.fp8_quantize(y), residual
+
+    def silu_and_mul_fp8(self, gate_up: torch.Tensor) -> fp8.Fp8Rows:
+        """silu_and_mul quantized per row (the FP8 down projection's input)."""
+        return self.fp8_quantize(self.silu_and_mul(gate_up))
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of a fused [T, 2I] gate_up projection (gate half first); silu rounds to the dtype."""

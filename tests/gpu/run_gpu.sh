@@ -30,7 +30,7 @@ if [ "${RUN_W4:-1}" = 1 ]; then
   echo "bench rc=$?"
 fi
 
-# Out-of-bounds check of the attention and MoE kernels on small cases (Firecracker machines run compute-sanitizer).
+# Out-of-bounds check of the attention, MoE and FP8 kernels on small cases (Firecracker machines run compute-sanitizer).
 T=tests/gpu/test_attention_kernels.py
 M=tests/gpu/test_moe_gpu.py
 timeout 150 compute-sanitizer --tool memcheck --print-limit 20 $PY -m pytest -q -p no:cacheprovider \
@@ -42,3 +42,7 @@ timeout 150 compute-sanitizer --tool memcheck --print-limit 20 $PY -m pytest -q 
   "$M::test_experts_match_the_per_token_reference[4-8-2-1000-72]" \
   "$M::test_every_token_on_one_expert[40]" >"$OUT/memcheck.log" 2>&1
 echo "memcheck rc=$?"; grep -E "ERROR SUMMARY|passed|failed|Invalid" "$OUT/memcheck.log" | head -10
+timeout 120 compute-sanitizer --tool memcheck --print-limit 20 $PY -m pytest -q -p no:cacheprovider \
+  tests/gpu/test_fp8_gpu.py -k "not gemm and not decoder and not engine and (4864 or 2048 or 768)" \
+  >"$OUT/memcheck_fp8.log" 2>&1
+echo "memcheck fp8 rc=$?"; grep -E "ERROR SUMMARY|passed|failed|Invalid" "$OUT/memcheck_fp8.log" | head -10
