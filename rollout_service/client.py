@@ -216,8 +216,10 @@ class RolloutClient:
         Every name, shape and dtype is checked on every worker before any worker swaps; the swap lands
         between two engine steps. `transport`: "auto" (CUDA IPC when the tensors are on a GPU of the workers'
         node, else a broadcast when init_weight_group() was called, else the object store), "object_store",
-        "cuda_ipc" or "broadcast". `partial=True` allows a subset of the weights; `check_finite=False` lets
-        NaN/inf through. Returns the transport used."""
+        "cuda_ipc" or "broadcast". `partial=True` allows a subset of the weights. Before anything moves, every
+        tensor must be finite and pass the canary (each weight on a fixed unit-RMS input gives outputs within
+        1e6: a finite 3e38 would turn every later token NaN; rollout_service/weights/canary.py);
+        `check_finite=False` skips both. Returns the transport used."""
         backend = self._open
         if not isinstance(transport, str) or transport not in TRANSPORTS:
             raise ValueError(f"update_weights: transport={transport!r}; choose one of {TRANSPORTS}")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import random
 import threading
 import time
@@ -254,7 +255,8 @@ class Engine(DecodeSteps, FaultIsolation, WeightRefresh):
         for seq in scored:
             complete(seq, self.policy_version)
             self.counters.scored_sequences += 1
-            self._outbox += self._finish(seq, "scored")
+            error = _overflow_error(seq.output_logprobs, scoring=True)
+            self._outbox += self._finish(seq, "abort" if error else "scored", error)
         if not to_sample:
             return
         logits = prefilled.logits
@@ -290,6 +292,10 @@ class Engine(DecodeSteps, FaultIsolation, WeightRefresh):
             top = ({t: lp for t, lp in zip(top_ids[i][:k], top_lps[i][:k]) if lp != float("-inf")}
                    if k and top_ids is not None else None)
             seq.append(token_ids[i], logprobs[i], version, top)
+            if not math.isfinite(logprobs[i]):  # the forward overflowed: what follows would be garbage
+                error = _overflow_error([logprobs[i]], offset=seq.num_output_tokens - 1)
+                self._outbox += self._finish(seq, "abort", error)
+                continue
             reason = self._stop_reason(seq, token_ids[i])
             if reason:
                 self._outbox += self._finish(seq, reason)
@@ -390,3 +396,14 @@ class Engine(DecodeSteps, FaultIsolation, WeightRefresh):
             "process_gpu_bytes": process_gpu_bytes() if self.device.type == "cuda" else None,
         }
 
+
+def _overflow_error(logprobs, offset: int = 0, scoring: bool = False) -> str | None:
+    """The error of a result whose log-probs are NaN or inf (the forward overflowed: weights or inputs out of
+    range), None when they are finite. Scoring keeps -inf: a target outside a truncated (top-k / top-p)
+    distribution has log-prob -inf there."""
+    for i, lp in enumerate(logprobs):
+        if math.isnan(lp) or lp == math.inf or (lp == -math.inf and not scoring):
+            return (f"non-finite log-prob ({lp}) at output token {offset + i}: the model's forward overflowed "
+                    "(inf or NaN logits), so its weights or inputs are out of range; the tokens from there on "
+                    "are not the policy's")
+    return None

@@ -23,6 +23,7 @@ from rollout_service.engine.sequence import Sequence
 from rollout_service.model.weight_update import apply_named_tensors, validate_manifest, validate_named_tensors
 from rollout_service.receipts import weights_digest
 from rollout_service.weights.buckets import named_items, reject_nonfinite
+from rollout_service.weights.canary import reject_overflowing
 
 
 class WeightRefresh:
@@ -37,14 +38,15 @@ class WeightRefresh:
 
     def update_weights(self, named_tensors: Any, version: int, partial: bool = False,
                        check_finite: bool = True) -> None:
-        """Validate every tensor (name, shape, dtype, every weight present unless `partial`, finite unless
-        told otherwise), then swap at a step boundary; in-flight work as on_refresh says (module docstring).
+        """Validate every tensor (name, shape, dtype, every weight present unless `partial`, finite and within
+        the canary's bound unless told otherwise: weights/canary.py), then swap at a step boundary; in-flight work as on_refresh says (module docstring).
         While asleep the weights come back to the device with the new values; wake_up restores the rest."""
         self.check_version(version)
         items = named_items(named_tensors)
         plan = validate_named_tensors(self.model, items, partial)
         if check_finite:
             reject_nonfinite(items)
+            reject_overflowing(items)
         with self._lock:
             self.sleeper.before_refresh(partial)
             self._flush()  # its tokens came from the old weights and say so

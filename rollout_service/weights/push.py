@@ -17,6 +17,7 @@ import torch
 
 from rollout_service.weights.buckets import (DEFAULT_BUCKET_BYTES, Buckets, Manifest, plan, reject_nonfinite,
                                              reuse_or_allocate)
+from rollout_service.weights.canary import reject_overflowing
 from rollout_service.weights.cuda_ipc import IpcSender, device_uuid
 from rollout_service.weights.group import COLLECTIVES, GroupSpec, WeightGroup, free_port
 from rollout_service.weights.object_store import ObjectStoreSender
@@ -50,6 +51,7 @@ class WeightPusher:
                                 self.group is not None, _learner_gpu(items))
         if check_finite:
             reject_nonfinite(items)
+            reject_overflowing(items)
         manifest = self.plan(items)
         t1 = time.perf_counter()
         if kind == "broadcast":
