@@ -307,7 +307,7 @@ class GRPOLearner:
             return None
         mine = [r for r in results if r.receipt is not None and set(r.token_versions) == {self.version}]
         picked = mine[:self.config.verify_receipts]
-        verdicts = self.invariant.verify(picked, self.config.temperature) if picked else []
+        verdicts = self.invariant.verify(picked, self.config.temperature, key=self.config.receipt_key) if picked else []
         failed = [(r, v) for r, v in zip(picked, verdicts) if not v.ok]
         for r, v in failed[:3]:
             log.warning("receipt of %s#%d failed verification: %s", r.request_id, r.sample_index, v.reason)

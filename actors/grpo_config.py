@@ -43,6 +43,7 @@ class GRPOConfig:
                                        # needs EngineConfig.batch_invariant and the engine's dtype and device type
     verify_receipts: int = 4           # bitwise mode: results per step whose receipt and log-probs the learner
                                        # checks (InvariantForward.verify), those sampled by the weights it holds
+    receipt_key: str | None = field(default=None, repr=False)  # the service's EngineConfig.receipt_key
     routing_replay: bool = False       # mixture-of-experts policies: rollouts return their routed experts (prompt
                                        # included) and the learner's forward replays them (training/routing_replay.py)
     rollout_correction: str | None = None  # "tis" | "mis": weigh each token by the learner's and the engine's
@@ -73,6 +74,8 @@ class GRPOConfig:
             raise ValueError(f"GRPOConfig.optimizer={self.optimizer!r}: choose one of {OPTIMIZERS}")
         if self.colocate not in (True, False, "auto"):
             raise ValueError(f"GRPOConfig.colocate={self.colocate!r}: must be true, false or 'auto'")
+        if self.receipt_key is not None and not (isinstance(self.receipt_key, str) and self.receipt_key):
+            raise ValueError("GRPOConfig.receipt_key: must be None or a non-empty str")
         if not isinstance(self.verify_receipts, int) or isinstance(self.verify_receipts, bool) \
                 or self.verify_receipts < 0:
             raise ValueError(f"GRPOConfig.verify_receipts={self.verify_receipts!r}: must be an int >= 0")

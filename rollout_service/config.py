@@ -1,7 +1,7 @@
 """Engine and service configuration: dataclasses that validate themselves and round-trip through YAML."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 # The one table of ops backends and dtype names (torch-free, so a command line can read it at once).
@@ -90,9 +90,14 @@ class EngineConfig:
     # (model/quantize.py); embeddings, norms, router and LM head stay in the model dtype. Needs a bf16/fp16
     # model (and FP8 tensor cores on a GPU; the torch backend computes the same arithmetic anywhere).
     quantization: str | None = None
+    # A secret shared with the learner: batch-invariant receipts become HMACs under it, which only a holder of
+    # the key can produce for edited content (rollout_service/receipts.py). Kept out of repr.
+    receipt_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         c = "EngineConfig"
+        if self.receipt_key is not None and not (isinstance(self.receipt_key, str) and self.receipt_key):
+            raise ValueError("EngineConfig.receipt_key: must be None or a non-empty str")
         if self.quantization not in (None, "fp8"):
             _fail(c, "quantization", self.quantization, "must be None or 'fp8'")
         if self.load_format not in ("auto", "dummy", "share"):
@@ -143,7 +148,6 @@ class EngineConfig:
 # ---------------------------------------------------------------------------------------------------
 # Service configuration (the Ray side): what a cluster_configs/*.yaml file holds.
 
-from dataclasses import field  # noqa: E402  (kept with the service part of this file)
 
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 

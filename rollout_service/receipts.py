@@ -1,15 +1,19 @@
 """Rollout receipts: what lets a learner check that a batch-invariant engine's result is what it computed.
 
-A receipt is sha256 over the weights digest of the policy version that produced the result (weights_digest:
-every parameter by name, in sorted order, so a learner holding the same weights under the same names
-computes the same digest), that version, the prompt and token ids and the log-prob bytes. An engine with
-EngineConfig(batch_invariant=True) sets RolloutResult.receipt on every result produced by one version
+A receipt is sha256 (HMAC-sha256 with EngineConfig.receipt_key, a secret the service and the learner share)
+over the weights digest of the policy version that produced the result (weights_digest: every parameter by
+name, in sorted order, so a learner holding the same weights under the same names computes the same digest)
+and every field a learner uses: prompt and token ids, log-prob bytes, token and KV versions, finish reason,
+text, top log-probs and routed experts. Without a key anyone can recompute a receipt for edited content that
+the weights would also produce (a relabelled version, say); with one, only a holder of the key can. An engine
+with EngineConfig(batch_invariant=True) sets RolloutResult.receipt on every result produced by one version
 (none on a result that spans a refresh, nor on a multi-turn episode's, whose environment tokens no forward
 computed). InvariantForward.verify recomputes both the receipt and the log-probs.
 """
 from __future__ import annotations
 
 import hashlib
+import hmac
 from typing import Iterable
 
 import numpy as np
@@ -17,7 +21,7 @@ import torch
 
 from rollout_service.types import RolloutResult
 
-_TAG = b"rollout_service receipt v1\0"
+_TAG = b"rollout_service receipt v2\0"
 
 
 def weights_digest(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
@@ -31,22 +35,56 @@ def weights_digest(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
     return h.hexdigest()
 
 
-def receipt(digest: str, version: int, prompt_token_ids: list[int], token_ids: list[int],
-            logprobs: np.ndarray) -> str:
-    """The receipt of one result's content, produced by the weights of `digest` at policy `version`."""
-    h = hashlib.sha256(_TAG)
-    h.update(digest.encode())
-    h.update(np.int64(version).astype("<i8").tobytes())
-    for ids in (prompt_token_ids, token_ids):
-        h.update(np.int64(len(ids)).astype("<i8").tobytes())
-        h.update(np.asarray(ids, dtype="<i4").tobytes())
-    h.update(np.asarray(logprobs, dtype="<f4").tobytes())
-    return h.hexdigest()
+def _ints(h, values) -> None:
+    h.update(np.int64(-1 if values is None else len(values)).astype("<i8").tobytes())
+    if values is not None:
+        h.update(np.asarray(values, dtype="<i8").tobytes())
 
 
-def receipt_of(result: RolloutResult, digest: str) -> str | None:
-    """The receipt `result` should carry given the weights digest of its version (None: spans versions)."""
-    versions = set(result.token_versions)
-    if len(versions) != 1:
+def _text(h, text: str | None) -> None:
+    data = b"" if text is None else text.encode("utf-8", "surrogatepass")
+    h.update(np.int64(-1 if text is None else len(data)).astype("<i8").tobytes())
+    h.update(data)
+
+
+def _array(h, a: np.ndarray | None) -> None:
+    _text(h, None if a is None else f"{a.dtype.str}{a.shape}")
+    if a is not None:
+        h.update(np.ascontiguousarray(a).tobytes())
+
+
+def _top(h, top: list[dict[int, float]] | None) -> None:
+    """Each position's alternatives in their order (best first), ids and float32 log-prob bytes."""
+    _ints(h, None if top is None else [len(d) for d in top])
+    for d in top or ():
+        _ints(h, list(d.keys()))
+        h.update(np.asarray(list(d.values()), dtype="<f4").tobytes())
+
+
+def _key_bytes(key: str | bytes | None) -> bytes | None:
+    if key is None:
         return None
-    return receipt(digest, versions.pop(), result.prompt_token_ids, result.token_ids, result.logprobs)
+    if isinstance(key, str):
+        key = key.encode("utf-8")
+    if not isinstance(key, bytes) or not key:
+        raise ValueError("receipt key must be a non-empty str or bytes")
+    return key
+
+
+def receipt_of(result: RolloutResult, digest: str, key: str | bytes | None = None) -> str | None:
+    """The receipt `result` should carry given the weights digest of its version (None: spans versions);
+    keyed (HMAC) when `key` is given."""
+    if len(set(result.token_versions)) != 1:
+        return None
+    key = _key_bytes(key)
+    h = hmac.new(key, _TAG, hashlib.sha256) if key else hashlib.sha256(_TAG)
+    _text(h, digest)
+    for ids in (result.prompt_token_ids, result.token_ids, result.token_versions, result.kv_versions):
+        _ints(h, ids)
+    h.update(np.asarray(result.logprobs, dtype="<f4").tobytes())
+    _text(h, result.finish_reason)
+    _text(h, result.text)
+    _top(h, result.top_logprobs)
+    _array(h, result.routed_experts)
+    _array(h, result.prompt_routed_experts)
+    return h.hexdigest()

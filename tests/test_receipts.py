@@ -88,3 +88,62 @@ def test_receipts_travel_and_are_checked_on_the_wire(policy):
     assert RolloutResult.from_msgpack(r.to_msgpack()).receipt == r.receipt
     with pytest.raises(ValueError, match="receipt"):
         RolloutResult.from_dict({**r.to_dict(), "receipt": "abc"})
+
+
+TOP = SamplingParams(n=2, temperature=0.8, max_tokens=10, ignore_eos=True, seed=3, logprobs_mode="scaled", logprobs=3)
+
+
+@pytest.mark.parametrize("field, edit", [
+    ("kv_versions", lambda r: [-1] + r.kv_versions[1:]),
+    ("kv_versions", lambda r: [1] * len(r.kv_versions)),
+    ("token_versions", lambda r: [1] * len(r.token_versions)),
+    ("finish_reason", lambda r: "stop"),
+    ("text", lambda r: r.text + "!"),
+    ("top_logprobs", lambda r: [dict(reversed(list(d.items()))) for d in r.top_logprobs]),
+    ("top_logprobs", lambda r: [{**d, 7: -0.5} for d in r.top_logprobs]),
+])
+def test_every_field_a_learner_uses_is_covered(policy, field, edit):
+    (r, *_) = rollouts(policy, TOP)
+    assert r.top_logprobs and InvariantForward(policy).verify([r], temperature=0.8)[0].ok
+    (v,) = InvariantForward(policy).verify([dataclasses.replace(r, **{field: edit(r)})], temperature=0.8)
+    assert not v.ok, field
+
+
+def test_a_keyed_receipt_is_only_made_by_the_key_holder(policy):
+    key = "s3cret shared by service and learner"
+    (r, *_) = rollouts(policy, SAMPLED, receipt_key=key)
+    forward = InvariantForward(policy)
+    assert forward.verify([r], temperature=0.8, key=key)[0].ok
+    assert not forward.verify([r], temperature=0.8)[0].ok  # an unkeyed verifier does not accept it
+    assert not forward.verify([r], temperature=0.8, key="another")[0].ok
+    # relabelling the version and re-signing without the key is caught by the key holder
+    digest = weights_digest(policy.named_parameters())
+    relabelled = dataclasses.replace(r, token_versions=[5] * len(r.token_ids), kv_versions=[5] * len(r.token_ids))
+    forged = dataclasses.replace(relabelled, receipt=receipt_of(relabelled, digest))
+    (v,) = forward.verify([forged], temperature=0.8, key=key)
+    assert not v.ok and "receipt" in v.reason
+    assert "receipt_key" not in repr(Engine(model_source=policy, device="cpu", num_pages=8, receipt_key=key).config)
+
+
+def test_a_malformed_result_is_a_failed_verdict_naming_the_field(policy):
+    (r, *_) = rollouts(policy, SAMPLED)
+    forward = InvariantForward(policy)
+    longer = dataclasses.replace(r)
+    longer.logprobs = np.append(r.logprobs, np.float32(-1.0))  # edited in place, past the constructor's checks
+    (v,) = forward.verify([longer], temperature=0.8)
+    assert not v.ok and "malformed result" in v.reason and "logprobs" in v.reason
+    negative = dataclasses.replace(r)
+    negative.kv_versions = [-1] * len(r.token_ids)
+    (v,) = forward.verify([negative], temperature=0.8)
+    assert not v.ok and "kv_versions" in v.reason
+    bad_reason = dataclasses.replace(r)
+    bad_reason.finish_reason = "finished"
+    (v,) = forward.verify([bad_reason], temperature=0.8)
+    assert not v.ok and "finish_reason" in v.reason
+
+
+def test_a_receipt_covering_top_logprobs_and_text_survives_the_wire(policy):
+    (r, *_) = rollouts(policy, TOP, receipt_key="k")
+    back = RolloutResult.from_msgpack(r.to_msgpack())
+    assert back.top_logprobs == r.top_logprobs and back.text == r.text
+    assert InvariantForward(policy).verify([back], temperature=0.8, key="k")[0].ok

@@ -121,7 +121,8 @@ def _row(ctx: BenchContext, seqs: int, label: str, extra: dict | None = None) ->
     found = {}
 
     def engine() -> Cell:
-        with open_engine(bm, ctx.backend, seqs, s.w2_prompt + s.w2_new, {**ctx.engine_extra, **(extra or {})}) as client:
+        opts = {**ctx.engine_extra, **(extra or {})}
+        with open_engine(bm, ctx.backend, seqs, s.w2_prompt + s.w2_new, opts) as client:
             client.pause()  # this loop steps the engine; the client's thread must not take turns
             try:
                 found.update(profile_decode(client.engine, prompts, s.w2_new))
@@ -148,7 +149,8 @@ def _row(ctx: BenchContext, seqs: int, label: str, extra: dict | None = None) ->
 
 def wp_decode_profile(ctx: BenchContext) -> list[Row]:
     if ctx.device.type != "cuda":
-        row = Row(ctx.bm.name, "WP", "decode µs/step, profiled", "µs", False, engine=Cell.na("WP profiles GPU kernels"))
+        row = Row(ctx.bm.name, "WP", "decode µs/step, profiled", "µs", False,
+                  engine=Cell.na("WP profiles GPU kernels"))
         return [row]
     rows = [_row(ctx, ctx.shapes.w2_seqs, "W2"), _row(ctx, ctx.shapes.w2w_seqs, "W2w")]
     if rows[0].details.get("kernels_per_step", 99) < 5:  # this profiler did not trace kernels inside graphs

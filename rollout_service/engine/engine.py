@@ -342,7 +342,7 @@ class Engine(DecodeSteps, FaultIsolation, WeightRefresh):
                      "finished": seq.t_finished}, error=error, **result_routing(self.kv.routing, seq),
         )
         if self.config.batch_invariant and error is None:  # rollout_service/receipts.py
-            result.receipt = receipt_of(result, self.weights_digest())
+            result.receipt = receipt_of(result, self.weights_digest(), self.config.receipt_key)
         return result
 
     # ---- sleep / wake (engine/sleep.py) --------------------------------------------------------------

@@ -19,9 +19,11 @@ experts' weights and the router's softmax, not through the choice.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -260,14 +262,19 @@ class InvariantForward:
 
     @torch.no_grad()
     def verify(self, results: Sequence[RolloutResult], temperature: float = 1.0,
-               digest: str | None = None) -> list[Verdict]:
+               digest: str | None = None, key: str | bytes | None = None) -> list[Verdict]:
         """Check batch-invariant rollouts against the policy's current weights (those of the results' version):
-        each result's receipt must be what its content and these weights give (rollout_service/receipts.py),
-        and its log-probs bitwise this forward's. `digest`: the weights digest to expect (default: the
-        policy's own, by parameter name). One Verdict per result, in order."""
+        each result must be well formed, its receipt what its content and these weights give
+        (rollout_service/receipts.py; `key`: the service's EngineConfig.receipt_key, when it has one), and its
+        log-probs bitwise this forward's. `digest`: the weights digest to expect (default: the policy's own, by
+        parameter name). One Verdict per result, in order."""
         digest = digest or weights_digest(self.policy.named_parameters())
         out = []
         for r in results:
+            problem = malformed(r)
+            if problem:
+                out.append(Verdict(False, f"malformed result: {problem}"))
+                continue
             if r.receipt is None:
                 out.append(Verdict(False, "no receipt (not from a batch-invariant engine, an episode, or "
                                           "spans a refresh)"))
@@ -278,9 +285,23 @@ class InvariantForward:
             if len(differs):
                 i = int(differs[0])
                 out.append(Verdict(False, f"log-prob of token {i} differs", i, float(got[i] - r.logprobs[i])))
-            elif receipt_of(r, digest) != r.receipt:
+            elif receipt_of(r, digest, key) != r.receipt:
                 out.append(Verdict(False, "the receipt does not match the result and these weights (other "
-                                          "weights, another version, or a changed field)"))
+                                          "weights, another version, a changed field, or another key)"))
             else:
                 out.append(Verdict(True))
         return out
+
+
+def malformed(r: RolloutResult) -> str | None:
+    """What is wrong with a result's fields (the checks of its constructor, re-run: a field may have been edited
+    in place since), or None."""
+    try:
+        dataclasses.replace(r)
+    except (ValueError, TypeError) as e:
+        return str(e)
+    for name in ("token_versions", "kv_versions"):
+        values = getattr(r, name) or []
+        if any(not isinstance(v, (int, np.integer)) or v < 0 for v in values):
+            return f"RolloutResult.{name}: must be ints >= 0"
+    return None
