@@ -25,6 +25,7 @@ __device__ __forceinline__ void silu_mul_vec(const T* gate, const T* up, int i, 
 template <typename T>
 __global__ void silu_and_mul_kernel(T* __restrict__ out, const T* __restrict__ x, int inter, int64_t out_stride,
                                     int64_t x_stride) {
+  dependent_prologue();
   const int64_t row = blockIdx.x;
   const T* gate = x + row * x_stride;
   const T* up = gate + inter;
@@ -45,6 +46,7 @@ template <typename T>
 __global__ void silu_and_mul_fp8_kernel(uint8_t* __restrict__ q, float* __restrict__ q_scale,
                                         const T* __restrict__ x, int inter, int64_t x_stride) {
   __shared__ float scratch[32];
+  dependent_prologue();
   const int64_t row = blockIdx.x;
   const T* gate = x + row * x_stride;
   const T* up = gate + inter;
@@ -77,9 +79,8 @@ cudaError_t silu_and_mul(void* out, const void* x, DType dtype, int64_t rows, in
   const int64_t chunks = std::min<int64_t>((inter / kVec + threads - 1) / threads, 65535);
   const dim3 grid(static_cast<unsigned>(rows), static_cast<unsigned>(chunks));
   return ROLLOUT_DISPATCH_HALF(dtype, T, [&] {
-    silu_and_mul_kernel<T><<<grid, threads, 0, stream>>>(static_cast<T*>(out), static_cast<const T*>(x),
-                                                         static_cast<int>(inter), out_stride, x_stride);
-    return cudaGetLastError();
+    return launch_dependent(silu_and_mul_kernel<T>, grid, dim3(threads), 0, stream, static_cast<T*>(out),
+                            static_cast<const T*>(x), static_cast<int>(inter), out_stride, x_stride);
   });
 }
 
@@ -88,9 +89,9 @@ cudaError_t silu_and_mul_fp8(void* q, float* q_scale, const void* x, DType dtype
   if (inter % kVec != 0 || inter <= 0 || inter > 0x3fffffff || rows > 0x7fffffff) return cudaErrorInvalidValue;
   if (rows == 0) return cudaSuccess;
   return ROLLOUT_DISPATCH_HALF(dtype, T, [&] {
-    silu_and_mul_fp8_kernel<T><<<unsigned(rows), fp8_row_threads(inter), 0, stream>>>(
-        static_cast<uint8_t*>(q), q_scale, static_cast<const T*>(x), static_cast<int>(inter), x_stride);
-    return cudaGetLastError();
+    return launch_dependent(silu_and_mul_fp8_kernel<T>, dim3(unsigned(rows)), dim3(fp8_row_threads(inter)), 0,
+                            stream, static_cast<uint8_t*>(q), q_scale, static_cast<const T*>(x),
+                            static_cast<int>(inter), x_stride);
   });
 }
 

@@ -36,7 +36,7 @@ __global__ void __launch_bounds__(DecodeShape<D>::kThreads, 2) decode_kernel(con
   using S = DecodeShape<D>;
   constexpr int kWarps = S::kWarps;
   extern __shared__ __align__(16) unsigned char smem[];
-  allow_dependent_launch();  // the reduce kernel may start its launch now; it waits for this grid's writes
+  dependent_prologue();  // q comes from the kernel before; the next one (the reduce) may start its launch now
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane >> 2, t = lane & 3;
   const int Hk = p.kv.num_kv_heads, G = p.num_q_heads / Hk;
@@ -273,7 +273,7 @@ template <typename T, int D>
 __global__ void __launch_bounds__(D) decode_reduce_kernel(const DecodeParams p) {
   const int64_t bh = blockIdx.x, rows = int64_t(p.batch) * p.num_q_heads;
   const int d = threadIdx.x;
-  wait_for_previous_grid();  // launched early (programmatic dependent launch): the partials come first
+  dependent_prologue();  // launched early (programmatic dependent launch): the partials come first
   float mx = -INFINITY;
   for (int s = 0; s < p.num_splits; ++s) mx = fmaxf(mx, p.partial_lse[s * rows + bh]);
   float num = 0.f, den = 0.f;
@@ -287,13 +287,6 @@ __global__ void __launch_bounds__(D) decode_reduce_kernel(const DecodeParams p) 
   static_cast<T*>(p.out)[bh * D + d] = from_float<T>(den > 0.f ? num / den : 0.f);
 }
 
-bool supports_dependent_launch() {
-  int dev = 0, major = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev))
-    return false;
-  return major >= 9;
-}
-
 template <typename T, int D>
 cudaError_t launch_decode(const DecodeParams& p, cudaStream_t stream) {
   using S = DecodeShape<D>;
@@ -303,20 +296,11 @@ cudaError_t launch_decode(const DecodeParams& p, cudaStream_t stream) {
   const int units = p.batch * p.kv.num_kv_heads;
   const dim3 grid = p.warp_per_head ? dim3(unsigned((units + S::kWarps - 1) / S::kWarps))
                                     : dim3(p.num_splits, p.kv.num_kv_heads, p.batch);
-  kernel<<<grid, S::kThreads, S::kSmemBytes, stream>>>(p);
-  if ((err = cudaGetLastError()) != cudaSuccess || p.num_splits == 1) return err;
+  err = launch_dependent(kernel, grid, dim3(S::kThreads), S::kSmemBytes, stream, p);
+  if (err != cudaSuccess || p.num_splits == 1) return err;
   // The reduce launches while the split CTAs still run and waits for them on the device: the launch
   // gap between the two kernels (~1-2 µs, most of a batch-1 layer's attention) overlaps.
-  cudaLaunchAttribute attr;
-  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr.val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(unsigned(p.batch * p.num_q_heads));
-  cfg.blockDim = dim3(D);
-  cfg.stream = stream;
-  cfg.attrs = &attr;
-  cfg.numAttrs = supports_dependent_launch() ? 1 : 0;
-  return cudaLaunchKernelEx(&cfg, decode_reduce_kernel<T, D>, p);
+  return launch_dependent(decode_reduce_kernel<T, D>, dim3(unsigned(p.batch * p.num_q_heads)), dim3(D), 0, stream, p);
 }
 
 }  // namespace

@@ -11,6 +11,7 @@ template <typename T>
 __global__ void fp8_quantize_kernel(uint8_t* __restrict__ q, float* __restrict__ scale, const T* __restrict__ x,
                                     int cols, int64_t x_stride) {
   __shared__ float scratch[32];
+  dependent_prologue();
   const int64_t row = blockIdx.x;
   const T* xr = x + row * x_stride;
   const int nvec = cols / kVec;
@@ -47,9 +48,9 @@ cudaError_t fp8_quantize(void* q, float* scale, const void* x, DType dtype, int6
   if (cols <= 0 || cols % kVec != 0 || cols > 0x7fffffff || rows > 0x7fffffff) return cudaErrorInvalidValue;
   if (rows == 0) return cudaSuccess;
   return ROLLOUT_DISPATCH_HALF(dtype, T, [&] {
-    fp8_quantize_kernel<T><<<unsigned(rows), fp8_row_threads(cols), 0, stream>>>(
-        static_cast<uint8_t*>(q), scale, static_cast<const T*>(x), static_cast<int>(cols), x_stride);
-    return cudaGetLastError();
+    return launch_dependent(fp8_quantize_kernel<T>, dim3(unsigned(rows)), dim3(fp8_row_threads(cols)), 0, stream,
+                            static_cast<uint8_t*>(q), scale, static_cast<const T*>(x), static_cast<int>(cols),
+                            x_stride);
   });
 }
 

@@ -75,6 +75,7 @@ template <typename T, bool kGated, typename Out>
 __global__ void __launch_bounds__(kThreads) gemv_kernel(const GemvParams p) {
   constexpr int R = kGated ? 2 : 1;  // weight rows per column: gate (and up)
   __shared__ float partial[kWarps][R];
+  dependent_prologue();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int col = blockIdx.x * (kWarps / p.split) + warp / p.split;
   const int part = warp % p.split;
@@ -153,6 +154,7 @@ __device__ __forceinline__ void e4m3x16_to_float(const uint4& v, float (&f)[kFp8
 template <typename T>
 __global__ void __launch_bounds__(kThreads) gemv_fp8_kernel(const GemvFp8Params p) {
   __shared__ float partial[kWarps][kFp8Cols];
+  dependent_prologue();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int group = blockIdx.x * (kWarps / p.split) + warp / p.split;
   const int part = warp % p.split;
@@ -221,8 +223,7 @@ cudaError_t gemv_fp8(const GemvFp8Params& p, cudaStream_t stream) {
   const int64_t groups = (int64_t(p.n) + kFp8Cols - 1) / kFp8Cols;
   const dim3 blocks(unsigned((groups * p.split + kWarps - 1) / kWarps));
   return ROLLOUT_DISPATCH_HALF(p.dtype, T, [&] {
-    gemv_fp8_kernel<T><<<blocks, kThreads, 0, stream>>>(p);
-    return cudaGetLastError();
+    return launch_dependent(gemv_fp8_kernel<T>, blocks, dim3(kThreads), 0, stream, p);
   });
 }
 
@@ -246,14 +247,9 @@ cudaError_t gemv(const GemvParams& p, cudaStream_t stream) {
   if (p.n == 0 || p.rows == 0) return cudaSuccess;
   const dim3 blocks(unsigned((int64_t(p.n) * p.split + kWarps - 1) / kWarps), unsigned(p.rows));
   return ROLLOUT_DISPATCH_HALF(p.dtype, T, [&] {
-    if (p.gated) {
-      gemv_kernel<T, true, T><<<blocks, kThreads, 0, stream>>>(p);
-    } else if (p.out_float) {
-      gemv_kernel<T, false, float><<<blocks, kThreads, 0, stream>>>(p);
-    } else {
-      gemv_kernel<T, false, T><<<blocks, kThreads, 0, stream>>>(p);
-    }
-    return cudaGetLastError();
+    if (p.gated) return launch_dependent(gemv_kernel<T, true, T>, blocks, dim3(kThreads), 0, stream, p);
+    if (p.out_float) return launch_dependent(gemv_kernel<T, false, float>, blocks, dim3(kThreads), 0, stream, p);
+    return launch_dependent(gemv_kernel<T, false, T>, blocks, dim3(kThreads), 0, stream, p);
   });
 }
 

@@ -4,7 +4,11 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <utility>
 
 #include "kernels.h"
 
@@ -113,6 +117,47 @@ __device__ __forceinline__ void wait_for_previous_grid() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
 #endif
+}
+
+// The prologue of a kernel launched with launch_dependent: wait for the previous kernel's writes, then let the
+// next kernel start its launch (it waits for ours in turn, so the chain stays ordered).
+__device__ __forceinline__ void dependent_prologue() {
+  wait_for_previous_grid();
+  allow_dependent_launch();
+}
+
+// Whether the current device runs programmatic dependent launch (sm_90+), unless ROLLOUT_PDL=0 turns it off
+// (to measure what it gives). Cached per device.
+inline bool supports_dependent_launch() {
+  static const bool enabled = [] {
+    const char* v = std::getenv("ROLLOUT_PDL");
+    return v == nullptr || std::strcmp(v, "0") != 0;
+  }();
+  static int major[64] = {};
+  int dev = 0;
+  if (!enabled || cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return false;
+  if (major[dev] == 0 && cudaDeviceGetAttribute(&major[dev], cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess)
+    return false;
+  return major[dev] >= 9;
+}
+
+// Launch a kernel that begins with dependent_prologue() so that its launch overlaps the tail of the kernel
+// before it in the stream (sm_90+; a plain launch elsewhere). A batch-1 decode step is ~200 short kernels:
+// each boundary otherwise costs its full launch latency. CUDA graph capture keeps the programmatic edges.
+template <typename... Params, typename... Args>
+cudaError_t launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                             Args&&... args) {
+  cudaLaunchAttribute attr;
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cfg.attrs = &attr;
+  cfg.numAttrs = supports_dependent_launch() ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
 }
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {

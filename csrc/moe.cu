@@ -35,6 +35,7 @@ __device__ __forceinline__ bool better(float a, int ia, float b, int ib) { retur
 
 template <typename T>
 __global__ void __launch_bounds__(kRouteWarps * 32) moe_route_kernel(const MoeRouteParams p) {
+  dependent_prologue();
   const int token = blockIdx.x * kRouteWarps + threadIdx.x / 32, lane = threadIdx.x % 32;
   if (token >= p.tokens) return;
   const T* row = static_cast<const T*>(p.logits) + int64_t(token) * p.logits_stride;
@@ -133,6 +134,7 @@ template <typename T>
 __global__ void __launch_bounds__(kPermuteThreads) moe_permute_kernel(const MoePermuteParams p) {
   __shared__ int scratch[kPermuteWarps];
   __shared__ int chunk_pos[kPermuteThreads], chunk_token[kPermuteThreads];
+  dependent_prologue();
   const int expert = blockIdx.x, tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   int before = 0, mine = 0;
   for (int j = tid; j < p.slots; j += kPermuteThreads) {
@@ -180,6 +182,7 @@ __global__ void __launch_bounds__(kPermuteThreads) moe_permute_kernel(const MoeP
 
 template <typename T>
 __global__ void __launch_bounds__(kCombineThreads) moe_combine_kernel(const MoeCombineParams p) {
+  dependent_prologue();
   const int64_t token = blockIdx.x;
   const T* y = static_cast<const T*>(p.y);
   T* out = static_cast<T*>(p.out) + token * p.out_stride;
@@ -215,8 +218,7 @@ cudaError_t moe_route(const MoeRouteParams& p, cudaStream_t stream) {
   if (p.tokens == 0) return cudaSuccess;
   const unsigned blocks = unsigned((p.tokens + kRouteWarps - 1) / kRouteWarps);
   return ROLLOUT_DISPATCH_HALF(p.dtype, T, [&] {
-    moe_route_kernel<T><<<blocks, kRouteWarps * 32, 0, stream>>>(p);
-    return cudaGetLastError();
+    return launch_dependent(moe_route_kernel<T>, dim3(blocks), dim3(kRouteWarps * 32), 0, stream, p);
   });
 }
 
@@ -225,8 +227,7 @@ cudaError_t moe_permute(const MoePermuteParams& p, cudaStream_t stream) {
     return cudaErrorInvalidValue;
   }
   return ROLLOUT_DISPATCH_HALF(p.dtype, T, [&] {
-    moe_permute_kernel<T><<<unsigned(p.experts), kPermuteThreads, 0, stream>>>(p);
-    return cudaGetLastError();
+    return launch_dependent(moe_permute_kernel<T>, dim3(unsigned(p.experts)), dim3(kPermuteThreads), 0, stream, p);
   });
 }
 
@@ -238,8 +239,7 @@ cudaError_t moe_combine(const MoeCombineParams& p, cudaStream_t stream) {
   const int chunks = (p.hidden / kVec + kCombineThreads - 1) / kCombineThreads;
   const dim3 grid(unsigned(p.tokens), unsigned(chunks));
   return ROLLOUT_DISPATCH_HALF(p.dtype, T, [&] {
-    moe_combine_kernel<T><<<grid, kCombineThreads, 0, stream>>>(p);
-    return cudaGetLastError();
+    return launch_dependent(moe_combine_kernel<T>, grid, dim3(kCombineThreads), 0, stream, p);
   });
 }
 

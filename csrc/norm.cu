@@ -37,6 +37,7 @@ __global__ void rms_norm_kernel(T* __restrict__ out, uint8_t* __restrict__ q, fl
                                 const T* __restrict__ x, T* residual, const T* __restrict__ weight, int hidden,
                                 int64_t out_stride, int64_t x_stride, int64_t residual_stride, float eps) {
   __shared__ float scratch[32];
+  dependent_prologue();
   const int64_t row = blockIdx.x;
   const T* xr = x + row * x_stride;
   T* rr = kAddResidual ? residual + row * residual_stride : nullptr;
@@ -100,15 +101,15 @@ cudaError_t launch_rms_norm(void* out, uint8_t* q, float* q_scale, const void* x
   const int threads = fp8_row_threads(hidden);
   const dim3 grid(static_cast<unsigned>(rows));
   if (residual != nullptr) {
-    rms_norm_kernel<T, true, kQuant><<<grid, threads, 0, stream>>>(
-        static_cast<T*>(out), q, q_scale, static_cast<const T*>(x), static_cast<T*>(residual),
-        static_cast<const T*>(weight), static_cast<int>(hidden), out_stride, x_stride, residual_stride, eps);
-  } else {
-    rms_norm_kernel<T, false, kQuant><<<grid, threads, 0, stream>>>(
-        static_cast<T*>(out), q, q_scale, static_cast<const T*>(x), nullptr, static_cast<const T*>(weight),
-        static_cast<int>(hidden), out_stride, x_stride, 0, eps);
+    return launch_dependent(rms_norm_kernel<T, true, kQuant>, grid, dim3(threads), 0, stream,
+                            static_cast<T*>(out), q, q_scale, static_cast<const T*>(x), static_cast<T*>(residual),
+                            static_cast<const T*>(weight), static_cast<int>(hidden), out_stride, x_stride,
+                            residual_stride, eps);
   }
-  return cudaGetLastError();
+  return launch_dependent(rms_norm_kernel<T, false, kQuant>, grid, dim3(threads), 0, stream, static_cast<T*>(out),
+                          q, q_scale, static_cast<const T*>(x), static_cast<T*>(nullptr),
+                          static_cast<const T*>(weight), static_cast<int>(hidden), out_stride, x_stride,
+                          int64_t(0), eps);
 }
 
 }  // namespace

@@ -52,6 +52,7 @@ __device__ __forceinline__ void copy_heads(T* cache, int64_t base, int64_t head_
 
 template <typename T, typename C, int V>
 __global__ void rope_kv_kernel(RopeKVParams p) {
+  dependent_prologue();
   const int t = blockIdx.x;
   const int D = p.head_dim, half = D / 2;
   const int64_t slot = p.kv_cache != nullptr ? p.slot_mapping[t] : -1;
@@ -107,12 +108,8 @@ cudaError_t launch(const RopeKVParams& p, cudaStream_t stream) {
   // least as many as the k and v elements the cache copies handle.
   const int items = (p.num_q_heads + p.num_kv_heads) * p.head_dim / 2 / V;
   const dim3 grid(p.num_tokens, std::min((items + threads - 1) / threads, 65535));
-  if (V == kVec) {
-    rope_kv_kernel<T, C, kVec><<<grid, threads, 0, stream>>>(p);
-  } else {
-    rope_kv_kernel<T, C, 1><<<grid, threads, 0, stream>>>(p);
-  }
-  return cudaGetLastError();
+  if (V == kVec) return launch_dependent(rope_kv_kernel<T, C, kVec>, grid, dim3(threads), 0, stream, p);
+  return launch_dependent(rope_kv_kernel<T, C, 1>, grid, dim3(threads), 0, stream, p);
 }
 
 template <typename T>

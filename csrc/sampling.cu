@@ -77,6 +77,7 @@ __device__ Best block_best(Best mine) {
 
 // CTA (chunk, row): the best of x + noise over its chunk of the row's vocabulary.
 __global__ void __launch_bounds__(kSampleThreads) gumbel_argmax_kernel(const GumbelArgmaxParams p) {
+  dependent_prologue();
   const int c = blockIdx.x;
   const int64_t b = blockIdx.y;
   const float* row = p.x + b * p.row_stride;
@@ -99,6 +100,7 @@ __global__ void __launch_bounds__(kSampleThreads) gumbel_argmax_kernel(const Gum
 
 // One thread per row: the best chunk, scanned in order.
 __global__ void gumbel_argmax_combine_kernel(const GumbelArgmaxParams p) {
+  dependent_prologue();
   const int64_t b = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
   if (b >= p.batch) return;
   Best best{-INFINITY, INT64_MAX};
@@ -232,6 +234,7 @@ __device__ __forceinline__ void write_row(const ArgmaxLogsumexpParams& p, int64_
 // CTA (chunk, row). Every thread reads the same token positions whether the row is 16-byte aligned or not
 // (float4 or scalar loads), so a row's sums do not depend on where it lies in memory either.
 __global__ void __launch_bounds__(kLseThreads) argmax_logsumexp_kernel(const ArgmaxLogsumexpParams p, int num_chunks) {
+  dependent_prologue();
   const int64_t c = blockIdx.x, b = blockIdx.y;
   const float* row = p.x + b * p.row_stride;
   const bool aligned = reinterpret_cast<uintptr_t>(row) % 16 == 0;
@@ -256,6 +259,7 @@ __global__ void __launch_bounds__(kLseThreads) argmax_logsumexp_kernel(const Arg
 
 // One thread per row: the chunks merged in order.
 __global__ void argmax_logsumexp_combine_kernel(const ArgmaxLogsumexpParams p, int num_chunks) {
+  dependent_prologue();
   const int64_t b = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
   if (b >= p.batch) return;
   MaxSum acc{{-INFINITY, kNoIndex}, 0.f};
@@ -281,11 +285,10 @@ cudaError_t gumbel_argmax(const GumbelArgmaxParams& p, cudaStream_t stream) {
     return cudaErrorInvalidValue;
   }
   if (p.batch == 0) return cudaSuccess;
-  gumbel_argmax_kernel<<<dim3(p.num_chunks, unsigned(p.batch)), kSampleThreads, 0, stream>>>(p);
-  cudaError_t err = cudaGetLastError();
+  const cudaError_t err = launch_dependent(gumbel_argmax_kernel, dim3(p.num_chunks, unsigned(p.batch)),
+                                           dim3(kSampleThreads), 0, stream, p);
   if (err != cudaSuccess || p.num_chunks == 1) return err;
-  gumbel_argmax_combine_kernel<<<unsigned((p.batch + 127) / 128), 128, 0, stream>>>(p);
-  return cudaGetLastError();
+  return launch_dependent(gumbel_argmax_combine_kernel, dim3(unsigned((p.batch + 127) / 128)), dim3(128), 0, stream, p);
 }
 
 int64_t argmax_logsumexp_chunks(int64_t vocab) { return (vocab + kLseChunk - 1) / kLseChunk; }
@@ -299,11 +302,11 @@ cudaError_t argmax_logsumexp(const ArgmaxLogsumexpParams& p, cudaStream_t stream
     return cudaErrorInvalidValue;
   }
   const int num_chunks = static_cast<int>(chunks);
-  argmax_logsumexp_kernel<<<dim3(unsigned(num_chunks), unsigned(p.batch)), kLseThreads, 0, stream>>>(p, num_chunks);
-  cudaError_t err = cudaGetLastError();
+  const cudaError_t err = launch_dependent(argmax_logsumexp_kernel, dim3(unsigned(num_chunks), unsigned(p.batch)),
+                                           dim3(kLseThreads), 0, stream, p, num_chunks);
   if (err != cudaSuccess || num_chunks == 1) return err;
-  argmax_logsumexp_combine_kernel<<<unsigned((p.batch + 127) / 128), 128, 0, stream>>>(p, num_chunks);
-  return cudaGetLastError();
+  return launch_dependent(argmax_logsumexp_combine_kernel, dim3(unsigned((p.batch + 127) / 128)), dim3(128), 0,
+                          stream, p, num_chunks);
 }
 
 }  // namespace rollout_kernels
