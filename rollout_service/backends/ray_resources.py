@@ -12,6 +12,10 @@ def resolve_auto(config: ServiceConfig) -> ServiceConfig:
     """Turn num_gpus/num_workers 'auto' into numbers using the cluster's resources, then refuse at once a
     service the cluster can never place (check_resources)."""
     gpus = int(ray.cluster_resources().get("GPU", 0))
+    device = str(config.engine.device or "")
+    if device.startswith("cuda") and not gpus and not (_autoscaler_ceiling() or {}).get("GPU"):
+        raise ValueError(f"engine.device={device!r}, but this Ray cluster has no GPU: use device: cpu (or leave it "
+                         "unset: cuda where the worker has a GPU, else cpu), or start Ray on GPU nodes")
     if config.resources.num_gpus == "auto":
         config.resources.num_gpus = 1 if gpus else 0
     if config.num_workers == "auto":

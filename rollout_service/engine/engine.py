@@ -76,6 +76,10 @@ class Engine(DecodeSteps, FaultIsolation, WeightRefresh):
         config = dataclasses.replace(config or EngineConfig(), **overrides)
         self.config = config
         self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"EngineConfig.device={config.device!r}: no CUDA device is visible to this process "
+                             f"(torch {torch.__version__}, CUDA build {torch.version.cuda}); use device='cpu' or "
+                             "leave it unset")
         self.backend = resolve_backend(config.backend, self.device)
         dtype = getattr(torch, config.dtype) if config.dtype else None
         source = model_source if model_source is not None else config.model
