@@ -16,6 +16,11 @@ from rollout_service.types import RolloutRequest, RolloutResult
 
 # a request regenerated this often, because each time a refresh came before it finished, never would: it fails
 MAX_STALE_REGENERATIONS = 8
+# Progress under any refresh rate: a request regenerated this often is pinned, and refreshes wait (at most
+# REFRESH_HOLD_S each) until no pinned request is in flight, so its next run finishes on the version it started
+# on. A storm of refreshes faster than a request takes would otherwise regenerate it until the cap above.
+PIN_AFTER_REGENERATIONS = 2
+REFRESH_HOLD_S = 30.0
 
 
 class Dispatcher:
@@ -26,6 +31,7 @@ class Dispatcher:
         self.workers, self.ledger, self._version, self.affinity = workers, ledger, version, affinity
         self.max_staleness = max_staleness
         self.counters, self._spawn, self._log = counters, spawn, log
+        self.pinned: set[str] = set()  # request ids refreshes wait for (PIN_AFTER_REGENERATIONS)
 
     # -- accepting --------------------------------------------------------------------------------
     async def submit(self, items: list, lease_s: float) -> dict:
@@ -132,8 +138,26 @@ class Dispatcher:
             self.fail(t.request.request_id, _starved(t.regenerations - 1, k))
             return None
         self.counters["stale_regenerated"] += 1
+        if t.regenerations >= PIN_AFTER_REGENERATIONS and not t.pinned:
+            t.pinned = True
+            self.pinned.add(t.request.request_id)
+            self.counters["stale_pinned"] += 1
         self._spawn(self._regenerate(t))
         return None
+
+    def starved(self) -> set[str]:
+        """The pinned requests still in flight (finished or failed ones drop out)."""
+        self.pinned &= set(self.ledger.tracked)
+        return self.pinned
+
+    async def hold_refresh(self, limit_s: float = REFRESH_HOLD_S) -> float:
+        """Wait, at most limit_s, until no pinned request is in flight; returns the seconds waited."""
+        t0 = asyncio.get_running_loop().time()
+        waited = 0.0
+        while self.starved() and waited < limit_s:
+            await asyncio.sleep(0.02)
+            waited = asyncio.get_running_loop().time() - t0
+        return waited
 
     def regenerate_lost(self, ts: list[Tracked]) -> None:
         """Requests with samples delivered whose payload was lost with its node before the client read it (they

@@ -38,6 +38,7 @@ class Tracked:
     fresh_as_of: int = -1                           # policy version the newest job was dispatched at
     strikes: int = 0                                # worker deaths while its user code ran (actors/quarantine.py)
     regenerations: int = 0                          # times regenerated for staleness
+    pinned: bool = False                            # refreshes wait for it (actors/dispatch.py, hold_refresh)
     charged: tuple[int | None, int] = (None, 0)      # (worker, cost) it counts for in the ledger's loads
 
     @property

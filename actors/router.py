@@ -45,7 +45,8 @@ class Router:
         self.slots = Slots()
         self.reward_actors: list = []
         self.ledger = Ledger()
-        self.counters = {"resubmitted": 0, "stale_regenerated": 0, "worker_deaths": 0, "streams_expired": 0,
+        self.counters = {"resubmitted": 0, "stale_regenerated": 0, "stale_pinned": 0, "refresh_held_s": 0.0,
+                         "worker_deaths": 0, "streams_expired": 0,
                          "sleep_expired": 0, "quarantined": 0, "handed_back": 0, "payloads_lost": 0,
                          "polls": 0, "polled_results": 0}
         self._closed = False
@@ -149,7 +150,9 @@ class Router:
 
     # -- weights (actors/refresh.py), one at a time with sleep and wake-up ---------------------------
     async def update_weights(self, payload: dict, version: int, partial: bool = False) -> str | None:
-        """Object store or CUDA IPC refresh; returns an error message or None."""
+        """Object store or CUDA IPC refresh; returns an error message or None. Held back while requests that
+        refreshes kept making stale are in flight (actors/dispatch.py, hold_refresh)."""
+        await self._hold_refresh()
         async with self.control.lock:
             err = await self.refresh.update(payload, version, partial)
             if err is None:
@@ -158,6 +161,7 @@ class Router:
 
     async def broadcast_begin(self, payload: dict, version: int, partial: bool = False, resend: bool = False,
                               timeout_s: float = 300.0) -> str | None:
+        await self._hold_refresh()
         async with self.control.lock:
             return await self.refresh.broadcast_begin(payload, version, partial, resend, timeout_s)
 
@@ -167,6 +171,11 @@ class Router:
             if err is None:
                 await self.control.after_refresh()
             return err
+
+    async def _hold_refresh(self) -> None:
+        held = await self.dispatcher.hold_refresh()
+        if held:
+            self.counters["refresh_held_s"] = round(self.counters["refresh_held_s"] + held, 3)
 
     def weight_targets(self) -> list[dict]:
         """Workers a refresh goes to, with where they run (the learner picks the transport from this)."""

@@ -211,7 +211,9 @@ class ServiceConfig:
     max_staleness: None (off) or an int k >= 0. A result whose OLDEST token was produced by policy
         version v is stale when `current_version - v > k`; the router then does not deliver it and
         regenerates the whole request with the current weights (samples already delivered are not
-        repeated). With k = 0 every delivered result was generated entirely by the latest policy.
+        repeated). With k = 0 every delivered result was generated entirely by the latest policy. A request
+        regenerated twice is pinned: refreshes wait (at most 30 s each) until no pinned request is in flight,
+        so a storm of refreshes cannot starve it (actors/dispatch.py).
     max_restarts: how often Ray restarts a crashed worker; its unfinished requests go to live workers
         meanwhile, and a restarted worker is given the latest weights before it serves again.
     detached: keep the service alive after the launching process exits (connect to it by `name`, stop it
