@@ -16,11 +16,13 @@ scale`), one scale at a time.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from typing import Any, Callable
 
 import ray
 
+from actors.capacity import check_resources
 from actors.control import Control
 from actors.dispatch import Dispatcher
 from actors.placement import start_worker, worker_bundle
@@ -57,6 +59,11 @@ class Scaler:
         for name, v in (("drain_s", drain_s), ("timeout_s", timeout_s)):
             if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 <= v < 1e9):
                 return f"scale: {name}={v!r} must be a number of seconds >= 0"
+        if n > len(self.workers):
+            try:  # a size the cluster can never hold is refused now, not after placement.timeout_s
+                check_resources(dataclasses.replace(self.config, num_workers=n))
+            except ValueError as e:
+                return f"scale: {e}; the service keeps its {len(self.workers)} worker(s)"
         async with self.lock:
             current = len(self.workers)
             new = [i for i in range(min(n, current)) if self.workers.gone[i]] + list(range(current, n))

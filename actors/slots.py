@@ -21,6 +21,7 @@ from typing import Any
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 
+from actors.capacity import resources_text
 from rollout_service.config import ServiceConfig
 
 
@@ -51,9 +52,10 @@ class Slots:
             await asyncio.wait_for(asyncio.wrap_future(pg.ready().future()), timeout)
         except asyncio.TimeoutError:
             remove_placement_group(pg)
-            raise ValueError(f"cannot place {k} rollout worker(s) of {bundle} with strategy {strategy} within "
-                             f"{timeout:g}s; cluster resources: {ray.available_resources()} free of "
-                             f"{ray.cluster_resources()}") from None
+            raise ValueError(f"cannot place {k} rollout worker(s) of {resources_text(bundle)} with strategy "
+                             f"{strategy} within {timeout:g}s: the Ray cluster has "
+                             f"{resources_text(ray.available_resources())} free of "
+                             f"{resources_text(ray.cluster_resources())}") from None
         group = _Group(pg, [Slot(pg, b) for b in range(k)])
         self._groups.append(group)
         return list(group.slots)

@@ -118,3 +118,15 @@ def check_completion(completion: Any, sampling: Any, episode: Any) -> list[int] 
     if getattr(sampling, "return_routed_experts", False):
         raise ValueError("RolloutRequest.completion: scoring does not return routed experts")
     return [int(t) for t in completion]
+
+
+def engine_device(device: str | None) -> "torch.device":
+    """EngineConfig.device as a torch.device (None: cuda when visible, else cpu); ValueError in one line when it
+    names CUDA and no CUDA device is visible (torch's own error is an assertion deep in its init)."""
+    import torch
+
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"EngineConfig.device={device!r}: no CUDA device is visible to this process (torch "
+                         f"{torch.__version__}, CUDA build {torch.version.cuda}); use device='cpu' or leave it unset")
+    return dev

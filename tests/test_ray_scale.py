@@ -82,16 +82,41 @@ def test_scale_up_and_down_mid_rollout_loses_nothing(svc, reference):
     assert len(svc.generate(requests("c", 6))) == 12 and all(s["generated_tokens"] > 0 for s in svc.stats())
 
 
-def test_a_scale_the_cluster_cannot_place_fails_in_time_and_changes_nothing(svc):
+def test_a_scale_the_cluster_can_never_hold_is_refused_at_once(svc):
     before = svc.info()
-    t0 = time.monotonic()
-    with pytest.raises(ValueError, match=r"cannot place 6 rollout worker\(s\).*within 3s.*keeps its 2 worker"):
-        svc.scale(8, timeout_s=3)  # 8 CPUs: the cluster has 4
-    assert time.monotonic() - t0 < 20
+    for n in (8, 10**6):  # 8 CPUs or a million: the cluster has 4
+        t0 = time.monotonic()
+        with pytest.raises(ValueError) as e:
+            svc.scale(n, timeout_s=5)
+        assert time.monotonic() - t0 < 2, "refused before any placement group exists"
+        msg = str(e.value)
+        assert msg.startswith(f"scale: cannot place {n} rollout worker(s) of CPU 1") and "\n" not in msg, msg
+        assert f"they need CPU {n:g} in all, the Ray cluster has 4" in msg and msg.endswith("keeps its 2 worker(s)")
+        assert len(msg) < 300
+        assert svc.info()["num_workers"] == 2
     after = svc.info()
     assert {k: after[k] for k in ("num_workers", "alive", "gone")} == \
         {k: before[k] for k in ("num_workers", "alive", "gone")}
-    assert len(service_groups()) == 1, "the failed scale's placement group is removed"
+
+
+def test_a_scale_that_cannot_be_placed_now_fails_in_time_and_changes_nothing(svc):
+    """The cluster could hold 4 workers, but 2 of its CPUs are taken by someone else: the new group times out."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+    other = placement_group([{"CPU": 1}, {"CPU": 1}], name="someone-else")
+    ray.get(other.ready(), timeout=30)
+    try:
+        before = svc.info()
+        t0 = time.monotonic()
+        with pytest.raises(ValueError, match=r"cannot place 2 rollout worker\(s\) of CPU 1.* within 3s: the Ray "
+                                             r"cluster has .*free of CPU 4.*keeps its 2 worker"):
+            svc.scale(4, timeout_s=3)
+        assert time.monotonic() - t0 < 10
+        after = svc.info()
+        assert {k: after[k] for k in ("num_workers", "alive", "gone")} == \
+            {k: before[k] for k in ("num_workers", "alive", "gone")}
+        assert len(service_groups()) == 1, "the failed scale's placement group is removed"
+    finally:
+        remove_placement_group(other)
     assert len(svc.generate(requests("d", 4))) == 8
 
 

@@ -14,7 +14,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from rollout_service.backends.ray_cluster import ensure_ray, starts_local_ray
-from rollout_service.backends.ray_resources import resolve_auto
+from actors.capacity import resolve_auto
 from rollout_service.config import ServiceConfig
 from rollout_service.result_stream import ResultStream, close_streams, hold_sleep, release_sleep, send_closes
 from rollout_service.types import RolloutResult

@@ -24,13 +24,14 @@ from typing import Any
 
 import torch
 
-from rollout_service.checks import check_request_ids
+from rollout_service.checks import check_request_ids, engine_device
 from rollout_service.config import EngineConfig
 from rollout_service.engine.episodes import EpisodeGroup, EpisodeRunner
 from rollout_service.engine.isolation import FaultIsolation
 from rollout_service.engine.kv_cache import pages_for, sized_kv_cache
 from rollout_service.engine.model_runner import ModelRunner, Prefilled
 from rollout_service.engine.overlap import DecodeSteps, Launched
+from rollout_service.engine.overflow import overflow_error
 from rollout_service.engine.refresh import WeightRefresh
 from rollout_service.engine.routing import check_routing_request, keep_routing, result_routing
 from rollout_service.engine.sampler import Sampler, SamplerOutput
@@ -75,11 +76,7 @@ class Engine(DecodeSteps, FaultIsolation, WeightRefresh):
                  **overrides: Any):
         config = dataclasses.replace(config or EngineConfig(), **overrides)
         self.config = config
-        self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"EngineConfig.device={config.device!r}: no CUDA device is visible to this process "
-                             f"(torch {torch.__version__}, CUDA build {torch.version.cuda}); use device='cpu' or "
-                             "leave it unset")
+        self.device = engine_device(config.device)
         self.backend = resolve_backend(config.backend, self.device)
         dtype = getattr(torch, config.dtype) if config.dtype else None
         source = model_source if model_source is not None else config.model
@@ -259,7 +256,7 @@ class Engine(DecodeSteps, FaultIsolation, WeightRefresh):
         for seq in scored:
             complete(seq, self.policy_version)
             self.counters.scored_sequences += 1
-            error = _overflow_error(seq.output_logprobs, scoring=True)
+            error = overflow_error(seq.output_logprobs, scoring=True)
             self._outbox += self._finish(seq, "abort" if error else "scored", error)
         if not to_sample:
             return
@@ -297,7 +294,7 @@ class Engine(DecodeSteps, FaultIsolation, WeightRefresh):
                    if k and top_ids is not None else None)
             seq.append(token_ids[i], logprobs[i], version, top)
             if not math.isfinite(logprobs[i]):  # the forward overflowed: what follows would be garbage
-                error = _overflow_error([logprobs[i]], offset=seq.num_output_tokens - 1)
+                error = overflow_error([logprobs[i]], offset=seq.num_output_tokens - 1)
                 self._outbox += self._finish(seq, "abort", error)
                 continue
             reason = self._stop_reason(seq, token_ids[i])
@@ -400,14 +397,3 @@ class Engine(DecodeSteps, FaultIsolation, WeightRefresh):
             "process_gpu_bytes": process_gpu_bytes() if self.device.type == "cuda" else None,
         }
 
-
-def _overflow_error(logprobs, offset: int = 0, scoring: bool = False) -> str | None:
-    """The error of a result whose log-probs are NaN or inf (the forward overflowed: weights or inputs out of
-    range), None when they are finite. Scoring keeps -inf: a target outside a truncated (top-k / top-p)
-    distribution has log-prob -inf there."""
-    for i, lp in enumerate(logprobs):
-        if math.isnan(lp) or lp == math.inf or (lp == -math.inf and not scoring):
-            return (f"non-finite log-prob ({lp}) at output token {offset + i}: the model's forward overflowed "
-                    "(inf or NaN logits), so its weights or inputs are out of range; the tokens from there on "
-                    "are not the policy's")
-    return None

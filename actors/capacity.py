@@ -1,5 +1,6 @@
 """What a service needs of its Ray cluster, checked before anything is placed: "auto" counts resolved from the
-cluster's resources, and a service the cluster can never place refused at once, in one line.
+cluster's resources, and a service (at start or at a scale) the cluster can never place refused at once, in one
+line naming what was asked and what the cluster has.
 """
 from __future__ import annotations
 
@@ -35,12 +36,12 @@ def check_resources(config: ServiceConfig) -> None:
 
     bundle, n = worker_bundle(config), int(config.num_workers)
     have, ceiling = ray.cluster_resources(), _autoscaler_ceiling()
-    what = (f"cannot place {n} rollout worker(s) of {_resources_text(bundle)} with strategy "
+    what = (f"cannot place {n} rollout worker(s) of {resources_text(bundle)} with strategy "
             f"{config.placement.strategy}")
     for kind, per in bundle.items():
         most = max(have.get(kind, 0.0), (ceiling or {}).get(kind, 0.0))
         if most <= 0:
-            raise ValueError(f"{what}: the Ray cluster has no {kind} (it has {_resources_text(have)}){_instead(kind)}")
+            raise ValueError(f"{what}: the Ray cluster has no {kind} (it has {resources_text(have)}){_instead(kind)}")
         if most < per * n - 1e-6:
             raise ValueError(f"{what}: they need {kind} {per * n:g} in all, the Ray cluster has {most:g} "
                              f"(lower num_workers or the per-worker resources)")
@@ -77,7 +78,7 @@ def _autoscaler_ceiling() -> dict | None:
         return None
 
 
-def _resources_text(resources: dict) -> str:
+def resources_text(resources: dict) -> str:
     """{'CPU': 2.0, 'memory': 3.4e9, 'node:10.0.0.1': 1.0, ...} as 'CPU 2, memory 3.2 GiB', Ray's per-node
     bookkeeping entries left out."""
     parts = []
