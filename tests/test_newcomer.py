@@ -243,13 +243,12 @@ def token_head(tmp_path_factory):
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.time() + 90
-        while True:
+        # up means `ray start` said so: the GCS port answers before the head's raylet has registered, and a
+        # client connecting in between failed under load ("Failed to connect to Ray cluster")
+        while "Ray runtime started" not in (tmp / "head.log").read_text():
             assert head.poll() is None and time.time() < deadline, (tmp / "head.log").read_text()[-3000:]
-            try:
-                socket.create_connection(("127.0.0.1", gcs), timeout=1).close()
-                break
-            except OSError:
-                time.sleep(0.5)
+            time.sleep(0.5)
+        socket.create_connection(("127.0.0.1", gcs), timeout=5).close()
         yield f"127.0.0.1:{gcs}", token
     finally:
         head.send_signal(signal.SIGTERM)
