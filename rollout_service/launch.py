@@ -172,7 +172,7 @@ def format_summary(s: dict) -> str:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m rollout_service.launch", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m rollout_service.launch", description=" ".join(__doc__.split("\n\n")[0].split()))
     add_run_args(p)
     return p
 

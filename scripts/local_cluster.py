@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--rollout-nodes", type=int, default=2, help="nodes with the rollout_node resource")
     p.add_argument("--cpus", type=float, default=1, help="CPUs each rollout node offers")
     p.add_argument("--head-cpus", type=float, default=1, help="CPUs the head node offers (the router needs none)")

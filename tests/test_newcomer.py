@@ -288,3 +288,13 @@ def test_the_clusters_own_token_gets_through(token_head, tmp_path, ray_tmp):
                         timeout=120)
     assert rc == 2 and lines == ["error: no rollout service named 'rollout_service' in namespace 'rollout_service' "
                                  "on this Ray cluster (start one with `rollout-service serve --config ...`)"], lines
+
+
+@pytest.mark.parametrize("argv", [[sys.executable, "scripts/local_cluster.py", "--help"],
+                                  [sys.executable, "-m", "rollout_service.bench.regressions", "--help"]])
+def test_a_commands_help_says_its_whole_first_paragraph(argv):
+    """`local_cluster.py --help` stopped mid-sentence ("a head node (the learner's,"): the description is the
+    docstring's first paragraph, not its first line."""
+    out = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=120, check=True).stdout
+    paragraph = out.split("\n\n")[1]
+    assert paragraph.rstrip().endswith("."), paragraph

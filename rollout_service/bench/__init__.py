@@ -28,7 +28,7 @@ DTYPES = DTYPE_NAMES
 
 def parse_args(argv: list[str] | None, prog: str | None = None) -> argparse.Namespace:
     """prog: the command's name in usage lines (None: this program's, as argparse finds it)."""
-    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog=prog, description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--model", default=None,
                    help="comma-separated names from rollout_service/bench/models.py (default: smollm2-135m on "
                         "CPU, qwen2.5-0.5b on GPU, tiny-llama with --quick)")

@@ -147,7 +147,7 @@ def latency(rounds: int, custom: dict | None = None) -> dict:
 def main(argv: list[str] | None = None) -> int:
     import ray
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--tag", default="control-plane")
     p.add_argument("--workers", default="4,16,64", help="worker counts of the results/s runs")

@@ -114,7 +114,7 @@ def run(shape: Shape, workers: int, routing: str, model_dir: str, workload: str)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--tag", default="prefix-routing")
     p.add_argument("--quick", action="store_true", help="tiny shapes: a smoke run")

@@ -58,7 +58,7 @@ def regressions(new: dict, committed: dict, threshold: float = THRESHOLD) -> lis
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("new", nargs="+", type=Path, help="result JSON files of the run just made")
     ap.add_argument("--against", type=Path, default=Path("benchmarks/results"), help="committed results")
     ap.add_argument("--threshold", type=float, default=THRESHOLD, help="share of a figure (default 0.10)")

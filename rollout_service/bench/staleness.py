@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from .models import load_bench_model
     from .service_bench import write_results
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--tag", default="staleness")
