@@ -81,17 +81,23 @@ void check_rows(const at::Tensor& t, const char* name, const at::Tensor& ref) {
                     " rows must be contiguous and 16-byte aligned");
 }
 
-void norm_impl(at::Tensor& out, const at::Tensor& x, const std::optional<at::Tensor>& residual,
-               const at::Tensor& weight, double eps) {
+// x [rows, hidden] (and the residual) as the norm kernels read them, the weight [hidden]; x's dtype.
+rk::DType check_norm_inputs(const at::Tensor& x, const std::optional<at::Tensor>& residual, const at::Tensor& weight) {
   const rk::DType dtype = half_dtype(x, "x");
   check_rows(x, "x", x);
-  check_rows(out, "out", x);
   if (residual) check_rows(*residual, "residual", x);
   check_cuda(weight, "weight", x);
   check_same_dtype(weight, "weight", x);
   TORCH_CHECK_VALUE(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous() && aligned16(weight),
                     "weight must be a contiguous [", x.size(1), "] tensor");
   TORCH_CHECK_VALUE(x.size(1) % 8 == 0, "hidden size must be a multiple of 8, got ", x.size(1));
+  return dtype;
+}
+
+void norm_impl(at::Tensor& out, const at::Tensor& x, const std::optional<at::Tensor>& residual,
+               const at::Tensor& weight, double eps) {
+  const rk::DType dtype = check_norm_inputs(x, residual, weight);
+  check_rows(out, "out", x);
   const c10::cuda::CUDAGuard guard(x.device());
   check_launch(rk::rms_norm(out.data_ptr(), x.data_ptr(), residual ? residual->data_ptr() : nullptr,
                             weight.data_ptr(), dtype, x.size(0), x.size(1), out.stride(0), x.stride(0),
@@ -152,14 +158,7 @@ void fp8_quantize(at::Tensor q, at::Tensor scale, at::Tensor x) {
 
 void rms_norm_fp8(at::Tensor q, at::Tensor scale, at::Tensor x, std::optional<at::Tensor> residual,
                   at::Tensor weight, double eps) {
-  const rk::DType dtype = half_dtype(x, "x");
-  check_rows(x, "x", x);
-  if (residual) check_rows(*residual, "residual", x);
-  check_cuda(weight, "weight", x);
-  check_same_dtype(weight, "weight", x);
-  TORCH_CHECK_VALUE(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous() && aligned16(weight),
-                    "weight must be a contiguous [", x.size(1), "] tensor");
-  TORCH_CHECK_VALUE(x.size(1) % 8 == 0, "hidden size must be a multiple of 8, got ", x.size(1));
+  const rk::DType dtype = check_norm_inputs(x, residual, weight);
   check_fp8_out(q, scale, x.size(0), x.size(1), x);
   const c10::cuda::CUDAGuard guard(x.device());
   check_launch(rk::rms_norm_fp8(q.data_ptr(), scale.data_ptr<float>(), x.data_ptr(),
