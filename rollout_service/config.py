@@ -1,13 +1,24 @@
 """Engine and service configuration: dataclasses that validate themselves and round-trip through YAML."""
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 # The one table of ops backends and dtype names (torch-free, so a command line can read it at once).
 OPS_BACKENDS = ("torch", "cuda")  # the ops backends an engine runs on (ops/backend.py)
 ENGINE_BACKENDS = ("auto", *OPS_BACKENDS)  # what EngineConfig.backend takes: "auto" picks one at start
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
+
+
+def cache_dir() -> Path:
+    """Where the service keeps what it builds once (converted models, compiled kernels): $ROLLOUT_SERVICE_CACHE,
+    else $XDG_CACHE_HOME/rollout_service, else ~/.cache/rollout_service."""
+    if os.environ.get("ROLLOUT_SERVICE_CACHE"):
+        return Path(os.environ["ROLLOUT_SERVICE_CACHE"]).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "rollout_service"
+
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 DTYPES = (None, *DTYPE_NAMES)
 ON_REFRESH = ("continue", "recompute", "abort")

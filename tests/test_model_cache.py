@@ -189,3 +189,12 @@ def test_load_policy_refuses_a_hub_id_without_trying_the_network():
                          timeout=300)
     assert out.returncode != 0
     assert "ValueError: unknown model source 'someorg/somemodel'" in out.stderr, out.stderr[-2000:]
+
+
+def test_the_compiled_kernels_follow_the_service_cache(monkeypatch, tmp_path):
+    from rollout_service.ops._ext import cache_root
+    monkeypatch.delenv("ROLLOUT_KERNELS_CACHE", raising=False)
+    monkeypatch.setenv("ROLLOUT_SERVICE_CACHE", str(tmp_path / "mine"))
+    assert cache_root() == tmp_path / "mine" / "kernels"  # the CPU kernels' too (ops/cpu_ext.py)
+    monkeypatch.setenv("ROLLOUT_KERNELS_CACHE", str(tmp_path / "k"))
+    assert cache_root() == tmp_path / "k"

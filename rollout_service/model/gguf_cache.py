@@ -13,7 +13,6 @@ and none ever sees half an entry. An unwritable cache is not an error: the GGUF 
 from __future__ import annotations
 
 import hashlib
-import os
 import shutil
 import tempfile
 import warnings
@@ -22,12 +21,7 @@ from typing import Any
 
 import torch
 
-
-def cache_dir() -> Path:
-    """$ROLLOUT_SERVICE_CACHE, else $XDG_CACHE_HOME/rollout_service, else ~/.cache/rollout_service."""
-    if os.environ.get("ROLLOUT_SERVICE_CACHE"):
-        return Path(os.environ["ROLLOUT_SERVICE_CACHE"]).expanduser()
-    return Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "rollout_service"
+from rollout_service.config import cache_dir
 
 
 def converted_folder(gguf: Path) -> Path | None:

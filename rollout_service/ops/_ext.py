@@ -14,6 +14,8 @@ from types import ModuleType
 
 import torch
 
+from rollout_service.config import cache_dir
+
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
@@ -49,8 +51,11 @@ def _build_key(arch_flags: list[str], csrc: Path) -> str:
 
 
 def cache_root() -> Path:
-    default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "rollout_service" / "kernels"
-    return Path(os.environ.get(CACHE_ENV, default))
+    """$ROLLOUT_KERNELS_CACHE, else the service's cache folder (config.cache_dir: $ROLLOUT_SERVICE_CACHE, ...)
+    / kernels: the CUDA build and the CPU kernels' (ops/cpu_ext.py)."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV]).expanduser()
+    return cache_dir() / "kernels"
 
 
 class CudaUnavailable(RuntimeError):
