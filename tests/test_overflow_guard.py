@@ -40,7 +40,8 @@ def test_a_finite_weight_that_would_overflow_is_named(value):
     state = _poisoned(tiny_hf_model("llama"), value=value)
     with pytest.raises(ValueError, match=r"'model.layers.0.mlp.down_proj.weight' would overflow the forward"):
         reject_overflowing(named_items(state))
-    reject_overflowing([("scalar", torch.tensor(3.0)), ("empty", torch.zeros(0, 4)), ("ids", torch.arange(5))])
+    reject_overflowing([("scalar", torch.tensor(3.0)), ("empty", torch.zeros(0, 4)), ("ids", torch.arange(5)),
+                        ("e4m3", torch.randn(8, 16).to(torch.float8_e4m3fn))])
     norm = {"model.norm.weight": torch.full((64,), 2 * LIMIT)}
     with pytest.raises(ValueError, match="'model.norm.weight' would overflow"):
         reject_overflowing(named_items(norm))

@@ -27,8 +27,13 @@ def _probe(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.where((i * 7 + i // 5) % 3 == 0, -1.0, 1.0).to(dtype)
 
 
+_MATMUL_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
 def _largest_output(t: torch.Tensor) -> float:
     t = t.detach()
+    if t.dtype not in _MATMUL_DTYPES:  # float8 and the like have no matmul: their values in float32
+        t = t.float()
     if t.dim() < 2:
         return float(t.abs().max())
     # in the tensor's own dtype (no float32 copy of a large weight): an overflow shows as inf
