@@ -266,3 +266,23 @@ def test_profile_breakdown_classes_kernels_and_finds_the_lm_head_and_idle_time()
     assert per["attention"] == 15.0 and per["norm_rope_act"] == 6.0 and per["copy"] == 3.0
     assert found["busy_us"] == 153.0 and found["span_us"] == 153.0 + 2 * 9.0
     assert found["top"][0][0] == "nvjet_tst_256x128"
+
+
+def test_quick_contended_rows_run_engine_and_peers_beside_busy_neighbours(tmp_path):
+    from pathlib import Path
+    rc = main(["--quick", "--model", "tiny-llama", "--workloads", "W2c,W1c", "--out", str(tmp_path)])
+    assert rc == 0
+    _, doc, _ = _load(str(tmp_path))
+    rows = {r["workload"]: r for r in doc["rows"]}
+    for name in ("W2c", "W1c"):
+        row = rows[name]
+        assert row["engine"]["value"] > 0 and row["hf_generate"]["value"] > 0, row
+        assert row["metric"].startswith("2 busy neighbour processes") and row["details"]["neighbours"] == 2
+    spinning = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if cmdline.read_bytes().endswith(b"while True: pass\0"):
+                spinning.append(cmdline)
+        except OSError:
+            pass  # a process that ended meanwhile
+    assert not spinning, "the neighbours are gone once the rows are done"

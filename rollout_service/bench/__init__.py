@@ -20,9 +20,10 @@ from rollout_service.config import DTYPE_NAMES
 # layer's experts, each way the cuda backend can run them; config only) and WMF (an MoE learner's recompute with
 # and without routing replay) are the mixture-of-experts models'. W2w: W2 at an RL batch (1024 sequences);
 # W2fp8 / W1fp8: W2 and W1 with FP8 rollouts (their HF peers are W2's and W1's); WP: a decode step's GPU time
-# by kernel class at W2's and W2w's batch (torch.profiler); W6fp8: W6 with FP8 rollouts and TIS.
+# by kernel class at W2's and W2w's batch (torch.profiler); W6fp8: W6 with FP8 rollouts and TIS. W2c / W1c: W2
+# and W1 with two busy neighbour processes (CPU contention), engine and HF alike.
 WORKLOADS = ("W6", "W6fp8", "WM", "W2", "W1", "W5", "W2fp8", "W1fp8", "W2w", "WP", "WMF", "W3", "W4", "W2n", "W2p", "W7",
-             "WDS", "WBI")
+             "WDS", "WBI", "W2c", "W1c")
 DTYPES = DTYPE_NAMES
 
 

@@ -18,6 +18,7 @@ from rollout_service.engine.kv_cache import KVCache, pages_for
 from rollout_service.engine.scheduler import Batch
 from rollout_service.engine.scoring import score_positions
 from rollout_service.ops.attention import AttentionMetadata, make_metadata
+from rollout_service.ops.cpu_threads import CpuThreads
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,8 @@ class ModelRunner:
         self.graph_max_batch = min(cuda_graph_max_batch, max_num_seqs) if use_cuda_graphs and device.type == "cuda" else 0
         self.graphs = None
         self.capture_s = 0.0  # wall time of the last capture: paid at start-up and on every wake
+        # a CPU engine's thread count follows how busy the machine is (ops/cpu_threads.py)
+        self.cpu_threads = CpuThreads() if device.type == "cpu" else None
         self.capture_graphs()
 
     def capture_graphs(self) -> None:
@@ -67,6 +70,8 @@ class ModelRunner:
     @torch.inference_mode()
     def prefill(self, batch: Batch) -> Prefilled:
         """Forward one prefill step: logits of the sequences that complete, hidden states of scored positions."""
+        if self.cpu_threads is not None:
+            self.cpu_threads.tick()
         input_ids, meta, sample_rows, score_rows = self._prepare_prefill(batch)
         hidden = self.model(input_ids, meta.positions, self.kv.layers, meta)
         logits = self.model.compute_logits(_take(hidden, sample_rows)) if sample_rows else None
@@ -83,6 +88,8 @@ class ModelRunner:
         return self._decode(batch, input_ids)
 
     def _decode(self, batch: Batch, input_ids: torch.Tensor | None) -> torch.Tensor:
+        if self.cpu_threads is not None:
+            self.cpu_threads.tick()
         seqs = batch.seqs
         n = len(seqs)
         graph = self.graphs is not None and self.graphs.can_run(n)

@@ -1,0 +1,47 @@
+"""W1c / W2c: W1 and W2 while busy neighbour processes keep the machine's CPUs busy (benchmarks/README.md), the
+engine and the HF peers under the same contention in one run; compare with W1 / W2 of the same run for the
+quiet figures. A CPU rollout worker shares its node with rewards, environments and other workers by design.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from contextlib import contextmanager
+
+from .context import BenchContext
+from .report import Row
+from .workloads import w1_latency, w2_rollout
+
+NEIGHBOURS = 2
+
+
+@contextmanager
+def busy_neighbours(k: int = NEIGHBOURS):
+    """k processes that each keep one CPU busy (a bare Python loop) until the block ends."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(k)]
+    try:
+        yield
+    finally:
+        for p in procs:
+            p.kill()
+        for p in procs:
+            p.wait(timeout=10)
+
+
+def _contended(ctx: BenchContext, runner, name: str) -> list[Row]:
+    with busy_neighbours():
+        rows = runner(ctx)
+    for row in rows:
+        row.workload = name
+        row.metric = f"{NEIGHBOURS} busy neighbour processes on {os.cpu_count()} CPUs: {row.metric}"
+        row.details["neighbours"] = NEIGHBOURS
+    return rows
+
+
+def w1_contended(ctx: BenchContext) -> list[Row]:
+    return _contended(ctx, w1_latency, "W1c")
+
+
+def w2_contended(ctx: BenchContext) -> list[Row]:
+    return _contended(ctx, w2_rollout, "W2c")
