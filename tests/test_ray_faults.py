@@ -226,7 +226,9 @@ def test_requests_of_a_killed_worker_are_resubmitted_one_by_one(svc):
                                              SamplingParams(n=2, max_tokens=200, ignore_eos=True), request_id="big")])
         rest = backend.submit(long_requests(4, "rest", max_tokens=200))  # on both workers
         wait_for(lambda: running(backend, 8), "the requests running on both workers")
-        kill_worker(backend, 0)
+        # for good (no restart): a restarted worker 0 could be back before the router hands its requests on,
+        # and take "big" again (the test then raced the restart); scale(2) replaces it below
+        ray.kill(workers(backend)[0], no_restart=True)
         wait_for(lambda: backend.info()["in_flight"] == 0, "every request ending", 90)
     finally:
         ray.get(w1.__ray_call__.remote(lambda w: setattr(w.engine, "max_model_len", 512)))
@@ -238,6 +240,7 @@ def test_requests_of_a_killed_worker_are_resubmitted_one_by_one(svc):
     assert sorted((r.request_id, r.sample_index) for r in done) == [(f"rest{i}", j) for i in range(4) for j in (0, 1)]
     assert all(len(r.token_ids) == 200 and r.error is None for r in done)
     assert backend.info()["resubmitted"] >= 2
+    svc.scale(2)  # a new worker in the place of the one given up
     wait_for(lambda: backend.info()["alive"] == [True, True], "worker 0 back in service")
 
 
