@@ -29,19 +29,18 @@ def busy_neighbours(k: int = NEIGHBOURS):
             p.wait(timeout=10)
 
 
-def _contended(ctx: BenchContext, runner, name: str) -> list[Row]:
+def _contended(ctx: BenchContext, runner, base: str) -> list[Row]:
     with busy_neighbours():
         rows = runner(ctx)
     for row in rows:
-        row.workload = name
-        row.metric = f"{NEIGHBOURS} busy neighbour processes on {os.cpu_count()} CPUs: {row.metric}"
+        row.relabel(base, f"{base}c", f"{NEIGHBOURS} busy neighbour processes on {os.cpu_count()} CPUs")
         row.details["neighbours"] = NEIGHBOURS
     return rows
 
 
 def w1_contended(ctx: BenchContext) -> list[Row]:
-    return _contended(ctx, w1_latency, "W1c")
+    return _contended(ctx, w1_latency, "W1")
 
 
 def w2_contended(ctx: BenchContext) -> list[Row]:
-    return _contended(ctx, w2_rollout, "W2c")
+    return _contended(ctx, w2_rollout, "W2")

@@ -48,6 +48,12 @@ class Row:
             return None
         return a / b if self.higher_is_better else b / a
 
+    def relabel(self, base: str, name: str, condition: str) -> None:
+        """This row as a variant of workload `base` run under `condition` (W1 -> W1fp8, "W6 overhead" ->
+        "W6fp8 overhead"): the variant's name, the condition in front of the metric."""
+        self.workload = self.workload.replace(base, name, 1)
+        self.metric = f"{condition}: {self.metric}"
+
     def to_dict(self) -> dict:
         d = asdict(self)
         d["ratios"] = {f"engine/{p}": self.perf_ratio(getattr(self, p)) for p in PEERS}

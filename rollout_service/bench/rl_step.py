@@ -74,8 +74,7 @@ def w6_fp8(ctx: BenchContext) -> list[Row]:
     dtype = str(ctx.bm.dtype).removeprefix("torch.") if ctx.bm.dtype in (torch.bfloat16, torch.float16) else "bfloat16"
     rows = w6_rl_step(replace(ctx, engine_extra={**ctx.engine_extra, "quantization": "fp8", "dtype": dtype}))
     for row in rows:
-        row.workload = row.workload.replace("W6", "W6fp8", 1)
-        row.metric = f"FP8 rollouts, rollout_correction tis: {row.metric}"
+        row.relabel("W6", "W6fp8", "FP8 rollouts, rollout_correction tis")
     return rows
 
 

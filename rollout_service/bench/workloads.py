@@ -254,8 +254,7 @@ def _fp8_row(ctx: BenchContext, runner, name: str) -> list[Row]:
     rows = runner(fp8_ctx)
     base = name.removesuffix("fp8")
     for row in rows:
-        row.workload = name
-        row.metric = f"FP8 rollouts (e4m3 projections): {row.metric}"
+        row.relabel(base, name, "FP8 rollouts (e4m3 projections)")
         for peer in ("hf_generate", "hf_generate_batch", "other_peer"):
             setattr(row, peer, Cell.na(f"see {base}: the same peers"))
     return rows

@@ -91,10 +91,14 @@ class CudaOps(TorchOps):
         self.kernels.add_rms_norm(out, rows, residual.view(rows.shape), weight, eps)
         return out.view(x.shape), residual
 
+    @staticmethod
+    def _gate_up_ok(gate_up: torch.Tensor) -> bool:
+        """A fused [rows, 2 * inter] gate_up projection the SiLU·mul kernels take (inter a multiple of 8)."""
+        return (gate_up.is_cuda and gate_up.dtype in _HALF and gate_up.dim() == 2 and gate_up.shape[1] % 16 == 0
+                and _rows_ok(gate_up))
+
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        ok = (gate_up.is_cuda and gate_up.dtype in _HALF and gate_up.dim() == 2 and gate_up.shape[1] % 16 == 0
-              and _rows_ok(gate_up))
-        if not ok:
+        if not self._gate_up_ok(gate_up):
             self._fallback("silu_and_mul", f"{gate_up.dtype} {tuple(gate_up.shape)}")
             return super().silu_and_mul(gate_up)
         out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
@@ -166,9 +170,7 @@ class CudaOps(TorchOps):
         return out, (x if residual is None else residual)
 
     def silu_and_mul_fp8(self, gate_up: torch.Tensor) -> fp8.Fp8Rows:
-        ok = (gate_up.is_cuda and gate_up.dtype in _HALF and gate_up.dim() == 2 and gate_up.shape[1] % 16 == 0
-              and _rows_ok(gate_up))
-        if not ok:
+        if not self._gate_up_ok(gate_up):
             self._fallback("silu_and_mul_fp8", f"{gate_up.dtype} {tuple(gate_up.shape)}")
             return super().silu_and_mul_fp8(gate_up)
         out = self._fp8_out(gate_up, gate_up.shape[1] // 2, gate_up.dtype)
