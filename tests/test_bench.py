@@ -250,8 +250,9 @@ def test_quick_fp8_and_wide_rows_count_fp8_bytes_in_their_floors(tmp_path):
 
 def test_profile_breakdown_classes_kernels_and_finds_the_lm_head_and_idle_time():
     from rollout_service.bench.decode_profile import breakdown
+    # decode_reduce_kernel (attention's split combine, batch 1) is attention, not a sampling step boundary
     step = [("rms_norm_kernel", 2.0), ("nvjet_tst_128x64", 10.0), ("decode_kernel<bf16>", 5.0),
-            ("sm90_xmma_gemm_bf16", 8.0), ("Memcpy HtoD", 1.0), ("nvjet_tst_256x128", 20.0),
+            ("decode_reduce_kernel<bf16>", 1.0), ("sm90_xmma_gemm_bf16", 8.0), ("Memcpy HtoD", 1.0), ("nvjet_tst_256x128", 20.0),
             ("argmax_logsumexp_kernel", 4.0), ("argmax_logsumexp_combine_kernel", 1.0)]
     events, t = [], 0.0
     for _ in range(3):  # three steps, each kernel right after the last, then a 9 µs gap
@@ -260,11 +261,11 @@ def test_profile_breakdown_classes_kernels_and_finds_the_lm_head_and_idle_time()
             t += dur
         t += 9.0
     found = breakdown(events)
-    assert found["steps"] == 3 and found["kernels"] == 24
+    assert found["steps"] == 3 and found["kernels"] == 27
     per = found["per_class_us"]
     assert per["lm_head"] == 60.0 and per["gemm"] == 54.0 and per["sampling"] == 15.0
-    assert per["attention"] == 15.0 and per["norm_rope_act"] == 6.0 and per["copy"] == 3.0
-    assert found["busy_us"] == 153.0 and found["span_us"] == 153.0 + 2 * 9.0
+    assert per["attention"] == 18.0 and per["norm_rope_act"] == 6.0 and per["copy"] == 3.0
+    assert found["busy_us"] == 156.0 and found["span_us"] == 156.0 + 2 * 9.0
     assert found["top"][0][0] == "nvjet_tst_256x128"
 
 

@@ -1,4 +1,4 @@
-"""WP: where a decode step's time goes, at W2's and W2w's batch (benchmarks/README.md, Profiles).
+"""WP: where a decode step's time goes, at batch 1 and at W2's and W2w's batch (benchmarks/README.md, Profiles).
 
 The engine's own step loop runs in this process (as W1 times it). Once every prompt is prefilled, a window of
 decode steps is timed plainly, then the next window runs under torch.profiler (GPU activity only, so the host
@@ -22,10 +22,11 @@ from .models import random_prompts
 from .report import Cell, Row
 
 TIMED_STEPS, PROFILED_STEPS = 48, 16
-# name fragments per class, first match wins (sampling before gemm: the sampler's kernels are not GEMMs)
+# name fragments per class, first match wins (attention before sampling: decode_reduce_kernel is attention's split
+# combine, not a sampling reduce; sampling before gemm: the sampler's kernels are not GEMMs)
 CLASSES = (
-    ("sampling", ("gumbel", "argmax", "logsumexp", "topk", "softmax", "sort", "reduce_kernel")),
     ("attention", ("decode_kernel", "decode_reduce", "prefill", "flash", "attention")),
+    ("sampling", ("gumbel", "argmax", "logsumexp", "topk", "softmax", "sort", "reduce_kernel")),
     ("gemm", ("gemm", "gemv", "cutlass", "cublas", "nvjet", "xmma", "wgmma", "scaled_mm", "f8f8")),
     ("norm_rope_act", ("rms_norm", "rope", "silu", "fp8_quantize", "write_kv", "moe_")),
     ("copy", ("memcpy", "memset", "copy")),
@@ -152,8 +153,8 @@ def wp_decode_profile(ctx: BenchContext) -> list[Row]:
         row = Row(ctx.bm.name, "WP", "decode µs/step, profiled", "µs", False,
                   engine=Cell.na("WP profiles GPU kernels"))
         return [row]
-    rows = [_row(ctx, ctx.shapes.w2_seqs, "W2"), _row(ctx, ctx.shapes.w2w_seqs, "W2w")]
-    if rows[0].details.get("kernels_per_step", 99) < 5:  # this profiler did not trace kernels inside graphs
+    rows = [_row(ctx, 1, "W1's batch"), _row(ctx, ctx.shapes.w2_seqs, "W2"), _row(ctx, ctx.shapes.w2w_seqs, "W2w")]
+    if rows[1].details.get("kernels_per_step", 99) < 5:  # this profiler did not trace kernels inside graphs
         rows.append(_row(ctx, ctx.shapes.w2_seqs, "W2, CUDA graphs off: kernels untraced in graphs",
                          {"enable_cuda_graphs": False}))
     return rows

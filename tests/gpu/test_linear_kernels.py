@@ -93,3 +93,64 @@ def test_linear_replays_in_a_cuda_graph(cuda_ops):
     graph.replay()
     torch.testing.assert_close(out, cuda_ops.linear(x, w), rtol=0, atol=0)
     assert not torch.equal(out, expected)
+
+
+def _norm_inputs(k: int, n: int, dtype: torch.dtype, residual: bool, bias: bool):
+    x = torch.randn(1, k, dtype=dtype, device="cuda") * 3
+    r = torch.randn(1, k, dtype=dtype, device="cuda") * 5 if residual else None
+    norm_w = (1 + 0.5 * torch.randn(k, device="cuda")).to(dtype)
+    w = (torch.randn(n, k, device="cuda") / k**0.5).to(dtype)
+    b = torch.randn(n, dtype=dtype, device="cuda") if bias else None
+    return x, r, norm_w, w, b
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("k,n,gated", [(896, 1152, False), (896, 2 * 4864, True), (4096, 6144, False), (24, 16, True)])
+@pytest.mark.parametrize("residual", [False, True])
+def test_norm_folded_into_the_gemv_matches_the_norm_then_the_product(cuda_ops, dtype, k, n, gated, residual):
+    x, r, norm_w, w, b = _norm_inputs(k, n, dtype, residual, bias=not gated)
+    r_before = None if r is None else r.clone()
+    out, new_residual = cuda_ops.norm_linear(x, r, norm_w, 1e-6, w, b, gated)
+    ref = TorchOps()
+    if r is None:
+        normed, expected_residual = ref.rms_norm(x, norm_w, 1e-6), x
+    else:
+        normed, expected_residual = ref.add_rms_norm(x, r.clone(), norm_w, 1e-6)
+    # x + residual, rounded as the reference rounds, to a new tensor; the inputs untouched.
+    torch.testing.assert_close(new_residual, expected_residual, rtol=0, atol=0)
+    if r is not None:
+        assert new_residual.data_ptr() not in (x.data_ptr(), r.data_ptr())
+        torch.testing.assert_close(r, r_before, rtol=0, atol=0)
+    # The product of the reference's normalised row: the norm's float32 sum of squares may be summed in another
+    # order (an inv_rms one float32 ulp apart flips a rare element's rounding), nothing more.
+    expected = (cuda_ops.gated_linear if gated else cuda_ops.linear)(normed, w, b)
+    assert out.shape == expected.shape and out.dtype == dtype
+    assert (out != expected).float().mean().item() < 0.02
+    torch.testing.assert_close(out, expected, rtol=8 * torch.finfo(dtype).eps, atol=2e-3)
+
+
+def test_norm_gemv_outside_the_kernel_falls_back_to_the_norm_then_the_product(cuda_ops):
+    # A row wider than the folded norm's shared memory (48 KB), two rows, and a product past
+    # FOLD_NORM_MAX_WEIGHT_BYTES (64 MB): the norm kernel, then the product, bit for bit.
+    for rows, k, n in ((1, 32768, 64), (2, 896, 64), (1, 4096, 8192)):
+        x = torch.randn(rows, k, dtype=torch.bfloat16, device="cuda")
+        r = torch.randn(rows, k, dtype=torch.bfloat16, device="cuda")
+        norm_w = torch.randn(k, dtype=torch.bfloat16, device="cuda")
+        w = torch.randn(n, k, dtype=torch.bfloat16, device="cuda")
+        out, residual = cuda_ops.norm_linear(x, r.clone(), norm_w, 1e-5, w)
+        normed, expected_residual = cuda_ops.add_rms_norm(x, r.clone(), norm_w, 1e-5)
+        torch.testing.assert_close(residual, expected_residual, rtol=0, atol=0)
+        torch.testing.assert_close(out, cuda_ops.linear(normed, w), rtol=0, atol=0)
+
+
+def test_norm_gemv_replays_in_a_cuda_graph(cuda_ops):
+    x, r, norm_w, w, b = _norm_inputs(896, 1152, torch.bfloat16, residual=True, bias=True)
+    graph = torch.cuda.CUDAGraph()
+    cuda_ops.norm_linear(x, r, norm_w, 1e-6, w, b)  # warm-up outside the capture
+    with torch.cuda.graph(graph):
+        out, residual = cuda_ops.norm_linear(x, r, norm_w, 1e-6, w, b)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    expected, expected_residual = cuda_ops.norm_linear(x, r, norm_w, 1e-6, w, b)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    torch.testing.assert_close(residual, expected_residual, rtol=0, atol=0)
