@@ -274,10 +274,9 @@ void rope_write_kv(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor position
 
 // ---- batch-1 linear layers -------------------------------------------------------------------------
 
-// The checked parameters of out = x @ weight.T (+ bias) for one row x [1, k]; gated: out = silu(y[:, :n]) *
-// y[:, n:] of y = x @ weight.T (+ bias).
-rk::GemvParams gemv_params(at::Tensor& out, at::Tensor& x, at::Tensor& weight, std::optional<at::Tensor>& bias,
-                           bool gated) {
+// out = x @ weight.T (+ bias) for one row x [1, k]; gated: out = silu(y[:, :n]) * y[:, n:] of
+// y = x @ weight.T (+ bias).
+void gemv(at::Tensor out, at::Tensor x, at::Tensor weight, std::optional<at::Tensor> bias, bool gated) {
   rk::GemvParams p;
   p.dtype = half_dtype(x, "x");
   check_cuda(weight, "weight", x);
@@ -310,44 +309,7 @@ rk::GemvParams gemv_params(at::Tensor& out, at::Tensor& x, at::Tensor& weight, s
   p.gated = gated;
   p.out_float = out_float;
   p.split = rk::gemv_split(p.n, p.k, static_cast<int>(num_sms(x)));
-  return p;
-}
-
-void gemv(at::Tensor out, at::Tensor x, at::Tensor weight, std::optional<at::Tensor> bias, bool gated) {
-  const rk::GemvParams p = gemv_params(out, x, weight, bias, gated);
   check_launch(rk::gemv(p, c10::cuda::getCurrentCUDAStream().stream()), "gemv");
-}
-
-// gemv of rms_norm(x + residual) * norm_weight (x alone without a residual), the norm in the gemv's prologue;
-// residual_out [1, k] receives x + residual (needs a residual; must not alias x or residual).
-void norm_gemv(at::Tensor out, at::Tensor x, std::optional<at::Tensor> residual,
-               std::optional<at::Tensor> residual_out, at::Tensor norm_weight, double eps, at::Tensor weight,
-               std::optional<at::Tensor> bias, bool gated) {
-  rk::GemvParams p = gemv_params(out, x, weight, bias, gated);
-  TORCH_CHECK_VALUE(!p.out_float, "out must be of x's dtype");
-  TORCH_CHECK_VALUE(x.size(1) * x.element_size() <= rk::kGemvNormMaxBytes, "the folded norm takes rows of at most ",
-                    rk::kGemvNormMaxBytes, " bytes, got ", x.size(1) * x.element_size());
-  check_cuda(norm_weight, "norm_weight", x);
-  check_same_dtype(norm_weight, "norm_weight", x);
-  TORCH_CHECK_VALUE(norm_weight.dim() == 1 && norm_weight.size(0) == x.size(1) && norm_weight.is_contiguous() &&
-                        aligned16(norm_weight),
-                    "norm_weight must be a contiguous 16-byte aligned [", x.size(1), "] tensor");
-  TORCH_CHECK_VALUE(!residual_out || residual, "residual_out needs a residual");
-  for (const auto* t : {&residual, &residual_out}) {
-    if (!*t) continue;
-    check_cuda(**t, "residual", x);
-    check_same_dtype(**t, "residual", x);
-    TORCH_CHECK_VALUE((*t)->sizes() == x.sizes() && (*t)->is_contiguous() && aligned16(**t),
-                      "residual and residual_out must be contiguous 16-byte aligned ", x.sizes(), " rows");
-  }
-  TORCH_CHECK_VALUE(!residual_out || (residual_out->data_ptr() != x.data_ptr() &&
-                                      residual_out->data_ptr() != residual->data_ptr()),
-                    "residual_out must not alias x or residual (every CTA reads them)");
-  p.norm_weight = norm_weight.data_ptr();
-  p.residual = residual ? residual->data_ptr() : nullptr;
-  p.residual_out = residual_out ? residual_out->data_ptr() : nullptr;
-  p.eps = static_cast<float>(eps);
-  check_launch(rk::gemv(p, c10::cuda::getCurrentCUDAStream().stream()), "norm_gemv");
 }
 
 // One row's FP8 product: out [1, n] = x [1, k] e4m3 times weight [n, k] e4m3, scaled by x_scale [1] and
@@ -783,7 +745,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_kv", &write_kv, "store k, v [T, Hk, D] in the paged cache at slot_mapping");
   m.def("rope_write_kv", &rope_write_kv, "RoPE of q, k in place + store rotated k and v in the cache");
   m.def("gemv", &gemv, "out = x @ weight.T (+ bias) for one row; gated: silu(gate) * up of the fused gate_up");
-  m.def("norm_gemv", &norm_gemv, "gemv of rms_norm(x + residual) with the norm in its prologue; x + residual too");
   m.def("fp8_gemv", &fp8_gemv, "one row's FP8 product: e4m3 x and weight, float32 sums, row and channel scales");
   m.def("moe_route", &moe_route, "(ids, weights) of router logits: float32 softmax, top-k, optional renormalisation; "
         "optionally recorded at the tokens' KV slots");

@@ -18,14 +18,6 @@
 // kGated computes the MLP's gate_up projection and silu_and_mul in one launch: the warp of column n also
 // streams weight row n + N (up) and writes silu(gate) * up with the torch reference's roundings.
 //
-// kNorm folds the RMSNorm before the projection into the prologue: each CTA normalises the row (x + residual)
-// into shared memory itself (a few KB read from L2) and the first CTA stores x + residual, which removes the norm
-// launch before q/k/v and gate_up (a batch-1 step is launch-bound: csrc/NOTES.md).
-//
-// Before waiting for the kernel before it (programmatic dependent launch), each CTA asks L2 for the weight rows
-// it will stream: the weights do not depend on that kernel, so their stream overlaps its tail (expert rows do:
-// their ids come from the router kernel, so they are not prefetched).
-//
 // gemv_fp8 is the FP8 product of ops/fp8.py for one row: e4m3 activations (quantized by fp8.cu or a fused norm /
 // SiLU·mul) times an e4m3 weight, float32 sums of the exact products, (sum * x_scale) * w_scale[n] (+ bias),
 // rounded once. The weight streams at one byte per element; the hardware e4m3x2 -> f16x2 conversion (sm_89+)
@@ -34,7 +26,7 @@
 
 #include <cuda_fp8.h>
 
-#include "rms_norm.cuh"
+#include "kernel_utils.cuh"
 
 namespace rollout_kernels {
 namespace {
@@ -79,68 +71,17 @@ __device__ __forceinline__ void store(void* out, int64_t idx, float v) {
   static_cast<Out*>(out)[idx] = from_float<Out>(v);
 }
 
-// The first `bytes` of weight rows [first, first + count) (and, gated, of the up rows n further on) on their way
-// to L2: one row per thread of the first warp.
-template <typename T, int R>
-__device__ __forceinline__ void prefetch_rows(const T* weight, int first, int count, int n, int k, int bytes) {
-  if (threadIdx.x >= 32 || bytes <= 0) return;
-  for (int c = threadIdx.x; c < count; c += 32) {
-#pragma unroll
-    for (int r = 0; r < R; ++r) prefetch_l2(weight + (int64_t(first + c) + r * n) * k, uint32_t(bytes));
-  }
-}
-
-// CTAs of kThreads resident per SM: threads allow 8 (registers, at <= 64 per thread, too).
-constexpr int kCtasPerSm = 2048 / kThreads;
-
-// rms_norm(x + residual) * norm_weight of one row into shared memory (k elements of T), as norm.cu computes it;
-// the first CTA also stores x + residual. Ends with a barrier: the row is ready for every warp.
-template <typename T>
-__device__ void norm_row_to_shared(const GemvParams& p, const T* x, T* normed) {
-  __shared__ float scratch[32];
-  const T* residual = static_cast<const T*>(p.residual);
-  T* residual_out = blockIdx.x == 0 ? static_cast<T*>(p.residual_out) : nullptr;
-  const int nvec = p.k / kVec;
-  float sum_sq = 0.f;
-  for (int i = threadIdx.x; i < nvec; i += blockDim.x) {
-    Vec16<T> h;
-    h.raw = *reinterpret_cast<const uint4*>(x + i * kVec);
-    if (residual != nullptr) {
-      Vec16<T> r;
-      r.raw = *reinterpret_cast<const uint4*>(residual + i * kVec);
-#pragma unroll
-      for (int j = 0; j < kVec; ++j) h.e[j] = from_float<T>(to_float(h.e[j]) + to_float(r.e[j]));
-      if (residual_out != nullptr) *reinterpret_cast<uint4*>(residual_out + i * kVec) = h.raw;
-    }
-#pragma unroll
-    for (int j = 0; j < kVec; ++j) sum_sq += to_float(h.e[j]) * to_float(h.e[j]);
-    *reinterpret_cast<uint4*>(normed + i * kVec) = h.raw;
-  }
-  const float inv_rms = rsqrtf(block_sum(sum_sq, scratch) / p.k + p.eps);
-  const T* weight = static_cast<const T*>(p.norm_weight);
-  for (int i = threadIdx.x; i < nvec; i += blockDim.x) {  // the vectors this thread stored above
-    *reinterpret_cast<uint4*>(normed + i * kVec) = normed_vec(normed, weight, i, inv_rms).raw;
-  }
-  __syncthreads();
-}
-
-template <typename T, bool kGated, typename Out, bool kNorm>
+template <typename T, bool kGated, typename Out>
 __global__ void __launch_bounds__(kThreads) gemv_kernel(const GemvParams p) {
   constexpr int R = kGated ? 2 : 1;  // weight rows per column: gate (and up)
   __shared__ float partial[kWarps][R];
-  extern __shared__ uint4 normed_row[];  // kNorm: the normalised x, k elements of T
-  const int cols_per_cta = kWarps / p.split;
-  const int row = blockIdx.y;
-  const T* weight = static_cast<const T*>(p.weight);
-  if (p.expert_ids == nullptr && row == 0) {
-    prefetch_rows<T, R>(weight, blockIdx.x * cols_per_cta, min(cols_per_cta, p.n - int(blockIdx.x) * cols_per_cta),
-                        p.n, p.k, p.prefetch_bytes);
-  }
   dependent_prologue();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int col = blockIdx.x * cols_per_cta + warp / p.split;
+  const int col = blockIdx.x * (kWarps / p.split) + warp / p.split;
   const int part = warp % p.split;
   const int vecs = p.k / kVec;
+  const int row = blockIdx.y;
+  const T* weight = static_cast<const T*>(p.weight);
   if (p.expert_ids != nullptr) weight += p.expert_ids[row] * p.expert_stride;
 
   // Columns past n (in the last CTA) read row 0 and are not stored.
@@ -149,8 +90,6 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(const GemvParams p) {
   for (int r = 0; r < R; ++r) w[r] = weight + (int64_t(col < p.n ? col : 0) + r * p.n) * p.k;
   const T* x = static_cast<const T*>(p.x) + (row / p.x_div) * p.x_stride;
   void* out = static_cast<char*>(p.out) + row * p.out_stride * (p.out_float ? 4 : 2);
-  T* normed = reinterpret_cast<T*>(normed_row);
-  if constexpr (kNorm) norm_row_to_shared(p, x, normed);
 
   float acc[R] = {};
   const int step = 32 * p.split;
@@ -162,11 +101,7 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(const GemvParams p) {
       const bool live = v < vecs;
 #pragma unroll
       for (int r = 0; r < R; ++r) wv[u][r] = load_stream(w[r] + v * kVec, live);
-      if constexpr (kNorm) {
-        xv[u] = live ? *reinterpret_cast<const uint4*>(normed + v * kVec) : make_uint4(0, 0, 0, 0);
-      } else {
-        xv[u] = load_cached(x + v * kVec, live);
-      }
+      xv[u] = load_cached(x + v * kVec, live);
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) dot8<T, R>(acc, wv[u], xv[u]);  // zeros past the end add nothing
@@ -219,9 +154,6 @@ __device__ __forceinline__ void e4m3x16_to_float(const uint4& v, float (&f)[kFp8
 template <typename T>
 __global__ void __launch_bounds__(kThreads) gemv_fp8_kernel(const GemvFp8Params p) {
   __shared__ float partial[kWarps][kFp8Cols];
-  const int cols_per_cta = kWarps / p.split * kFp8Cols;
-  prefetch_rows<uint8_t, 1>(static_cast<const uint8_t*>(p.weight), blockIdx.x * cols_per_cta,
-                            min(cols_per_cta, p.n - int(blockIdx.x) * cols_per_cta), p.n, p.k, p.prefetch_bytes);
   dependent_prologue();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int group = blockIdx.x * (kWarps / p.split) + warp / p.split;
@@ -290,11 +222,8 @@ cudaError_t gemv_fp8(const GemvFp8Params& p, cudaStream_t stream) {
   if (p.n == 0) return cudaSuccess;
   const int64_t groups = (int64_t(p.n) + kFp8Cols - 1) / kFp8Cols;
   const dim3 blocks(unsigned((groups * p.split + kWarps - 1) / kWarps));
-  GemvFp8Params q = p;
-  q.prefetch_bytes = prefetch_row_bytes(blocks.x, int64_t(device_sm_count()) * kCtasPerSm,
-                                        kWarps / p.split * kFp8Cols, p.k);
   return ROLLOUT_DISPATCH_HALF(p.dtype, T, [&] {
-    return launch_dependent(gemv_fp8_kernel<T>, blocks, dim3(kThreads), 0, stream, q);
+    return launch_dependent(gemv_fp8_kernel<T>, blocks, dim3(kThreads), 0, stream, p);
   });
 }
 
@@ -315,24 +244,12 @@ cudaError_t gemv(const GemvParams& p, cudaStream_t stream) {
       (p.expert_ids != nullptr && p.bias != nullptr)) {
     return cudaErrorInvalidValue;
   }
-  const bool norm = p.norm_weight != nullptr;
-  if (norm && (p.rows != 1 || p.out_float || int64_t(p.k) * 2 > kGemvNormMaxBytes)) return cudaErrorInvalidValue;
   if (p.n == 0 || p.rows == 0) return cudaSuccess;
   const dim3 blocks(unsigned((int64_t(p.n) * p.split + kWarps - 1) / kWarps), unsigned(p.rows));
-  GemvParams q = p;
-  if (p.expert_ids == nullptr) {  // expert rows are known only once the router kernel ran
-    q.prefetch_bytes = prefetch_row_bytes(blocks.x, int64_t(device_sm_count()) * kCtasPerSm,
-                                          kWarps / p.split * (p.gated ? 2 : 1), p.k * 2);
-  }
-  const size_t smem = norm ? size_t(p.k) * 2 : 0;
   return ROLLOUT_DISPATCH_HALF(p.dtype, T, [&] {
-    if (norm && p.gated) return launch_dependent(gemv_kernel<T, true, T, true>, blocks, dim3(kThreads), smem, stream, q);
-    if (norm) return launch_dependent(gemv_kernel<T, false, T, true>, blocks, dim3(kThreads), smem, stream, q);
-    if (p.gated) return launch_dependent(gemv_kernel<T, true, T, false>, blocks, dim3(kThreads), 0, stream, q);
-    if (p.out_float) {
-      return launch_dependent(gemv_kernel<T, false, float, false>, blocks, dim3(kThreads), 0, stream, q);
-    }
-    return launch_dependent(gemv_kernel<T, false, T, false>, blocks, dim3(kThreads), 0, stream, q);
+    if (p.gated) return launch_dependent(gemv_kernel<T, true, T>, blocks, dim3(kThreads), 0, stream, p);
+    if (p.out_float) return launch_dependent(gemv_kernel<T, false, float>, blocks, dim3(kThreads), 0, stream, p);
+    return launch_dependent(gemv_kernel<T, false, T>, blocks, dim3(kThreads), 0, stream, p);
   });
 }
 

@@ -126,42 +126,6 @@ __device__ __forceinline__ void dependent_prologue() {
   allow_dependent_launch();
 }
 
-// Start pulling [ptr, ptr + bytes) into L2 (sm_90 bulk prefetch; a hint, a no-op before sm_90). ptr 16-byte
-// aligned, bytes a multiple of 16. Issued before dependent_prologue() for data the previous kernel does not
-// write (weights), it overlaps a weight stream with that kernel's tail: L2 is the point of coherence, so a
-// prefetch can never serve stale bytes.
-__device__ __forceinline__ void prefetch_l2(const void* ptr, uint32_t bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(ptr), "r"(bytes) : "memory");
-#endif
-}
-
-// Bytes of each of `rows` weight rows (row_bytes long) that a weight-streaming kernel asks of L2 before waiting
-// for the previous kernel: what ~16 MB across the CTAs resident at once allows (more would evict prefetched lines
-// before their warps read them: prefetching llama3-8b's whole rows made its batch-1 step 13% slower on an H100),
-// a multiple of 16; 0 when ROLLOUT_PREFETCH=0 (to measure what it gives). ctas: the grid; resident: how many
-// fit on the chip at once.
-inline int prefetch_row_bytes(int64_t ctas, int64_t resident, int rows_per_cta, int row_bytes) {
-  static const bool enabled = [] {
-    const char* v = std::getenv("ROLLOUT_PREFETCH");
-    return v == nullptr || std::strcmp(v, "0") != 0;
-  }();
-  constexpr int64_t kBudget = 16 << 20;
-  const int64_t rows = (ctas < resident ? ctas : resident) * rows_per_cta;
-  if (!enabled || rows <= 0) return 0;
-  const int64_t share = kBudget / rows / 16 * 16;
-  return static_cast<int>(share < row_bytes ? share : row_bytes);
-}
-
-// Streaming multiprocessors of the current device (cached per device; 0 if unknown).
-inline int device_sm_count() {
-  static int sms[64] = {};
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return 0;
-  if (sms[dev] == 0 && cudaDeviceGetAttribute(&sms[dev], cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) return 0;
-  return sms[dev];
-}
-
 // Whether the current device runs programmatic dependent launch (sm_90+), unless ROLLOUT_PDL=0 turns it off
 // (to measure what it gives). Cached per device.
 inline bool supports_dependent_launch() {

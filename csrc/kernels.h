@@ -120,17 +120,7 @@ struct GemvParams {
   int64_t x_stride = 0, out_stride = 0;
   const int* expert_ids = nullptr;  // [rows] or null (every row the one weight)
   int64_t expert_stride = 0;        // elements from one expert's weight to the next
-  // RMSNorm folded into the prologue (one row): the product takes rms_norm(x + residual) * norm_weight, rounded
-  // as the norm kernels round, instead of x. residual may be null (x alone); residual_out, when set, receives
-  // x + residual (written by the first CTA; it must not alias x or residual, which every CTA reads).
-  const void* norm_weight = nullptr;  // [k] or null (no norm)
-  const void* residual = nullptr;
-  void* residual_out = nullptr;
-  float eps = 0.f;
-  int prefetch_bytes = 0;  // of each weight row, asked of L2 before the wait (set by gemv(): gemv_prefetch_bytes)
 };
-// Largest k the folded norm takes: the normalised row is staged in 48 KB of shared memory.
-constexpr int kGemvNormMaxBytes = 48 * 1024;
 // columns: n times the rows.
 int gemv_split(int64_t columns, int k, int num_sms);
 cudaError_t gemv(const GemvParams& p, cudaStream_t stream);
@@ -147,7 +137,6 @@ struct GemvFp8Params {
   int n = 0, k = 0;
   int split = 1;  // warps per group of output columns (gemv_fp8_split)
   DType dtype = DType::kBFloat16;
-  int prefetch_bytes = 0;  // of each weight row, asked of L2 before the wait (set by gemv_fp8())
 };
 int gemv_fp8_split(int n, int k, int num_sms);
 cudaError_t gemv_fp8(const GemvFp8Params& p, cudaStream_t stream);

@@ -1,12 +1,36 @@
-// RMSNorm and fused residual-add + RMSNorm, one CTA per row, 16-byte vectors, float32 math, rounded as the
-// torch reference (rms_norm.cuh).
+// RMSNorm and fused residual-add + RMSNorm, one CTA per row, 16-byte vectors, float32 math.
+// Rounding follows the torch reference (HF Llama): the residual sum is rounded to T, the normalised
+// value is rounded to T before the weight multiply, whose product is rounded again.
 // kQuant: the output is not stored in T but quantized to e4m3 per row (fp8.cuh) for an FP8 product: a third
 // pass recomputes the outputs once their amax is known (cheaper than a second launch reading them back).
 #include "fp8.cuh"
-#include "rms_norm.cuh"
 
 namespace rollout_kernels {
 namespace {
+
+__device__ float block_sum(float v, float* scratch) {
+  v = warp_sum(v);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  v = lane < warps ? scratch[lane] : 0.f;
+  v = warp_sum(v);  // every warp reduces the partials, so no second broadcast is needed
+  return v;
+}
+
+// weight * round(v * inv_rms) for vector i of a row, rounded as the reference rounds.
+template <typename T>
+__device__ __forceinline__ Vec16<T> normed_vec(const T* src, const T* weight, int i, float inv_rms) {
+  Vec16<T> v, w;
+  v.raw = *reinterpret_cast<const uint4*>(src + i * kVec);
+  w.raw = *reinterpret_cast<const uint4*>(weight + i * kVec);
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) {
+    const float normed = round_to<T>(to_float(v.e[j]) * inv_rms);
+    v.e[j] = from_float<T>(to_float(w.e[j]) * normed);
+  }
+  return v;
+}
 
 template <typename T, bool kAddResidual, bool kQuant>
 __global__ void rms_norm_kernel(T* __restrict__ out, uint8_t* __restrict__ q, float* __restrict__ q_scale,

@@ -58,29 +58,6 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
 
-def add_norm(ops: Ops, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None,
-             quantized: bool = False) -> tuple[torch.Tensor | Fp8Rows, torch.Tensor]:
-    """(norm(x + residual), x + residual), x itself the residual when there is none yet (the previous block's
-    residual add is fused into this norm); quantized for an FP8 projection next (one kernel on a kernel backend)."""
-    if quantized:
-        return ops.rms_norm_fp8(x, residual, norm.weight, norm.eps)
-    if residual is None:
-        return ops.rms_norm(x, norm.weight, norm.eps), x
-    return ops.add_rms_norm(x, residual, norm.weight, norm.eps)
-
-
-def norm_project(ops: Ops, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                 bias: torch.Tensor | None, scale: torch.Tensor | None,
-                 gated: bool = False) -> tuple[torch.Tensor | Fp8Rows, torch.Tensor]:
-    """(project(add_norm(x, residual)), x + residual); gated: SiLU·mul of the fused gate_up projection (quantized
-    for the FP8 down projection when the weights are FP8). The ops may fold the norm into the product."""
-    if scale is None:
-        return ops.norm_linear(x, residual, norm.weight, norm.eps, weight, bias, gated)
-    normed, residual = add_norm(ops, norm, x, residual, quantized=True)
-    y = ops.fp8_linear(normed, weight, scale, bias)
-    return (ops.silu_and_mul_fp8(y) if gated else y), residual
-
-
 class Attention(nn.Module):
     def __init__(self, config: Any, flags: ArchFlags, ops: Ops):
         super().__init__()
@@ -106,16 +83,13 @@ class Attention(nn.Module):
         self.qkv = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, positions: torch.Tensor,
-        kv_layer: torch.Tensor, meta: AttentionMetadata, cos_sin: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(attention(norm(x + residual)), x + residual)."""
+        self, x: torch.Tensor | Fp8Rows, positions: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata,
+        cos_sin: torch.Tensor,
+    ) -> torch.Tensor:
         tokens = x.shape[0]
         if self.qkv is not None:
-            qkv, residual = norm_project(self.ops, norm, x, residual, *self.qkv, self.qkv_scale)
-            q, k, v = qkv.split(self.qkv_sizes, dim=-1)
+            q, k, v = project(self.ops, x, *self.qkv, self.qkv_scale).split(self.qkv_sizes, dim=-1)
         else:
-            x, residual = add_norm(self.ops, norm, x, residual)
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
@@ -126,7 +100,7 @@ class Attention(nn.Module):
         q = self.ops.rope_and_write_kv(q, k, v, positions, cos_sin, kv_layer, meta.slot_mapping)
         out = self.ops.attention(q, kv_layer, meta, self.scale)
         out = out.reshape(tokens, self.num_heads * self.head_dim)
-        return project(self.ops, out, self.o_proj.weight, self.o_proj.bias, self.o_scale), residual
+        return project(self.ops, out, self.o_proj.weight, self.o_proj.bias, self.o_scale)
 
 
 class MLP(nn.Module):
@@ -143,14 +117,14 @@ class MLP(nn.Module):
     def fuse(self) -> None:
         self.gate_up = fuse_linears([self.gate_proj, self.up_proj])
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
-        """(mlp(norm(x + residual)), x + residual)."""
-        if self.gate_up is not None:
-            h, residual = norm_project(self.ops, norm, x, residual, *self.gate_up, self.gate_up_scale, gated=True)
+    def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
+        if self.gate_up_scale is not None:
+            x = self.ops.silu_and_mul_fp8(project(self.ops, x, *self.gate_up, self.gate_up_scale))
+        elif self.gate_up is not None:
+            x = self.ops.gated_linear(x, *self.gate_up)
         else:
-            x, residual = add_norm(self.ops, norm, x, residual)
-            h = F.silu(self.gate_proj(x)) * self.up_proj(x)
-        return project(self.ops, h, self.down_proj.weight, self.down_proj.bias, self.down_scale), residual
+            x = F.silu(self.gate_proj(x)) * self.up_proj(x)
+        return project(self.ops, x, self.down_proj.weight, self.down_proj.bias, self.down_scale)
 
 
 class DecoderLayer(nn.Module):
@@ -171,11 +145,24 @@ class DecoderLayer(nn.Module):
         meta: AttentionMetadata, cos_sin: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # The residual add of the previous block is fused into this block's first norm.
-        x, residual = self.self_attn(x, residual, self.input_layernorm, positions, kv_layer, meta, cos_sin)
+        x, residual = self._norm(self.input_layernorm, x, residual, self.self_attn.qkv_scale is not None)
+        x = self.self_attn(x, positions, kv_layer, meta, cos_sin)
+        x, residual = self._norm(self.post_attention_layernorm, x, residual,
+                                 getattr(self.mlp, "gate_up_scale", None) is not None)
         if isinstance(self.mlp, SparseMoeBlock):
-            x, residual = add_norm(self.ops, self.post_attention_layernorm, x, residual)
             return self.mlp(x, meta.slot_mapping), residual
-        return self.mlp(x, residual, self.post_attention_layernorm)
+        return self.mlp(x), residual
+
+
+    def _norm(self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None,
+              quantized: bool) -> tuple[torch.Tensor | Fp8Rows, torch.Tensor]:
+        """(norm(x + residual), x + residual), x itself the residual when there is none yet; quantized for an
+        FP8 projection next (one kernel on a kernel backend)."""
+        if quantized:
+            return self.ops.rms_norm_fp8(x, residual, norm.weight, norm.eps)
+        if residual is None:
+            return self.ops.rms_norm(x, norm.weight, norm.eps), x
+        return self.ops.add_rms_norm(x, residual, norm.weight, norm.eps)
 
 
 class Backbone(nn.Module):

@@ -13,7 +13,6 @@ internal API: call it only with inputs these predicates accept.
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
@@ -29,13 +28,6 @@ HEAD_DIMS = (64, 128)
 MAX_DECODE_GROUP = 16
 PREFILL_IMPLS = {"auto": 0, "mma_sync": 1}  # csrc/kernels.h PrefillImpl
 MAX_ROWS = 65535  # rows of one sampling launch (a grid dimension)
-NORM_GEMV_MAX_BYTES = 48 * 1024  # csrc/kernels.h kGemvNormMaxBytes: the folded norm's row in shared memory
-# ROLLOUT_FOLD_NORM=0 keeps the norm a launch of its own at batch 1 (to measure what folding it gives).
-FOLD_NORM = os.environ.get("ROLLOUT_FOLD_NORM", "1") != "0"
-# The norm is folded only into products that stream at most this many weight bytes: there the launch it saves
-# is a fair part of the product (qwen2.5-0.5b W1 0.866 -> 0.843 ms on an H100); into llama3-8b's 50-234 MB
-# products each CTA's prologue cost more than the launch (W1 5.75 -> 5.83 ms, same run).
-FOLD_NORM_MAX_WEIGHT_BYTES = 32 << 20
 
 
 def _aligned(t: torch.Tensor, elements: int = 8) -> bool:
@@ -140,25 +132,6 @@ class CudaOps(TorchOps):
         out = x.new_empty(x.shape[0], weight.shape[0] // 2)
         self.kernels.gemv(out, x, weight, bias, True)
         return out
-
-    def norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                    weight: torch.Tensor, bias: torch.Tensor | None = None,
-                    gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """One row and a small product (FOLD_NORM_MAX_WEIGHT_BYTES): the gemv with the norm in its prologue (one
-        launch instead of two); x + residual goes to a new tensor (every CTA reads the old one). Otherwise the
-        norm kernel, then the product."""
-        ok = (FOLD_NORM and weight.numel() * weight.element_size() <= FOLD_NORM_MAX_WEIGHT_BYTES
-              and self._gemv_ok(x, weight, bias) and (not gated or weight.shape[0] % 2 == 0)
-              and self._norm_args(x, norm_weight) is not None and x.shape[1] * x.element_size() <= NORM_GEMV_MAX_BYTES
-              and (residual is None or (residual.dtype == x.dtype and residual.shape == x.shape
-                                        and residual.device == x.device and _rows_ok(residual))))
-        if not ok:
-            return super().norm_linear(x, residual, norm_weight, eps, weight, bias, gated)
-        out = x.new_empty(1, weight.shape[0] // 2 if gated else weight.shape[0])
-        new_residual = x if residual is None else torch.empty_like(x)
-        self.kernels.norm_gemv(out, x, residual, None if residual is None else new_residual, norm_weight, eps,
-                               weight, bias, gated)
-        return out, new_residual
 
     def logits(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if not self._gemv_ok(hidden, weight, None):

@@ -130,12 +130,6 @@ class CudaInvariantOps(CudaOps):
     def gated_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return self.silu_and_mul(self.linear(x, weight, bias))
 
-    def norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                    weight: torch.Tensor, bias: torch.Tensor | None = None,
-                    gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        # The norm kernel, then this class's fixed-order product: never the batch-1 gemv with the norm folded in.
-        return TorchOps.norm_linear(self, x, residual, norm_weight, eps, weight, bias, gated)
-
     def logits(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return _fixed_row_chunks(hidden, lambda c: TorchOps.logits(self, c, weight))  # no gemv
 

@@ -40,18 +40,6 @@ class TorchOps:
             return cpu_linear.gated_linear(x, weight)
         return self.silu_and_mul(self.linear(x, weight, bias))
 
-    def norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                    weight: torch.Tensor, bias: torch.Tensor | None = None,
-                    gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """(linear(rms_norm(x + residual)), x + residual): a block's first norm and the projection after it (gated:
-        gated_linear); x itself is the residual when there is none yet. A kernel backend folds the norm into the
-        product where that saves a launch."""
-        if residual is None:
-            normed, residual = self.rms_norm(x, norm_weight, eps), x
-        else:
-            normed, residual = self.add_rms_norm(x, residual, norm_weight, eps)
-        return (self.gated_linear if gated else self.linear)(normed, weight, bias), residual
-
     def fp8_linear(self, x: torch.Tensor | fp8.Fp8Rows, weight: torch.Tensor, weight_scale: torch.Tensor,
                    bias: torch.Tensor | None = None) -> torch.Tensor:
         """x @ weight.T (+ bias) with an e4m3 weight and per-output-channel scales; x quantized per token unless
