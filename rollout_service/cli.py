@@ -30,6 +30,7 @@ DEFAULT_NAME = DEFAULT_NAMESPACE = "rollout_service"  # ServiceConfig's defaults
 
 def cmd_run(args: argparse.Namespace) -> int:
     config = launch.config_from_args(args)
+    prepared = launch.prepare(config)  # bad prompts, output or model: one line, before anything starts
     # transient, and none off a terminal: a start-up failure prints one error line, no bar or blank line above it
     with Progress(TextColumn("[bold]rollout"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   TextColumn("{task.fields[tokens]} tokens"), console=console, transient=True,
@@ -40,7 +41,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             bar.update(task, advance=1, tokens=bar.tasks[task].fields["tokens"] + len(r.token_ids))
 
         console.print(f"starting {_workers_text(config)} of {config.engine.model!s} ...", soft_wrap=True)
-        summary = launch.run(config, on_result=on_result, on_start=lambda n: bar.update(task, total=n))
+        summary = launch.run(config, on_result=on_result, on_start=lambda n: bar.update(task, total=n),
+                             prepared=prepared)
     console.print(summary_table(summary))
     if summary.get("example"):
         console.print(f"first result: {summary['example']!r}")
@@ -79,13 +81,16 @@ def summary_table(s: dict) -> Table:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """Launch a detached service on a Ray cluster that outlives this command, print how to use it, exit."""
+    from rollout_service.model.loader import check_source_here
+
+    overrides = {k: v for k, v in (("name", args.name), ("num_workers", args.num_workers),
+                                   ("address", args.address)) if v is not None}
+    config = ServiceConfig.load(args.config, detached=True, **overrides)  # before Ray is imported: a bad
+    check_source_here(config.engine.model, local=False)                   # config is one line at once
     import ray
 
     from rollout_service.backends.ray import RayBackend
 
-    overrides = {k: v for k, v in (("name", args.name), ("num_workers", args.num_workers),
-                                   ("address", args.address)) if v is not None}
-    config = ServiceConfig.load(args.config, detached=True, **overrides)
     # the cluster started by hand on this machine (`ray start --head`) unless one is named
     address = config.address or os.environ.get("RAY_ADDRESS") or "auto"
     console.print(f"starting {_workers_text(config)} of {config.engine.model!s} ...", soft_wrap=True)
@@ -96,8 +101,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         flags = f" --name {config.name}"
     if config.namespace != DEFAULT_NAMESPACE:
         flags, kwargs = f"{flags} --namespace {config.namespace}", f"{kwargs}, namespace={config.namespace!r}"
-    if address != "auto":
-        flags, kwargs = f"{flags} --address {gcs}", f"{kwargs}, address={gcs!r}"
+    # Always the address: with several Ray clusters on one machine, "auto" finds the latest, maybe another's.
+    flags, kwargs = f"{flags} --address {gcs}", f"{kwargs}, address={gcs!r}"
     console.print(f"rollout service {config.name!r} is serving on the Ray cluster at {gcs}; it keeps running "
                   f"after this command.\n"
                   f"  stats:    rollout-service stats{flags}\n"

@@ -92,15 +92,29 @@ def build_requests(config: ServiceConfig, records: list[dict]) -> list[RolloutRe
     return reqs
 
 
+def prepare(config: ServiceConfig) -> tuple[list[RolloutRequest], Path]:
+    """(the requests, the results file): everything a rollout can judge before Ray or any worker starts, each
+    a one-line ValueError within seconds: the prompts, the results path, and the model where this process can
+    see it (a bare name; a path when the workers run on this machine)."""
+    from rollout_service.model.loader import check_source_here
+
+    reqs = build_requests(config, load_prompts(config.prompts, config.num_prompts))
+    output = output_path(config)
+    local = (config.address or os.environ.get("RAY_ADDRESS") or "local") == "local"
+    check_source_here(config.engine.model, local=local)
+    return reqs, output
+
+
 def run(config: ServiceConfig, on_result: Callable[[RolloutResult], None] | None = None,
-        on_start: Callable[[int], None] | None = None) -> dict:
-    """Launch the service, roll out every prompt, write results, shut down; returns the summary."""
+        on_start: Callable[[int], None] | None = None,
+        prepared: tuple[list[RolloutRequest], Path] | None = None) -> dict:
+    """Launch the service, roll out every prompt, write results, shut down; returns the summary. prepared:
+    prepare(config)'s result when the caller checked the inputs already."""
+    reqs, output = prepared or prepare(config)
     import ray
 
     from rollout_service.backends.ray import RayBackend
 
-    reqs = build_requests(config, load_prompts(config.prompts, config.num_prompts))
-    output = output_path(config)
     started_ray = not ray.is_initialized()
     t0 = time.perf_counter()
     backend = RayBackend.start_service(config)

@@ -7,13 +7,15 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from rollout_service import RolloutClient, SamplingParams
-from rollout_service.model.loader import check_source
+if TYPE_CHECKING:
+    from rollout_service import RolloutClient, SamplingParams
+
 
 PROMPTS = [
     "What is the capital of France?",
@@ -38,7 +40,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    args = parse_args(argv)  # --help answers before torch is imported (seconds on a busy machine)
+    from rollout_service import RolloutClient, SamplingParams
+    from rollout_service.model.loader import check_source
+
     console = Console()
     try:
         # both checked before the model loads: a typo costs a second, not a load

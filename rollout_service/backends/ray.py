@@ -22,15 +22,10 @@ from rollout_service.weights.push import WeightPusher
 
 
 def _check_model_here(cfg: ServiceConfig) -> None:
-    """Refuse an unknown model source before anything starts, where this process can judge it: a bare name
-    (the embedded model, or a typo of it) always, and a path when every worker will run on this machine
-    (a new local Ray instance). A path on a cluster may exist only on its other nodes: the workers judge it."""
-    from rollout_service.model.loader import check_source
+    """Refuse an unknown model source before anything starts, where this process can judge it."""
+    from rollout_service.model.loader import check_source_here
 
-    source = cfg.engine.model
-    bare_name = isinstance(source, str) and "/" not in source and os.sep not in source
-    if bare_name or starts_local_ray(cfg.address):
-        check_source(source)
+    check_source_here(cfg.engine.model, local=starts_local_ray(cfg.address))
 
 
 class RayBackend:

@@ -139,6 +139,15 @@ def check_source(source: Any) -> None:
     )
 
 
+def check_source_here(source: Any, local: bool) -> None:
+    """check_source where this process can judge it: a bare name (the embedded model, or a typo of it) always,
+    and a path when every worker runs on this machine (local: a new local Ray instance, or in-process). A path
+    on a cluster may exist only on its other nodes: the workers judge it."""
+    bare_name = isinstance(source, str) and "/" not in source and os.sep not in source
+    if bare_name or local:
+        check_source(source)
+
+
 def _looks_like_path(name: str) -> bool:
     """A source meant as a path (a typo of the embedded model's name is not one: it gets the list of names)."""
     return (os.sep in name or "/" in name or name.startswith(("~", "."))
