@@ -274,7 +274,8 @@ class RolloutRequest:
 class RolloutResult:
     """One sample of one request. `logprobs[i]` is the behaviour policy's log-prob of `token_ids[i]`
     (mode per SamplingParams.logprobs_mode), produced by policy version `token_versions[i]`. `error`: why
-    the service gave up on the request (finish_reason "abort", the tokens so far); None otherwise.
+    the service gave up on the request (finish_reason "abort", the tokens so far); on a "scored" result, which
+    completion tokens fall outside a truncated (top-k / top-p / min-p) distribution, log-prob -inf; None otherwise.
     `reward`: the reward function's value (None if there is none or it raised: then `reward_error` says why).
 
     An episode's result (RolloutRequest.episode) holds every token after the first prompt in `token_ids`:
@@ -335,8 +336,9 @@ class RolloutResult:
             raise ValueError("RolloutResult: token_ids, logprobs and token_versions must have equal lengths")
         if self.kv_versions is not None and len(self.kv_versions) != len(self.token_ids):
             raise ValueError("RolloutResult.kv_versions: must be None or have one entry per token id")
-        if self.error is not None and not (isinstance(self.error, str) and self.finish_reason == "abort"):
-            raise ValueError(f"RolloutResult.error={self.error!r}: must be None, or a str on an \"abort\" result")
+        if self.error is not None and not (isinstance(self.error, str) and self.finish_reason in ("abort", "scored")):
+            raise ValueError(f"RolloutResult.error={self.error!r}: must be None, or a str on an \"abort\" or "
+                             f"\"scored\" result")
 
     def to_dict(self) -> dict:
         """The wire form (arrays as little-endian bytes). ValueError naming a field that cannot be converted."""

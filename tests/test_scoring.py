@@ -66,6 +66,12 @@ def test_top_k_truncation_scores_dropped_tokens_minus_inf(llama):
     best = full.argmax(dim=1).tolist()
     for tok, want, lp in zip(c, best, r.logprobs):
         assert lp == (0.0 if tok == want else -np.inf)
+    # flagged, not failed: the result stays "scored" and its error names the tokens outside
+    outside = [i for i, (tok, want) in enumerate(zip(c, best)) if tok != want]
+    assert outside and r.finish_reason == "scored"
+    assert r.error.startswith(f"completion token(s) {outside[:8]}") and "top_k=1" in r.error, r.error
+    (plain,) = score(engine(llama), [(p, c)], SamplingParams(temperature=1.0))
+    assert plain.error is None and np.isfinite(plain.logprobs).all()
 
 
 def test_chunked_prefill_and_preemption_give_the_same_scores(llama):

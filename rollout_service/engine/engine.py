@@ -36,7 +36,7 @@ from rollout_service.engine.refresh import WeightRefresh
 from rollout_service.engine.routing import check_routing_request, keep_routing, result_routing
 from rollout_service.engine.sampler import Sampler, SamplerOutput
 from rollout_service.engine.scheduler import Batch, Scheduler
-from rollout_service.engine.scoring import complete, record_scores
+from rollout_service.engine.scoring import complete, outside_kept_set, record_scores
 from rollout_service.engine.sequence import Sequence, SeqStatus
 from rollout_service.engine.sleep import Sleeper, process_gpu_bytes
 from rollout_service.model.loader import load_model
@@ -257,7 +257,7 @@ class Engine(DecodeSteps, FaultIsolation, WeightRefresh):
             complete(seq, self.policy_version)
             self.counters.scored_sequences += 1
             error = overflow_error(seq.output_logprobs, scoring=True)
-            self._outbox += self._finish(seq, "abort" if error else "scored", error)
+            self._outbox += self._finish(seq, "abort" if error else "scored", error or outside_kept_set(seq))
         if not to_sample:
             return
         logits = prefilled.logits
@@ -330,8 +330,9 @@ class Engine(DecodeSteps, FaultIsolation, WeightRefresh):
         return results
 
     def _result(self, seq: Sequence, metadata: Any, sample_index: int, error: str | None) -> RolloutResult:
-        # a failed request's text is left empty: decoding its tokens may be what failed
-        text = self.prompts.decode(seq.output_token_ids) if error is None else ""
+        # a failed request's text is left empty: decoding its tokens may be what failed (a scored one's error
+        # is a note on its log-probs: scoring.outside_kept_set)
+        text = self.prompts.decode(seq.output_token_ids) if error is None or seq.finish_reason == "scored" else ""
         if seq.stop_text_end is not None:
             text = text[:seq.stop_text_end]
         result = RolloutResult(

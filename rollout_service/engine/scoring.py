@@ -73,6 +73,20 @@ def complete(seq: Sequence, version: int) -> None:
     seq.score_from = None
 
 
+def outside_kept_set(seq: Sequence, shown: int = 8) -> str | None:
+    """What a scored result says when some completion tokens fall outside its truncated distribution (top-k,
+    top-p, min-p): their log-prob is -inf there, correctly, but a learner's loss cannot take it, so the result
+    names them (finish_reason stays "scored"; the log-probs are kept)."""
+    outside = [i for i, lp in enumerate(seq.output_logprobs) if lp == float("-inf")]
+    if not outside:
+        return None
+    sp = seq.sampling
+    more = f" and {len(outside) - shown} more" if len(outside) > shown else ""
+    return (f"completion token(s) {outside[:shown]}{more} are outside the kept set of the sampling distribution "
+            f"(top_k={sp.top_k}, top_p={sp.top_p}, min_p={sp.min_p}): their log-prob is -inf; score with "
+            f"logprobs_mode='raw' (or without the truncation) for the full distribution's")
+
+
 def restart_partial(waiting: list[Sequence], release) -> int:
     """Before a refresh: scoring sequences part-way through let go of their KV (`release`), to be scored
     again from the start under the new weights. Returns how many."""
