@@ -332,9 +332,10 @@ class _Run:
             out.dropped_tokens += tokens
 
     def _keeps(self, group: Group) -> bool:
-        """keep(group), which must be a bool; a keep that fails ends the call (the group counted as failed)."""
+        """keep(group), which must be a bool; a keep that fails ends the call (the group counted as failed).
+        keep judges a copy: a kept group is always all n samples, whatever keep did to the list it got."""
         try:
-            verdict = self.keep(group)
+            verdict = self.keep(list(group))
             if not isinstance(verdict, (bool, np.bool_)):
                 raise ValueError(f"keep returned {verdict!r:.80} (a {type(verdict).__name__}), not a bool")
         except KeyboardInterrupt:  # Ctrl-C in the caller's process: the caller's, not keep's

@@ -232,11 +232,23 @@ def _check_huge_target_draws_in_bounded_chunks(client) -> None:
     assert res.complete
 
 
+def _check_keep_cannot_edit_a_group(client) -> None:
+    """keep judges a copy: one that drops a sample from the list it got still keeps whole groups."""
+    def keep_edits(group: list) -> bool:
+        group.pop()
+        return True
+
+    prompts = ([1, 2 + i] for i in range(100))
+    res = client.generate_groups(prompts, SP, keep=keep_edits, target_groups=2)
+    assert res.complete and res.kept == 2
+    _check_counts(res, SP.n)  # every kept group holds samples 0..n-1
+
+
 CHECKS = [_check_nonconstant, _check_callable_filter_and_iterator, _check_abort_of_unneeded_groups,
           _check_failed_groups, _check_incomplete, _check_keep_that_raises_returns_what_was_gathered,
           _check_keep_must_return_a_bool, _check_failing_source_keeps_what_it_drew,
           _check_refused_chunk_comes_back_unsubmitted, _check_errors_before_anything_runs_are_raised,
-          _check_huge_target_draws_in_bounded_chunks]
+          _check_huge_target_draws_in_bounded_chunks, _check_keep_cannot_edit_a_group]
 
 
 @pytest.mark.parametrize("check", CHECKS, ids=lambda f: f.__name__[len("_check_"):])
