@@ -84,6 +84,24 @@ def test_block_manager_shares_caches_and_evicts_least_recent_first():
         bm.grow(seq([1]), 1)
 
 
+def test_freed_pages_are_reused_before_untouched_ones():
+    """A CPU engine's resident memory is the pages it has touched: 200 rounds of requests and refreshes keep
+    reusing the same few (issue 45, item 5: taken from the front and freed to the back, every page of the pool
+    got touched in turn)."""
+    bm = BlockManager(num_pages=1000, page_size=4, copy_page=lambda s, d: None)
+    touched = set()
+    for version in range(1, 201):
+        batch = [seq([version, i] + list(range(10))) for i in range(4)]  # 3 pages each, no prefix shared
+        for s in batch:
+            bm.grow(s, s.num_tokens)
+            s.num_computed = s.num_tokens
+            touched.update(s.pages)
+        for s in batch:
+            bm.free(s)  # their full pages stay cached ...
+        bm.set_version(version)  # ... until a refresh makes them stale
+    assert len(touched) == 12, sorted(touched)[:40]
+
+
 def test_a_sequence_whose_kv_spans_a_refresh_caches_nothing_more():
     bm = BlockManager(num_pages=16, page_size=4, copy_page=lambda s, d: None)
     a = seq(list(range(12)))

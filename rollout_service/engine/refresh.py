@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from rollout_service.checks import check_policy_version
+from rollout_service.engine.heap import release_freed_memory
 from rollout_service.engine.scoring import restart_partial
 from rollout_service.engine.sequence import Sequence
 from rollout_service.model.weight_update import apply_named_tensors, validate_manifest, validate_named_tensors
@@ -63,6 +64,8 @@ class WeightRefresh:
             self.kv.blocks.set_version(version)
             if self.config.on_refresh == "abort":
                 self._outbox += self.abort(list(self._requests))
+        del items, plan  # the validation's temporaries are garbage now: give their pages back (engine/heap.py)
+        release_freed_memory()
 
     def _release(self, seq: Sequence) -> None:
         """Free a waiting sequence's pages (its routing kept, as a preemption does): it is prefilled again."""
