@@ -88,7 +88,7 @@ class EngineConfig:
     enable_prefix_cache: bool = True
     prefix_cache_across_versions: bool = False
     # The CUDA prefill kernel's P·V: False rounds the softmax weights P to the model dtype once, as flash
-    # attention does (fast; log-prob fidelity measured at HF bf16's level, README); True keeps P to float32
+    # attention does (fast; log-prob fidelity measured at HF bf16's level, docs/learner-api.md); True keeps P to float32
     # precision (P in 2-3 parts, ~2x the prefill attention time). Decode attention is exact either way.
     exact_prefill_attention: bool = False
     # A sequence's tokens and log-probs bitwise the same whatever its batch mates, step kind (prefill, decode,

@@ -1,5 +1,5 @@
 """Rollout-only job: start the service described by a config, roll out its prompts, write the results
-as msgpack and print a summary. The `ray job submit` entrypoint (README: "Ray job submission"):
+as msgpack and print a summary. The `ray job submit` entrypoint (docs/service.md: "Ray job submission"):
 
     RAY_AUTH_MODE=token ray job submit --working-dir . -- python -m rollout_service.launch \
         --config cluster_configs/local-cpu.yaml --output "$PWD/rollout_results.msgpack"

@@ -7,7 +7,7 @@ places one worker on each), every node with its own raylet, object store and res
 
 It prints the cluster's address and the commands that use it, and runs until interrupted (Ctrl-C or SIGTERM);
 then it stops its own nodes, and nothing else of Ray on the machine. Token authentication as for a local
-instance (README "Security"): a token is made, readable by you alone, if the machine has none.
+instance (docs/service.md "Security"): a token is made, readable by you alone, if the machine has none.
 """
 from __future__ import annotations
 

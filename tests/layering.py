@@ -2,7 +2,7 @@
 each file belongs to, import circles and imports up a layer. tests/test_layers.py asserts on it and
 scripts/import_graph.py prints it.
 
-Layers, bottom to top (README, Layout): a module may import from its own layer or any layer below.
+Layers, bottom to top (docs/layout.md): a module may import from its own layer or any layer below.
 """
 from __future__ import annotations
 

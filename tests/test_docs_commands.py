@@ -1,4 +1,4 @@
-"""The commands the docs tell a user to type: every `ray start` in the README and the cluster configs turns Ray's
+"""The commands the docs tell a user to type: every `ray start` in the README, docs/ and the cluster configs turns Ray's
 usage-stats reporting off (left on, a node's dashboard tries to reach the internet)."""
 import re
 from pathlib import Path
@@ -8,7 +8,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 def ray_start_commands() -> list[tuple[str, str]]:
     found = []
-    for path in [REPO / "README.md", *sorted((REPO / "cluster_configs").glob("*.yaml"))]:
+    for path in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")),
+                 *sorted((REPO / "cluster_configs").glob("*.yaml"))]:
         for line in path.read_text().splitlines():
             # a command: the line (after a comment or list marker and env assignments) starts with it
             if re.match(r"^\s*(#\s*)?(-\s*)?([A-Z_]+=\S+\s+)*ray start\b", line):

@@ -1,4 +1,4 @@
-"""The module structure (tests/layering.py, README "Layout"): every file in a layer, no import up a layer, no
+"""The module structure (tests/layering.py, docs/layout.md): every file in a layer, no import up a layer, no
 import circle across folders, no file over 400 lines."""
 from layering import ROOT, circles, layer_of, scan, upward
 

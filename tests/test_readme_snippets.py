@@ -1,6 +1,6 @@
-"""The README's Python snippets marked `<!-- snippet: NAME -->` run as written, given the objects the text around
-them names (a client, prompts, a policy), here on tiny random models; each test then checks what the snippet's
-comments claim."""
+"""The Python snippets of the README and docs/ marked `<!-- snippet: NAME -->` run as written, given the objects
+the text around them names (a client, prompts, a policy), here on tiny random models; each test then checks what
+the snippet's comments claim."""
 from __future__ import annotations
 
 import re
@@ -15,25 +15,39 @@ from tiny_models import tiny_hf_model
 
 from rollout_service import RolloutClient
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+REPO = Path(__file__).resolve().parents[1]
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+
+
+def docs_text() -> str:
+    return "\n".join(path.read_text() for path in DOCS)
 
 
 def snippet(name: str) -> str:
     """The fenced python block right after `<!-- snippet: name ... -->`."""
-    found = re.search(rf"<!-- snippet: {re.escape(name)}\b.*?-->\n```python\n(.*?)```", README.read_text(), re.S)
-    assert found, f"README has no snippet {name!r}"
+    found = re.search(rf"<!-- snippet: {re.escape(name)}\b.*?-->\n```python\n(.*?)```", docs_text(), re.S)
+    assert found, f"the docs have no snippet {name!r}"
     return found.group(1)
 
 
 def run(name: str, **given) -> dict:
     scope = dict(given)
-    exec(compile(snippet(name), f"README.md snippet {name!r}", "exec"), scope)  # noqa: S102 - our own README
+    exec(compile(snippet(name), f"snippet {name!r}", "exec"), scope)  # noqa: S102 - our own docs
     return scope
 
 
 def test_snippet_names_are_unique():
-    names = re.findall(r"<!-- snippet: (\S+)", README.read_text())
-    assert len(names) == len(set(names)) >= 2, names
+    names = re.findall(r"<!-- snippet: (\S+)", docs_text())
+    assert len(names) == len(set(names)) >= 3, names
+
+
+def test_tour_snippet():
+    """The README's tour, on the embedded model as written: results, a score, a refresh to version 1."""
+    scope = run("tour")
+    results, scored = scope["results"], scope["scored"]
+    assert len(results) == 12 and [r.sample_index for r in results[:4]] == [0, 1, 2, 3]
+    assert scored[0].finish_reason == "scored" and scored[0].token_ids == results[0].token_ids
+    assert all(v == 0 for v in scored[0].token_versions)  # scored before the refresh to version 1
 
 
 def test_score_snippet():

@@ -14,7 +14,7 @@ logger = logging.getLogger(__name__)
 
 
 NO_TOKEN_ADVICE = ("this machine has no token: copy the cluster's to ~/.ray/auth_token (chmod 600), or point "
-                    "$RAY_AUTH_TOKEN_PATH at it (README: \"Security\")")
+                    "$RAY_AUTH_TOKEN_PATH at it (docs/service.md: \"Security\")")
 
 
 def auth_failure(e: BaseException | None) -> bool:
@@ -123,12 +123,12 @@ def _refusal() -> str:
     source = _token_source()
     if os.environ.get("RAY_AUTH_MODE", "").lower() != "token" and source is not None:
         return (f"wants Ray's auth token, which RAY_AUTH_MODE={os.environ['RAY_AUTH_MODE']} keeps this process "
-                f"from sending: set RAY_AUTH_MODE=token (README: \"Security\")")
+                f"from sending: set RAY_AUTH_MODE=token (docs/service.md: \"Security\")")
     if source is None:
         return f"wants Ray's auth token; {NO_TOKEN_ADVICE}"
     held = "$RAY_AUTH_TOKEN" if source == "env" else str(source)
     return (f"refused the token in {held}: not the cluster's token (every node and client needs the same one; "
-            f"README: \"Security\")")
+            f"docs/service.md: \"Security\")")
 
 
 def _gcs_address(address: str) -> str | None:

@@ -70,7 +70,7 @@ def ensure_ray(address: str | None = None, namespace: str | None = None) -> None
         first = str(e).strip().splitlines()[0].split(". ")[0].rstrip(".")
         if auth_failure(e):
             raise ConnectionError(f"{first}: the cluster wants Ray's auth token; {NO_TOKEN_ADVICE}") from None
-        raise ConnectionError(f"{first}. Start one with `ray start --head` (README: \"A long-lived "
+        raise ConnectionError(f"{first}. Start one with `ray start --head` (docs/service.md: \"A long-lived "
                               f"service\"), or pass its address.") from None
     except Exception as e:
         if not auth_failure(e):
@@ -88,7 +88,7 @@ def _check_reachable(address: str) -> None:
         socket.create_connection((host.strip("[]"), int(port)), timeout=5).close()
     except OSError as e:
         raise ConnectionError(f"no Ray cluster at {address} ({e.strerror or e}). Start one with `ray start "
-                              f"--head` (README: \"A long-lived service\"), or pass its address.") from None
+                              f"--head` (docs/service.md: \"A long-lived service\"), or pass its address.") from None
 
 
 def starts_local_ray(address: str | None) -> bool:
