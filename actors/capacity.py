@@ -26,14 +26,24 @@ def resolve_auto(config: ServiceConfig) -> ServiceConfig:
     return config
 
 
+def worker_bundle(config: ServiceConfig) -> dict:
+    """The resources one rollout worker reserves (its placement bundle), in Ray's names."""
+    r = config.resources
+    bundle = {"CPU": float(r.num_cpus), "GPU": float(r.num_gpus), **{k: float(v) for k, v in r.custom.items()}}
+    if r.memory_gb:
+        bundle["memory"] = float(r.memory_gb) * 2**30
+    bundle = {k: v for k, v in bundle.items() if v > 0}
+    if not bundle:
+        raise ValueError("ServiceConfig.resources: a worker must reserve something (num_cpus, num_gpus or custom)")
+    return bundle
+
+
 def check_resources(config: ServiceConfig) -> None:
     """ValueError, before any placement group exists, when the cluster cannot hold the workers' bundles:
     a resource it has none of (a GPU, a custom resource), too little of one in all, or (strategy permitting)
     no way to put the bundles on its nodes. Otherwise Ray would wait placement.timeout_s, its autoscaler
     printing "No available node types can fulfill resource request" meanwhile. A cluster that an autoscaler
     may grow is judged by what it may grow to, and only by resource totals."""
-    from actors.placement import worker_bundle
-
     bundle, n = worker_bundle(config), int(config.num_workers)
     have, ceiling = ray.cluster_resources(), _autoscaler_ceiling()
     what = (f"cannot place {n} rollout worker(s) of {resources_text(bundle)} with strategy "

@@ -10,19 +10,9 @@ from typing import Any, Callable
 
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from actors.capacity import worker_bundle
 from actors.slots import Slot
 from rollout_service.config import ServiceConfig
-
-
-def worker_bundle(config: ServiceConfig) -> dict:
-    r = config.resources
-    bundle = {"CPU": float(r.num_cpus), "GPU": float(r.num_gpus), **{k: float(v) for k, v in r.custom.items()}}
-    if r.memory_gb:
-        bundle["memory"] = float(r.memory_gb) * 2**30
-    bundle = {k: v for k, v in bundle.items() if v > 0}
-    if not bundle:
-        raise ValueError("ServiceConfig.resources: a worker must reserve something (num_cpus, num_gpus or custom)")
-    return bundle
 
 
 def colocated_share(config: ServiceConfig) -> dict:

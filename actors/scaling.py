@@ -25,7 +25,8 @@ import ray
 from actors.capacity import check_resources
 from actors.control import Control
 from actors.dispatch import Dispatcher
-from actors.placement import start_worker, worker_bundle
+from actors.capacity import worker_bundle
+from actors.placement import start_worker
 from actors.quarantine import Quarantine
 from actors.recovery import Recovery
 from actors.remote_errors import error_text

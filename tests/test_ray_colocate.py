@@ -10,7 +10,8 @@ import time
 import pytest
 import ray
 
-from actors.placement import colocated_share, worker_bundle
+from actors.capacity import worker_bundle
+from actors.placement import colocated_share
 from actors.router import RouterActor
 from ray_fixtures import cpu_engine, kill_worker, wait_for, workers
 from rollout_service.client import RolloutClient
