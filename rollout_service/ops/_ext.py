@@ -71,7 +71,7 @@ def _why_no_cuda() -> str:
 
 def build_kernels(verbose: bool = False, csrc: Path = CSRC) -> ModuleType:
     """Compile (or reuse the cached build of) the kernels for the current GPU and import the module.
-    csrc: the source folder (another one only to time a modified copy, scripts/lab/decode_sweep.py --csrc)."""
+    csrc: the source folder (another one only to time a modified copy of it)."""
     if not torch.cuda.is_available():
         raise CudaUnavailable(f"building the CUDA kernels needs a CUDA device and a CUDA build of torch: "
                               f"{_why_no_cuda()}")

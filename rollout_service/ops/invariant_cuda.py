@@ -39,7 +39,7 @@ GEMM_ROWS = 256  # rows of every cuBLAS call: a full decode batch of 256 in one 
 WIDE_ROWS = 2048  # a long prefill's calls, for weight shapes where they give GEMM_ROWS chunks' bits
 # The decode kernel's layout for every query (csrc/decode_attention.cu): 1 = one CTA of 4 warps per (query, kv
 # head), the warps taking every 4th page, merged in warp order; -1 = one warp per (query, kv head), pages in
-# order. Either is invariant; the fast path picks one per batch (scripts/lab/invariant_cost.py measures both).
+# order. Either is invariant; the fast path picks one per batch (csrc/NOTES.md has both measured).
 DECODE_LAYOUT = 1
 
 

@@ -3,7 +3,7 @@
 Log-prob exactness has a floor in bf16: two implementations of attention that are each as exact as a bf16
 output allows (float32 torch, float64 rounded once) still round a few activations differently, and every
 later layer and token inherits that. On the sharp-head test model this floor is 5.5e-3 mean |diff| (H200,
-scripts/lab/diag_logprob_gap.py), on the same model with its default LM head 1.5e-3, scaling with the head.
+csrc/NOTES.md), on the same model with its default LM head 1.5e-3, scaling with the head.
 So the issue's bound (2e-3 vs the torch backend) is checked on the default head, and on the sharp head the
 kernels with exact_prefill_attention must stay as close to the exact engine as the float32 reference is. The
 default (flash-style P·V in prefill) must be at least as faithful to an fp32 forward as HF's own bf16 is."""
