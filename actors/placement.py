@@ -31,7 +31,7 @@ def learner_options(config: ServiceConfig, slot: Slot) -> dict:
 def start_worker(config: ServiceConfig, slot: Slot, i: int, reward_actors: list,
                  engine_factory: Callable[[dict], Any] | None = None) -> Any:
     """Worker i's actor, in `slot`'s bundle, with the service's default reward and the reward actors
-    (actors/reward_pool.py). `engine_factory`: benchmarks only (rollout_service/bench/fabricated.py)."""
+    (actors/reward_pool.py). `engine_factory`: benchmarks only (benchmarks/harness/fabricated.py)."""
     from actors.rollout_worker import RolloutWorkerActor
 
     bundle = worker_bundle(config)

@@ -26,7 +26,7 @@ from actors.workers import WorkerTable
 
 RESTART_TIMEOUT_S = 900.0  # a worker that Ray has not brought back by then is given up (a model load fits)
 # A busy worker's results come in batches, one poll at most every max(20 ms, workers / 500 s): a poll costs the
-# router ~1 ms of CPU, a result's header ~15 us (scripts/bench_router.py), so its busy polls stay under ~500/s,
+# router ~1 ms of CPU, a result's header ~15 us (benchmarks/harness/control_plane.py), so its busy polls stay under ~500/s,
 # half a core, however many workers it has. 20-128 ms (64 workers) is little next to a rollout's seconds, and a
 # lone result is not held back.
 MIN_BATCH_S, MAX_POLLS_PER_S = 0.02, 500.0

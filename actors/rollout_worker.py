@@ -38,7 +38,7 @@ class RolloutWorker:
                  reward: str | None = None, reward_actors: list | None = None,
                  engine_factory: Callable[[dict], Any] | None = None):
         """`engine_factory(engine_config)`: builds the engine instead of Engine(...); for the control-plane
-        benchmark's fabricating engine only (rollout_service/bench/fabricated.py), which no config can name."""
+        benchmark's fabricating engine only (benchmarks/harness/fabricated.py), which no config can name."""
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()  # N workers' load bars would interleave in the driver's log

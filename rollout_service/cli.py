@@ -13,7 +13,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
+from pathlib import Path
 
 from rich.console import Console
 from rich.markup import escape
@@ -199,8 +201,16 @@ def cmd_stop(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
-    from rollout_service.bench import main as bench_main
-    return int(bench_main(rest, prog="rollout-service bench") or 0)
+    """The harness lives beside the package in the repository (benchmarks/), not in what pip installs: it runs
+    from the checkout this package was installed from, in a process of its own, in the current directory."""
+    root = Path(__file__).resolve().parents[1]
+    if not (root / "benchmarks" / "harness").is_dir():
+        print_error(ValueError("the benchmark harness is in the repository (benchmarks/), not in the installed "
+                               "package: run `python -m benchmarks` in a checkout"))
+        return 2
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    code = "import sys; from benchmarks.harness import main; sys.exit(main(sys.argv[1:], prog='rollout-service bench'))"
+    return subprocess.run([sys.executable, "-c", code, *rest], env=env).returncode
 
 
 def cmd_build_kernels(args: argparse.Namespace) -> int:

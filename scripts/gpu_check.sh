@@ -58,7 +58,7 @@ fi
 # qwen2.5-0.5b: the RL-rollout features, in-process.
 W7_S=$(( $(left) > 120 ? ($(left) > 210 ? 180 : $(left) - 30) : 0 ))
 if wanted w7 && [ "$W7_S" -gt 0 ]; then
-  step bench_w7 "$W7_S" "$PY" scripts/bench.py --model qwen2.5-0.5b --workloads W7,WDS --budget-s $(( W7_S - 20 )) \
+  step bench_w7 "$W7_S" "$PY" -m benchmarks --model qwen2.5-0.5b --workloads W7,WDS --budget-s $(( W7_S - 20 )) \
     --out "$RESULTS" --tag "w7${TAG}"
 fi
 
@@ -66,7 +66,7 @@ fi
 # of 1k tokens), and on_refresh continue vs recompute on W2n's shape with a refresh every 64 decode steps.
 RLS_S=$(( $(left) > 300 ? 90 : 0 ))
 if wanted rls && [ "$RLS_S" -gt 0 ]; then
-  step bench_rls "$RLS_S" "$PY" scripts/bench_rl_semantics.py --model qwen2.5-0.5b --device cuda --out "$RESULTS" \
+  step bench_rls "$RLS_S" "$PY" -m benchmarks.harness.rl_semantics --model qwen2.5-0.5b --device cuda --out "$RESULTS" \
     --tag "rl-semantics${TAG}"
 fi
 
@@ -75,7 +75,7 @@ fi
 # Only the models' configs are loaded in this process.
 W6_S=$(( $(left) > 200 ? ($(left) > 420 ? 330 : $(left) - 60) : 0 ))
 if wanted w6 && [ "$W6_S" -gt 0 ]; then
-  step bench_w6 "$W6_S" "$PY" scripts/bench.py --model "${GPU_CHECK_W6_MODELS:-$MODELS}" --workloads W6,W6fp8 \
+  step bench_w6 "$W6_S" "$PY" -m benchmarks --model "${GPU_CHECK_W6_MODELS:-$MODELS}" --workloads W6,W6fp8 \
     --budget-s $(( W6_S - 30 )) --out "$RESULTS" --tag "w6${TAG}"
 fi
 
@@ -83,7 +83,7 @@ fi
 # it starts a local Ray instance, which the main run should not carry.
 W3_S=$(( $(left) > 300 ? 200 : 0 ))
 if wanted w3 && [ "$W3_S" -gt 0 ]; then
-  step bench_w3 "$W3_S" "$PY" scripts/bench.py --model "$MODELS" --workloads W3 --budget-s $(( W3_S - 20 )) \
+  step bench_w3 "$W3_S" "$PY" -m benchmarks --model "$MODELS" --workloads W3 --budget-s $(( W3_S - 20 )) \
     --out "$RESULTS" --tag "w3${TAG}"
 fi
 
@@ -95,7 +95,7 @@ fi
 # every model (it returns a fraction of the tokens asked for and took ~2 minutes).
 W4_S=$(( $(left) > 300 ? 130 : 0 ))
 if wanted w4 && [ "$W4_S" -gt 0 ]; then
-  step bench_w4 "$W4_S" "$PY" scripts/bench.py --model qwen2.5-0.5b --workloads W4 --budget-s $(( W4_S - 20 )) \
+  step bench_w4 "$W4_S" "$PY" -m benchmarks --model qwen2.5-0.5b --workloads W4 --budget-s $(( W4_S - 20 )) \
     --out "$RESULTS" --tag "w4${TAG}"
 fi
 
@@ -108,14 +108,14 @@ fi
 # of the tokens asked for and took ~2 minutes).
 W2P_S=$(( $(left) > 300 ? 200 : 0 ))
 if wanted w2p && [ "$W2P_S" -gt 0 ]; then
-  step bench_w2p "$W2P_S" "$PY" scripts/bench.py --model "$MODELS" --workloads W2p --budget-s $(( W2P_S - 30 )) \
+  step bench_w2p "$W2P_S" "$PY" -m benchmarks --model "$MODELS" --workloads W2p --budget-s $(( W2P_S - 30 )) \
     --skip W2p:hf_generate_batch --out "$RESULTS" --tag "w2p${TAG}"
 fi
 # WBI (batch-invariant mode on vs off at W2's and W2n's shapes, in one run, and its bitwise checks: a sample of
 # sequences re-run alone, every sequence recomputed by the learner forward) on both models.
 WBI_S=$(( $(left) > 240 ? ($(left) > 420 ? 360 : $(left) - 40) : 0 ))
 if wanted wbi && [ "$WBI_S" -gt 0 ]; then
-  step bench_wbi "$WBI_S" "$PY" scripts/bench.py --model "$MODELS" --workloads WBI --repeats 2 --budget-s $(( WBI_S - 30 )) \
+  step bench_wbi "$WBI_S" "$PY" -m benchmarks --model "$MODELS" --workloads WBI --repeats 2 --budget-s $(( WBI_S - 30 )) \
     --out "$RESULTS" --tag "wbi${TAG}"
 fi
 BENCH_S=$(( $(left) - 20 ))
@@ -125,7 +125,7 @@ elif [ "$BENCH_S" -gt 90 ]; then
   # shellcheck disable=SC2086  # GPU_CHECK_ARGS is meant to split into words
   # W2fp8 / W1fp8 (FP8 rollouts; their HF peers are W2's and W1's), W2w (1024 sequences) and WP (a decode step's
   # GPU time by kernel class at W2's and W2w's batch) for the small model's gap to its floor.
-  step bench "$BENCH_S" "$PY" scripts/bench.py --model "$MODELS" \
+  step bench "$BENCH_S" "$PY" -m benchmarks --model "$MODELS" \
     --workloads "${GPU_CHECK_MAIN:-W1,W2,W5,W2fp8,W1fp8,W2w,WP,W2n}" --budget-s $(( BENCH_S - 50 )) --out "$RESULTS" \
     ${TAG:+--tag "${TAG#-}"} --skip llama3-8b:hf_static --skip llama3-8b:W2n --skip W2n:hf_generate_batch \
     --skip llama3-8b:W1:hf_generate_batch --skip llama3-8b:W2w --skip llama3-8b:WP --skip W2w:hf_generate_batch \
@@ -142,7 +142,7 @@ fi
 # static-cache and generate_batch peers are left out.
 MOE_S=$(( $(left) > 200 ? $(left) - 20 : 0 ))
 if wanted moe && [ "$MOE_S" -gt 0 ]; then
-  step bench_moe "$MOE_S" "$PY" scripts/bench.py --model qwen3-30b-a3b --workloads "${GPU_CHECK_MOE:-WM,W2,W1,W5,WMF,WBI}" \
+  step bench_moe "$MOE_S" "$PY" -m benchmarks --model qwen3-30b-a3b --workloads "${GPU_CHECK_MOE:-WM,W2,W1,W5,WMF,WBI}" \
     --engine-opt load_format=share --peer-new-tokens 32 --skip hf_static --skip hf_generate_batch \
     --shape wbi_check=4 --shape wbi_learner_check=16 --budget-s $(( MOE_S - 30 )) --out "$RESULTS" --tag "moe${TAG}"
 fi
@@ -158,7 +158,7 @@ echo "   results: ${NEW:-none}" | tee -a "$LOG"
 NEW_JSON=$(printf '%s\n' $NEW | grep '\.json$' || true)
 if [ -n "$NEW_JSON" ]; then  # every figure against the newest committed one of its workload and model (>10%: warned)
   # shellcheck disable=SC2086  # one argument per file
-  "$PY" -m rollout_service.bench.regressions $NEW_JSON --against "$RESULTS" 2>&1 | tee -a "$LOG"
+  "$PY" -m benchmarks.harness.regressions $NEW_JSON --against "$RESULTS" 2>&1 | tee -a "$LOG"
 fi
 for f in $NEW; do case $f in *.md) cat "$f";; esac; done
 # green: the GPU tests (where the tree has them) passed, every benchmark step that ran passed, and one did run

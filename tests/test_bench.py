@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from rollout_service.bench import main
-from rollout_service.bench.ceilings import Ceilings, decode_step_floor
-from rollout_service.bench.context import parse_shape
-from rollout_service.bench.engine_side import kv_pages
-from rollout_service.bench.report import Cell, Row, render_markdown
-from rollout_service.bench.workloads import experts_read_per_step, prefix_agreement
+from benchmarks.harness import main
+from benchmarks.harness.ceilings import Ceilings, decode_step_floor
+from benchmarks.harness.context import parse_shape
+from benchmarks.harness.engine_side import kv_pages
+from benchmarks.harness.report import Cell, Row, render_markdown
+from benchmarks.harness.workloads import experts_read_per_step, prefix_agreement
 
 
 def _load(out_dir):
@@ -133,10 +133,10 @@ def test_batch_invariant_checks_count_a_single_flipped_bit():
     import dataclasses
 
     from rollout_service import RolloutClient
-    from rollout_service.bench import batch_invariant as wbi
-    from rollout_service.bench.context import QUICK, BenchContext
-    from rollout_service.bench.engine_side import sampling
-    from rollout_service.bench.models import load_bench_model, random_prompts
+    from benchmarks.harness import batch_invariant as wbi
+    from benchmarks.harness.context import QUICK, BenchContext
+    from benchmarks.harness.engine_side import sampling
+    from benchmarks.harness.models import load_bench_model, random_prompts
 
     bm = load_bench_model("tiny-llama", torch.device("cpu"))
     ctx = BenchContext(bm, None, QUICK, "torch")
@@ -249,7 +249,7 @@ def test_quick_fp8_and_wide_rows_count_fp8_bytes_in_their_floors(tmp_path):
 
 
 def test_profile_breakdown_classes_kernels_and_finds_the_lm_head_and_idle_time():
-    from rollout_service.bench.decode_profile import breakdown
+    from benchmarks.harness.decode_profile import breakdown
     # decode_reduce_kernel (attention's split combine, batch 1) is attention, not a sampling step boundary
     step = [("rms_norm_kernel", 2.0), ("nvjet_tst_128x64", 10.0), ("decode_kernel<bf16>", 5.0),
             ("decode_reduce_kernel<bf16>", 1.0), ("sm90_xmma_gemm_bf16", 8.0), ("Memcpy HtoD", 1.0), ("nvjet_tst_256x128", 20.0),

@@ -1,5 +1,5 @@
-"""The control-plane benchmark (rollout_service/bench/control_plane.py) and its fabricating engine
-(rollout_service/bench/fabricated.py): the engine keeps its timing contract, and the benchmark runs end to end
+"""The control-plane benchmark (benchmarks/harness/control_plane.py) and its fabricating engine
+(benchmarks/harness/fabricated.py): the engine keeps its timing contract, and the benchmark runs end to end
 through a real Ray service (the session's cluster) at tiny sizes, every result delivered once."""
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from rollout_service.bench.control_plane import _markdown, cpu_seconds, latency, throughput
-from rollout_service.bench.fabricated import Fabricate
+from benchmarks.harness.control_plane import _markdown, cpu_seconds, latency, throughput
+from benchmarks.harness.fabricated import Fabricate
 from rollout_service.types import RolloutRequest, SamplingParams
 
 pytest_plugins = ["ray_fixtures"]

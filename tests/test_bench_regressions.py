@@ -1,8 +1,8 @@
 """gpu_check's regression check: every new figure against the newest committed one of its workload, model and
-hardware (rollout_service/bench/regressions.py)."""
+hardware (benchmarks/harness/regressions.py)."""
 import json
 
-from rollout_service.bench import regressions
+from benchmarks.harness import regressions
 
 
 def _write(path, hardware, rows):

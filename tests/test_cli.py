@@ -235,12 +235,12 @@ def test_prompt_files_refuse_unknown_keys_by_file_and_line(tmp_path, ray_tmp, se
         launch.load_prompts(str(prompts))
 
 
-def test_builtin_prompts_and_bench_delegation(capsys):
+def test_builtin_prompts_and_bench_delegation(capfd):
     recs = launch.load_prompts(None, limit=3)
     assert len(recs) == 3 and recs[0]["metadata"]["answer"] == "Paris"
-    with pytest.raises(SystemExit) as e:
-        cli.main(["bench", "--help"])  # everything after `bench` goes to the benchmark harness
-    assert e.value.code == 0 and "W1" in capsys.readouterr().out
+    # everything after `bench` goes to the harness, which runs from the checkout (benchmarks/) in a process of its own
+    assert cli.main(["bench", "--help"]) == 0
+    assert "W1" in capfd.readouterr().out
     assert cli.parser().parse_args(["build-kernels"]).command == "build-kernels"
 
 
@@ -254,8 +254,8 @@ def test_the_demo_help_answers_before_torch_is_imported():
 
 
 def test_bench_help_answers_before_torch_is_imported():
-    code = ("import sys\nfrom rollout_service import cli\ntry:\n    cli.main(['bench', '--help'])\n"
-            "except SystemExit as e:\n    print('exit', e.code, 'torch' in sys.modules)\n")
+    code = ("import sys\nfrom rollout_service import cli\nrc = cli.main(['bench', '--help'])\n"
+            "print('exit', rc, 'torch' in sys.modules)\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.stdout.startswith("usage: rollout-service bench"), proc.stdout[:500] + proc.stderr[-2000:]
     assert proc.stdout.rstrip().endswith("exit 0 False")

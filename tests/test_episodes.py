@@ -14,7 +14,7 @@ import ray
 import torch
 
 from rollout_service import RolloutClient, SamplingParams
-from rollout_service.bench.multiturn import SyntheticEnv
+from benchmarks.harness.multiturn import SyntheticEnv
 from rollout_service.calculator_env import STOP, CalculatorEnv, evaluate, tool_answer
 from rollout_service.engine.episodes import turn_seed
 from rollout_service.episodes import Environment
@@ -298,9 +298,9 @@ def test_calculator_episodes_run_on_the_engine(client):
 
 # ---- W7 ------------------------------------------------------------------------------------------------
 def test_w7_rows_count_prefilled_tokens_with_the_cache_on_and_off():
-    from rollout_service.bench.context import QUICK, BenchContext
-    from rollout_service.bench.models import load_bench_model
-    from rollout_service.bench.multiturn import w7_multiturn
+    from benchmarks.harness.context import QUICK, BenchContext
+    from benchmarks.harness.models import load_bench_model
+    from benchmarks.harness.multiturn import w7_multiturn
 
     bm = load_bench_model("tiny-llama", torch.device("cpu"))
     shapes = QUICK.replace(w7_episodes=2, w7_turns=3, w7_prompt=40, w7_obs=40, w7_new=8)

@@ -14,7 +14,7 @@ from rollout_service.client import RolloutClient
 
 pytest_plugins = ["ray_fixtures"]
 # (reward and prompt functions from an importable module: a learner actor unpickles them)
-from rollout_service.bench.rl_step import parity_reward, token_prompt  # noqa: E402
+from benchmarks.harness.rl_step import parity_reward, token_prompt  # noqa: E402
 
 pytestmark = pytest.mark.ray
 
@@ -63,7 +63,7 @@ def test_two_colocated_grpo_steps_on_cpu_workers(svc, tiny_model_dir):
 def test_w6_runs_on_a_tiny_model(ray_cluster, tmp_path):
     import json
 
-    from rollout_service.bench import main
+    from benchmarks.harness import main
     rc = main(["--quick", "--device", "cpu", "--model", "tiny-llama", "--workloads", "W6,W6fp8", "--out", str(tmp_path)])
     assert rc == 0
     rows = {r["workload"]: r for r in json.loads(next(tmp_path.glob("*.json")).read_text())["rows"]}

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from actors.grpo import GRPOConfig, GRPOLearner
-from rollout_service.bench.multiturn import SyntheticEnv
+from benchmarks.harness.multiturn import SyntheticEnv
 from rollout_service.client import RolloutClient
 from rollout_service.mismatch import logprob_mismatch, num_model_tokens, token_logprobs
 from rollout_service.types import RolloutResult

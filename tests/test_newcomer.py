@@ -291,7 +291,7 @@ def test_the_clusters_own_token_gets_through(token_head, tmp_path, ray_tmp):
 
 
 @pytest.mark.parametrize("argv", [[sys.executable, "scripts/local_cluster.py", "--help"],
-                                  [sys.executable, "-m", "rollout_service.bench.regressions", "--help"]])
+                                  [sys.executable, "-m", "benchmarks.harness.regressions", "--help"]])
 def test_a_commands_help_says_its_whole_first_paragraph(argv):
     """`local_cluster.py --help` stopped mid-sentence ("a head node (the learner's,"): the description is the
     docstring's first paragraph, not its first line."""

@@ -1,12 +1,12 @@
 """Prefix-aware routing through the Ray service, 2 CPU workers with real engines: turns of episodes driven by
 the client (each turn a request whose prompt is the whole history) go back to the worker holding that history,
 so the tokens prefilled stay within 1.2x the new tokens, as on one worker; by load alone they do not. Shapes are
-W7's, scaled down (rollout_service/bench/prefix_routing.py measures the full ones)."""
+W7's, scaled down (benchmarks/harness/prefix_routing.py measures the full ones)."""
 from __future__ import annotations
 
 import pytest
 
-from rollout_service.bench.prefix_routing import Shape, conversations, measure
+from benchmarks.harness.prefix_routing import Shape, conversations, measure
 from rollout_service.client import RolloutClient
 from rollout_service.config import ServiceConfig
 

@@ -128,9 +128,9 @@ def test_kv_versions_on_the_wire():
 
 
 def test_the_rl_semantics_bench_measures_what_it_says(models):
-    """rollout_service/bench/rl_semantics.py on a tiny shape: scores agree with transformers, each prompt's
+    """benchmarks/harness/rl_semantics.py on a tiny shape: scores agree with transformers, each prompt's
     prefill is shared by its completions; recompute leaves no token on stale KV and prefills more."""
-    from rollout_service.bench.rl_semantics import Shape, refresh, score
+    from benchmarks.harness.rl_semantics import Shape, refresh, score
     old, _, _ = models
     s = Shape(score_prompts=2, score_n=3, score_prompt=40, score_completion=20, score_batch=2, w2n_prompts=2,
               w2n_n=2, w2n_prompt=16, w2n_new=24, refresh_every=8)

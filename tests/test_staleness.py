@@ -4,7 +4,7 @@ import pytest
 from tiny_models import tiny_hf_model
 
 from rollout_service import RolloutRequest, SamplingParams
-from rollout_service.bench.staleness import StreamShape, run_stream
+from benchmarks.harness.staleness import StreamShape, run_stream
 from rollout_service.engine.engine import Engine
 
 

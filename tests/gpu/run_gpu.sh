@@ -26,7 +26,7 @@ grep -E "passed|failed|error" "$OUT/tests.log" | tail -3
 grep -E "^(FAILED|ERROR)|hidden rel err" "$OUT/tests.log" | head -30
 
 if [ "${RUN_W4:-1}" = 1 ]; then
-  timeout 130 $PY -m rollout_service.ops.kernel_bench --json "$OUT/w4.json" 2>&1 | tee "$OUT/bench.log"
+  timeout 130 $PY -m benchmarks.harness.kernel_bench --json "$OUT/w4.json" 2>&1 | tee "$OUT/bench.log"
   echo "bench rc=$?"
 fi
 

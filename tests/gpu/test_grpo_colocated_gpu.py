@@ -11,7 +11,7 @@ from kv_utils import requires_cuda
 from model_utils import tiny_hf_model
 
 # (reward and prompt functions from an importable module: a learner actor unpickles them)
-from rollout_service.bench.rl_step import parity_reward, token_prompt  # noqa: E402
+from benchmarks.harness.rl_step import parity_reward, token_prompt  # noqa: E402
 
 pytestmark = pytest.mark.skipif(**requires_cuda)
 ray = pytest.importorskip("ray")

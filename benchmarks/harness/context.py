@@ -15,9 +15,9 @@ from typing import Callable
 
 import torch
 
-from .ceilings import Ceilings
-from .models import BenchModel
-from .report import Cell, Row
+from benchmarks.harness.ceilings import Ceilings
+from benchmarks.harness.models import BenchModel
+from benchmarks.harness.report import Cell, Row
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@ against torch SDPA on contiguous (unpaged) KV, with the measured HBM copy bandwi
 
 Each timed region is a CUDA graph of `iters` launches that cycle through enough independent input copies
 to exceed the L2 cache, so launch gaps and cache hits stay out of the numbers; the median of `reps`
-replays is reported. `python -m rollout_service.ops.kernel_bench [--json FILE]` prints a table.
+replays is reported. `python -m benchmarks.harness.kernel_bench [--json FILE]` prints a table.
 """
 from __future__ import annotations
 

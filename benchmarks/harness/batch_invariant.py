@@ -21,10 +21,10 @@ import traceback
 
 import torch
 
-from .context import BenchContext
-from .engine_side import engine_facts, open_engine, sampling, timed_generate
-from .models import random_prompts
-from .report import Cell, Row
+from benchmarks.harness.context import BenchContext
+from benchmarks.harness.engine_side import engine_facts, open_engine, sampling, timed_generate
+from benchmarks.harness.models import random_prompts
+from benchmarks.harness.report import Cell, Row
 
 TARGET_COST = 0.15
 LOGPROBS_MODE = "scaled"  # what InvariantForward recomputes (greedy rows report "raw": the same at T=1)

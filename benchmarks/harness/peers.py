@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
-from .ceilings import sync
-from .models import BenchModel
+from benchmarks.harness.ceilings import sync
+from benchmarks.harness.models import BenchModel
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Benchmark harness: the engine vs HF transformers on fixed workloads, with the hardware floor.
 
-`rollout-service bench --help` (or `python scripts/bench.py --help`), or `main(argv)` from Python. Workloads,
+`rollout-service bench --help` (or `python -m benchmarks --help`), or `main(argv)` from Python. Workloads,
 models and peers are the ones fixed in benchmarks/README.md; results go to benchmarks/results/<date>-<hardware>.json
 and .md. The command line is read here, before the harness imports torch and transformers (seconds), so
 --help and a mistyped option answer at once.
@@ -11,19 +11,8 @@ import argparse
 
 from rollout_service.config import DTYPE_NAMES
 
-# Run order = priority when a time budget runs out: the headline rollout and latency figures, then the
-# cheap ones, then the longest: W2n and W2p (its prefill-heavy twin, long prompts). Workloads after W3 run on
-# the refreshed weights, which the engine and the peers then share just the same. W6 (an RL step in a Ray
-# service) needs only the model's config, so it runs before the model is loaded in this process. W7
-# (multi-turn episodes, prefix cache on vs off) and WDS (dynamic sampling's overhead) are the RL-rollout
-# features'. WBI: batch-invariant mode's cost on W2's and W2n's shapes and its bitwise check. WM (one MoE
-# layer's experts, each way the cuda backend can run them; config only) and WMF (an MoE learner's recompute with
-# and without routing replay) are the mixture-of-experts models'. W2w: W2 at an RL batch (1024 sequences);
-# W2fp8 / W1fp8: W2 and W1 with FP8 rollouts (their HF peers are W2's and W1's); WP: a decode step's GPU time
-# by kernel class at W2's and W2w's batch (torch.profiler); W6fp8: W6 with FP8 rollouts and TIS. W2c / W1c: W2
-# and W1 with two busy neighbour processes (CPU contention), engine and HF alike.
-WORKLOADS = ("W6", "W6fp8", "WM", "W2", "W1", "W5", "W2fp8", "W1fp8", "W2w", "WP", "WMF", "W3", "W4", "W2n", "W2p", "W7",
-             "WDS", "WBI", "W2c", "W1c")
+from benchmarks.harness.workload_names import WORKLOADS
+
 DTYPES = DTYPE_NAMES
 
 
@@ -31,7 +20,7 @@ def parse_args(argv: list[str] | None, prog: str | None = None) -> argparse.Name
     """prog: the command's name in usage lines (None: this program's, as argparse finds it)."""
     p = argparse.ArgumentParser(prog=prog, description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--model", default=None,
-                   help="comma-separated names from rollout_service/bench/models.py (default: smollm2-135m on "
+                   help="comma-separated names from benchmarks/harness/models.py (default: smollm2-135m on "
                         "CPU, qwen2.5-0.5b on GPU, tiny-llama with --quick)")
     p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset of " + ",".join(sorted(WORKLOADS)))
     p.add_argument("--out", default="benchmarks/results", help="folder for <date>-<hardware>.json and .md")
@@ -67,7 +56,7 @@ def parse_args(argv: list[str] | None, prog: str | None = None) -> argparse.Name
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     args = parse_args(argv, prog)
-    from .harness import run
+    from benchmarks.harness.harness import run
     return run(args, argv)
 
 

@@ -22,11 +22,11 @@ from __future__ import annotations
 import random
 import time
 
-from .ceilings import sync
-from .context import BenchContext
-from .engine_side import open_engine
-from .peers import hf_generate
-from .report import Cell, Row
+from benchmarks.harness.ceilings import sync
+from benchmarks.harness.context import BenchContext
+from benchmarks.harness.engine_side import open_engine
+from benchmarks.harness.peers import hf_generate
+from benchmarks.harness.report import Cell, Row
 
 
 class SyntheticEnv:

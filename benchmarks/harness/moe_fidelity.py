@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import torch
 
-from .context import BenchContext
-from .engine_side import open_engine
-from .models import random_prompts
-from .report import Cell, Row
+from benchmarks.harness.context import BenchContext
+from benchmarks.harness.engine_side import open_engine
+from benchmarks.harness.models import random_prompts
+from benchmarks.harness.report import Cell, Row
 
 TARGET_ENTROPY = 1.5
 SEQS, PROMPT, NEW = 64, 128, 128

@@ -6,7 +6,7 @@ Llama): tokens prefilled per new token and each worker's prefix-cache hit rate, 
 - W7's episode shape with run_episodes: each episode runs whole on one worker whatever the routing;
 - a GRPO batch: every prompt one shared system prompt plus a problem of its own, n samples each, two steps.
 
-`python scripts/bench_routing.py` writes benchmarks/results/<date>-<hardware>-prefix-routing.{json,md}.
+`python -m benchmarks.harness.prefix_routing` writes benchmarks/results/<date>-<hardware>-prefix-routing.{json,md}.
 """
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
-from .multiturn import SyntheticEnv
-from .service_bench import bench_cluster, tiny_model_dir, write_results
+from benchmarks.harness.multiturn import SyntheticEnv
+from benchmarks.harness.service_bench import bench_cluster, tiny_model_dir, write_results
 
 
 @dataclass(frozen=True)
@@ -144,3 +144,9 @@ def _markdown(rows: list[dict], shape: Shape) -> list[str]:
                      f"{r['prefilled_per_new']:.3f} | {', '.join(str(h) for h in r['hit_rates'])} | "
                      f"{r['seconds']} |")
     return lines
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main(sys.argv[1:]))

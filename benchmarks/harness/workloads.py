@@ -11,12 +11,12 @@ from dataclasses import replace
 
 import numpy as np
 
-from .ceilings import decode_step_floor, prefill_floor
-from .context import BenchContext
-from .engine_side import engine_facts, engine_generate, engine_ms_per_step, open_engine
-from .models import random_prompts
-from .peers import decode_ms_per_step, has_generate_batch, hf_generate, hf_generate_batch, hf_static_compiled
-from .report import Cell, Row
+from benchmarks.harness.ceilings import decode_step_floor, prefill_floor
+from benchmarks.harness.context import BenchContext
+from benchmarks.harness.engine_side import engine_facts, engine_generate, engine_ms_per_step, open_engine
+from benchmarks.harness.models import random_prompts
+from benchmarks.harness.peers import decode_ms_per_step, has_generate_batch, hf_generate, hf_generate_batch, hf_static_compiled
+from benchmarks.harness.report import Cell, Row
 
 
 def prefix_agreement(a: list[list[int]], b: list[list[int]]) -> float:

@@ -13,24 +13,25 @@ import torch
 import transformers
 from tqdm import tqdm
 
-from . import DTYPES as DTYPE_NAMES, WORKLOADS
-from .attention_bench import w4_kernels
-from .batch_invariant import wbi_batch_invariant
-from .ceilings import measure_ceilings
-from .context import CPU, QUICK, BenchContext, Shapes, parse_shape
-from .dynamic_sampling import wds_dynamic_sampling
-from .models import MODEL_NAMES, load_bench_model
-from .moe_fidelity import wmf_moe_fidelity
-from .moe_layer import wm_moe_layer
-from .multiturn import w7_multiturn
-from .refresh import w3_refresh
-from .rl_step import w6_fp8, w6_rl_step
-from .report import Cell, Row, now_utc, write_report
-from .contention import w1_contended, w2_contended
-from .decode_profile import wp_decode_profile
-from .workloads import w1_fp8, w1_latency, w2_fp8, w2_rollout, w2n_samples, w2p_long_prompts, w2w_wide, w5_graphs
+from benchmarks.harness.workload_names import WORKLOADS
+from rollout_service.config import DTYPE_NAMES
+from benchmarks.harness.attention_bench import w4_kernels
+from benchmarks.harness.batch_invariant import wbi_batch_invariant
+from benchmarks.harness.ceilings import measure_ceilings
+from benchmarks.harness.context import CPU, QUICK, BenchContext, Shapes, parse_shape
+from benchmarks.harness.dynamic_sampling import wds_dynamic_sampling
+from benchmarks.harness.models import MODEL_NAMES, load_bench_model
+from benchmarks.harness.moe_fidelity import wmf_moe_fidelity
+from benchmarks.harness.moe_layer import wm_moe_layer
+from benchmarks.harness.multiturn import w7_multiturn
+from benchmarks.harness.refresh import w3_refresh
+from benchmarks.harness.rl_step import w6_fp8, w6_rl_step
+from benchmarks.harness.report import Cell, Row, now_utc, write_report
+from benchmarks.harness.contention import w1_contended, w2_contended
+from benchmarks.harness.decode_profile import wp_decode_profile
+from benchmarks.harness.workloads import w1_fp8, w1_latency, w2_fp8, w2_rollout, w2n_samples, w2p_long_prompts, w2w_wide, w5_graphs
 
-# the workloads' names and run order: rollout_service/bench/__init__.py
+# the workloads' names and run order: benchmarks/harness/__init__.py
 RUNNERS = {"W2": w2_rollout, "W1": w1_latency, "W5": w5_graphs, "W3": w3_refresh, "W4": w4_kernels,
            "W2n": w2n_samples, "W2p": w2p_long_prompts, "W6": w6_rl_step, "W7": w7_multiturn,
            "WDS": wds_dynamic_sampling, "WBI": wbi_batch_invariant, "WM": wm_moe_layer, "WMF": wmf_moe_fidelity,
@@ -131,7 +132,7 @@ def _run_workload(ctx: BenchContext, name: str, wl: str, rows: list[Row], meta: 
 
 
 def run(args, argv: list[str] | None) -> int:
-    """The benchmark run of arguments parsed by rollout_service.bench.parse_args (argv: for the report)."""
+    """The benchmark run of arguments parsed by benchmarks.harness.parse_args (argv: for the report)."""
     if args.threads:
         torch.set_num_threads(args.threads)
     device = pick_device(args.device)

@@ -1,7 +1,7 @@
 """W4: paged attention of every backend present vs torch SDPA on gathered, contiguous KV.
 
 The torch reference is timed here; the CUDA kernels through their own micro-benchmark
-(rollout_service/ops/kernel_bench.py), fed this run's ceilings.
+(benchmarks/harness/kernel_bench.py), fed this run's ceilings.
 
 Decode: B sequences at one context length, one query each; bytes = K+V read once + q + out, so the
 floor is bytes / copy bandwidth. Prefill: causal self-attention over whole prompts; FLOPs = 4 * Hq * D
@@ -13,9 +13,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .ceilings import time_fn
-from .context import BenchContext
-from .report import Cell, Row
+from benchmarks.harness.ceilings import time_fn
+from benchmarks.harness.context import BenchContext
+from benchmarks.harness.report import Cell, Row
 
 HEAD_SHAPES = ((32, 8, 128), (14, 2, 64))  # llama3-8b, qwen2.5-0.5b: (q heads, kv heads, head dim)
 PAGE = 16
@@ -154,9 +154,9 @@ def prefill_rows(ctx: BenchContext, dtype: torch.dtype) -> list[Row]:
 
 
 def kernel_bench_rows(ctx: BenchContext) -> list[Row]:
-    """CUDA-backend rows from the kernels' own micro-benchmark (rollout_service/ops/kernel_bench.py:
+    """CUDA-backend rows from the kernels' own micro-benchmark (benchmarks/harness/kernel_bench.py:
     CUDA-graph timed, inputs rotated past L2), against this run's copy bandwidth and matmul rate."""
-    from rollout_service.ops import kernel_bench as kb
+    from benchmarks.harness import kernel_bench as kb
 
     s, rows, name = ctx.shapes, [], ctx.bm.name
     decode = kb.bench_decode_attention(batch_sizes=tuple(s.w4_batches), contexts=tuple(s.w4_contexts),
@@ -196,7 +196,7 @@ def w4_kernels(ctx: BenchContext) -> list[Row]:
             found.extend(kernel_bench_rows(ctx))
             return Cell(float(len(found)))
 
-        holder = Row(ctx.bm.name, "W4 cuda kernels", "rollout_service.ops.kernel_bench", "-", True)
+        holder = Row(ctx.bm.name, "W4 cuda kernels", "benchmarks.harness.kernel_bench", "-", True)
         status = ctx.measure(holder, "kernel_bench", run)
         if status.value is None:
             holder.engine = status

@@ -7,7 +7,7 @@
 - refresh: W2n's shape (prompts x n, sampled) with a refresh every `refresh_every` decode steps, on_refresh
   "continue" vs "recompute" (every in-flight sequence's KV prefilled again under the new weights).
 
-`python scripts/bench_rl_semantics.py [--model smollm2-135m] [--device cpu|cuda] [--quick]` writes
+`python -m benchmarks.harness.rl_semantics [--model smollm2-135m] [--device cpu|cuda] [--quick]` writes
 benchmarks/results/<date>-<hardware>-rl-semantics.{json,md}.
 """
 from __future__ import annotations
@@ -105,8 +105,8 @@ def refresh(make_engine: Any, weights: dict, s: Shape, on_refresh: str) -> dict:
 def main(argv: list[str] | None = None) -> int:
     from rollout_service.engine.engine import Engine
 
-    from .models import load_bench_model
-    from .service_bench import write_results
+    from benchmarks.harness.models import load_bench_model
+    from benchmarks.harness.service_bench import write_results
     p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
@@ -150,3 +150,9 @@ def _markdown(rows: list[dict], s: Shape) -> list[str]:
         lines.append(f"| {r['on_refresh']} | {r['refreshes']} | {r['tok_s']} | {r['prefilled_tokens']:,} | "
                      f"{r['refresh_recomputes']} | {r['stale_kv_tokens']} |")
     return lines
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main(sys.argv[1:]))

@@ -16,9 +16,9 @@ from contextlib import contextmanager
 
 import torch
 
-from .context import BenchContext
-from .engine_side import PAGE_SIZE, sampling
-from .report import Cell, Row
+from benchmarks.harness.context import BenchContext
+from benchmarks.harness.engine_side import PAGE_SIZE, sampling
+from benchmarks.harness.report import Cell, Row
 
 TRANSPORT_ROWS = (("object_store", "object_store"), ("cuda_ipc", "cuda_ipc"),
                   ("broadcast (gloo)", "broadcast"), ("broadcast (nccl)", "broadcast"))
@@ -75,7 +75,6 @@ def w3_service_rows(ctx: BenchContext, new_sd: dict, nbytes: int, prompts: list[
         for r in rows + [cycle]:
             r.engine = Cell.na(why)
         return rows + [cycle]
-    from .refresh import b_weights
     b_sd = b_weights(new_sd)
     new = ctx.shapes.w3_check_new
     with one_worker_service(ctx, len(prompts), max(len(p) for p in prompts) + new) as client:
@@ -165,3 +164,10 @@ def _asleep_memory(client, level: int) -> dict:
     finally:
         client.wake_up()
 
+
+def b_weights(a: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A second full state dict that differs from `a` in its tokens: the final norm scaled."""
+    b = dict(a)
+    norm = next(k for k in a if k.endswith("model.norm.weight"))
+    b[norm] = a[norm] * 1.5
+    return b

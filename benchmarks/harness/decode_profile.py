@@ -15,11 +15,11 @@ import tempfile
 import time
 from collections import defaultdict
 
-from .ceilings import decode_step_floor, sync
-from .context import BenchContext
-from .engine_side import open_engine, sampling
-from .models import random_prompts
-from .report import Cell, Row
+from benchmarks.harness.ceilings import decode_step_floor, sync
+from benchmarks.harness.context import BenchContext
+from benchmarks.harness.engine_side import open_engine, sampling
+from benchmarks.harness.models import random_prompts
+from benchmarks.harness.report import Cell, Row
 
 TIMED_STEPS, PROFILED_STEPS = 48, 16
 # name fragments per class, first match wins (attention before sampling: decode_reduce_kernel is attention's split
@@ -132,7 +132,7 @@ def _row(ctx: BenchContext, seqs: int, label: str, extra: dict | None = None) ->
         return Cell(found["timed_us_per_step"])
 
     row.engine = ctx.measure(row, "engine", engine)
-    from .workloads import _compute_params, _weights_bytes
+    from benchmarks.harness.workloads import _compute_params, _weights_bytes
     context = s.w2_prompt + s.w2_new / 2
     row.floor = Cell(1e6 * decode_step_floor(_weights_bytes(ctx), bm.kv_bytes_per_token() * seqs * context,
                                              _compute_params(ctx), seqs, ctx.ceilings))

@@ -21,10 +21,10 @@ from __future__ import annotations
 import math
 import time
 
-from .context import BenchContext
-from .engine_side import open_engine
-from .models import random_prompts
-from .report import Cell, Row
+from benchmarks.harness.context import BenchContext
+from benchmarks.harness.engine_side import open_engine
+from benchmarks.harness.models import random_prompts
+from benchmarks.harness.report import Cell, Row
 
 REWARD = "rollout_service.reward_examples:difficulty_reward"
 KINDS = ("easy", "medium", "hard", "medium")  # half of the groups constant

@@ -16,8 +16,8 @@ import statistics
 
 import torch
 
-from .context import BenchContext
-from .report import Cell, Row
+from benchmarks.harness.context import BenchContext
+from benchmarks.harness.report import Cell, Row
 
 TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096)
 ROTATE = 8

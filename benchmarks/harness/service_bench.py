@@ -11,7 +11,7 @@ import shutil
 import tempfile
 from typing import Iterator
 
-from .report import now_utc, result_stem
+from benchmarks.harness.report import now_utc, result_stem
 
 
 @contextlib.contextmanager
@@ -32,7 +32,7 @@ def tiny_model_dir(vocab: int = 512) -> Iterator[str]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from .models import _RANDOM_CONFIGS
+    from benchmarks.harness.models import _RANDOM_CONFIGS
     config = _RANDOM_CONFIGS["tiny-llama"]()
     config.vocab_size = vocab
     torch.manual_seed(0)
@@ -45,7 +45,7 @@ def tiny_model_dir(vocab: int = 512) -> Iterator[str]:
 
 
 def machine() -> dict:
-    from .harness import hardware_name
+    from benchmarks.harness.harness import hardware_name
     import torch
     import ray
     return {"hardware": hardware_name(torch.device("cpu")), "cpu_count": os.cpu_count(), "ray": ray.__version__,

@@ -4,7 +4,7 @@ multi-turn episodes submitted under the new version. An episode's later turns re
 prompts of newer waves; a sample is stale when, as it finishes, the current version minus the oldest version
 among its tokens exceeds `max_staleness` (the service would regenerate it, or abort it at last).
 
-`python scripts/bench_staleness.py` writes benchmarks/results/<date>-<hardware>-staleness.{json,md}.
+`python -m benchmarks.harness.staleness` writes benchmarks/results/<date>-<hardware>-staleness.{json,md}.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
-from .multiturn import SyntheticEnv
+from benchmarks.harness.multiturn import SyntheticEnv
 
 
 @dataclass(frozen=True)
@@ -70,8 +70,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from rollout_service.engine.engine import Engine
 
-    from .models import load_bench_model
-    from .service_bench import write_results
+    from benchmarks.harness.models import load_bench_model
+    from benchmarks.harness.service_bench import write_results
     p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--out", default="benchmarks/results")
@@ -100,3 +100,9 @@ def _markdown(rows: list[dict], s: StreamShape) -> list[str]:
         lines.append(f"| {r['scheduling']} | {r['samples']} | {r['exceeding']} | {r['mean_staleness']:.2f} | "
                      f"{r['max_staleness_seen']} | {r['preemptions']} | {r['steps']} | {r['seconds']} |")
     return lines
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main(sys.argv[1:]))

@@ -9,9 +9,9 @@ from contextlib import contextmanager
 
 import torch
 
-from .ceilings import sync
-from .models import BenchModel
-from .peers import PeerRun
+from benchmarks.harness.ceilings import sync
+from benchmarks.harness.models import BenchModel
+from benchmarks.harness.peers import PeerRun
 
 PAGE_SIZE = 16
 

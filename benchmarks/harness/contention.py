@@ -9,9 +9,9 @@ import subprocess
 import sys
 from contextlib import contextmanager
 
-from .context import BenchContext
-from .report import Row
-from .workloads import w1_latency, w2_rollout
+from benchmarks.harness.context import BenchContext
+from benchmarks.harness.report import Row
+from benchmarks.harness.workloads import w1_latency, w2_rollout
 
 NEIGHBOURS = 2
 

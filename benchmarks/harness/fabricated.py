@@ -1,4 +1,4 @@
-"""A TEST DOUBLE FOR THE CONTROL-PLANE BENCHMARK ONLY (rollout_service/bench/control_plane.py): an "engine" that
+"""A TEST DOUBLE FOR THE CONTROL-PLANE BENCHMARK ONLY (benchmarks/harness/control_plane.py): an "engine" that
 computes nothing and fabricates its results, so that many workers cost the machine almost nothing and the
 router, the workers' hosts and the client are what is measured.
 

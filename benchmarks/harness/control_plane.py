@@ -1,5 +1,5 @@
 """The control plane, measured: the router (and the workers' hosts and the client around it) driven by many
-workers whose engines cost nothing (rollout_service/bench/fabricated.py, a benchmark-only test double).
+workers whose engines cost nothing (benchmarks/harness/fabricated.py, a benchmark-only test double).
 
 - requests/s: requests of 1-token answers, submitted in batches of `batch` per stream, fabricated at once;
 - results/s: W workers each fabricating W2's rate (256 samples of 256 tokens per batch, 100k tokens/s);
@@ -7,7 +7,7 @@ workers whose engines cost nothing (rollout_service/bench/fabricated.py, a bench
 - latency added: one 1-token request at a time, submit to result, on an idle service (the engine's part is
   one fabricated step, microseconds), beside one bare Ray actor call.
 
-`python scripts/bench_router.py` writes benchmarks/results/<date>-<hardware>-control-plane.{json,md}.
+`python -m benchmarks.harness.control_plane` writes benchmarks/results/<date>-<hardware>-control-plane.{json,md}.
 """
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ import statistics
 import time
 from typing import Any
 
-from .fabricated import Fabricate
-from .service_bench import write_results
+from benchmarks.harness.fabricated import Fabricate
+from benchmarks.harness.service_bench import write_results
 
 TICK = os.sysconf("SC_CLK_TCK")
 
@@ -182,7 +182,7 @@ def _markdown(lat: dict, runs: list[dict]) -> list[str]:
     lines = [f"Latency, one 1-token request at a time, idle 2-worker service, submit to result: median "
              f"{lat['median_ms']} ms, p90 {lat['p90_ms']} ms, p99 {lat['p99_ms']} ms; a bare Ray actor call "
              f"{lat['bare_actor_call_median_ms']} ms; added {lat['added_ms']} ms ({lat['rounds']} rounds).", "",
-             "Fabricating engines (rollout_service/bench/fabricated.py): 1-token answers with no step time measure "
+             "Fabricating engines (benchmarks/harness/fabricated.py): 1-token answers with no step time measure "
              "requests/s; 256-token answers, 256 at a time, 10 tokens every 25.6 ms, are W2's rate per worker "
              "(100k tokens/s, ~390 results/s). A busy worker's results reach the router in batches, one poll at "
              "most every max(20 ms, workers / 500 s) (actors/recovery.py), and the router reads their headers only: the payload goes "
@@ -207,3 +207,9 @@ def _markdown(lat: dict, runs: list[dict]) -> list[str]:
                      f"{r['expected'] - r['results'] + r['duplicates']} / "
                      f"{r['duplicates']} |")
     return lines
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main(sys.argv[1:]))

@@ -2,7 +2,7 @@
 a warning for every one that got worse by more than a share (10% by default). scripts/gpu_check.sh runs it on
 what it just wrote; a drop is a warning to read, not a failure (a shared machine has noisy minutes).
 
-    python -m rollout_service.bench.regressions NEW.json [NEW2.json ...] --against benchmarks/results
+    python -m benchmarks.harness.regressions NEW.json [NEW2.json ...] --against benchmarks/results
 """
 from __future__ import annotations
 

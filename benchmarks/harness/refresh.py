@@ -10,14 +10,14 @@ import time
 
 import torch
 
-from .ceilings import sync
-from .context import BenchContext
-from .engine_side import engine_generate, open_engine
-from .models import random_prompts
-from .peers import hf_generate
-from .refresh_service import w3_service_rows
-from .report import Cell, Row
-from .workloads import prefix_agreement
+from benchmarks.harness.ceilings import sync
+from benchmarks.harness.context import BenchContext
+from benchmarks.harness.engine_side import engine_generate, open_engine
+from benchmarks.harness.models import random_prompts
+from benchmarks.harness.peers import hf_generate
+from benchmarks.harness.refresh_service import b_weights, w3_service_rows
+from benchmarks.harness.report import Cell, Row
+from benchmarks.harness.workloads import prefix_agreement
 
 
 
@@ -82,11 +82,3 @@ def w3_refresh(ctx: BenchContext) -> list[Row]:
     if "after_b" not in found:
         return [row]
     return [row] + w3_service_rows(ctx, new_sd, nbytes, prompts, found)
-
-
-def b_weights(a: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A second full state dict that differs from `a` in its tokens: the final norm scaled."""
-    b = dict(a)
-    norm = next(k for k in a if k.endswith("model.norm.weight"))
-    b[norm] = a[norm] * 1.5
-    return b

@@ -21,10 +21,10 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from .context import BenchContext
-from .engine_side import PAGE_SIZE, sampling
-from .models import random_prompts
-from .report import Cell, Row
+from benchmarks.harness.context import BenchContext
+from benchmarks.harness.engine_side import PAGE_SIZE, sampling
+from benchmarks.harness.models import random_prompts
+from benchmarks.harness.report import Cell, Row
 
 # What fits one H200 beside a sleeping engine: an 8B model's fp32 master weights with AdamW's two moments
 # (128 GB) do not; with Adafactor (factored second moments) they take 32 GB. Gradient checkpointing keeps
