@@ -12,6 +12,7 @@ import torch
 from rollout_service.config import DTYPE_NAMES
 from rollout_service.training import OPTIMIZERS
 from rollout_service.training.importance import MODES as CORRECTIONS
+from rollout_service.values import is_int
 
 
 @dataclass
@@ -76,7 +77,7 @@ class GRPOConfig:
             raise ValueError(f"GRPOConfig.colocate={self.colocate!r}: must be true, false or 'auto'")
         if self.receipt_key is not None and not (isinstance(self.receipt_key, str) and self.receipt_key):
             raise ValueError("GRPOConfig.receipt_key: must be None or a non-empty str")
-        if not isinstance(self.verify_receipts, int) or isinstance(self.verify_receipts, bool) \
+        if not is_int(self.verify_receipts) \
                 or self.verify_receipts < 0:
             raise ValueError(f"GRPOConfig.verify_receipts={self.verify_receipts!r}: must be an int >= 0")
         for name in ("bitwise", "routing_replay"):

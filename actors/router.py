@@ -34,6 +34,7 @@ from actors.workers import WorkerTable
 from rollout_service.config import ServiceConfig
 from rollout_service.fidelity import FidelityLog
 from rollout_service.types import RolloutResult
+from rollout_service.values import is_int
 
 
 class Router:
@@ -218,7 +219,7 @@ class Router:
             return None, (f"colocated_options: the service {self.config.name!r} was not started with "
                           "colocate: true, so its workers leave no room for a learner in their bundles")
         n = len(self.table)
-        if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < n:
+        if not is_int(i) or not 0 <= i < n:
             return None, f"colocated_options: worker={i!r} must be an int in [0, {n})"
         if self.table.slots[i] is None:
             return None, f"colocated_options: worker {i} is gone ({self.table.why_gone[i]}); scale() replaces it"

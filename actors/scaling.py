@@ -33,6 +33,7 @@ from actors.remote_errors import error_text
 from actors.slots import Slots
 from actors.workers import WorkerTable
 from rollout_service.config import ServiceConfig
+from rollout_service.values import is_int, is_number
 
 
 class Scaler:
@@ -55,10 +56,10 @@ class Scaler:
     async def scale(self, n: Any, drain_s: Any = 60.0, timeout_s: Any = None) -> str | None:
         """n workers from now on (gone ones among them replaced); an error message (the service unchanged)
         or None."""
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        if not is_int(n) or n < 1:
             return f"scale: num_workers={n!r} must be an int >= 1"
         for name, v in (("drain_s", drain_s), ("timeout_s", timeout_s)):
-            if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 <= v < 1e9):
+            if v is not None and (not is_number(v) or not 0 <= v < 1e9):
                 return f"scale: {name}={v!r} must be a number of seconds >= 0"
         if n > len(self.workers):
             try:  # a size the cluster can never hold is refused now, not after placement.timeout_s

@@ -9,7 +9,7 @@ import re
 from collections.abc import Mapping
 from typing import Any, Iterable
 
-from rollout_service.wire import MAX_INT32, is_int
+from rollout_service.values import MAX_INT32, is_int
 
 
 def check_text(s: str, what: str) -> None:
@@ -25,7 +25,7 @@ def check_policy_version(version: Any, current: int, resend: bool = False) -> No
     """ValueError unless `version` is an int above `current` (or equal to it, for a `resend` of the same
     weights) that fits the int32 `token_versions` of the wire format: versions only go forward."""
     lowest = current if resend else current + 1
-    if not isinstance(version, int) or isinstance(version, bool) or not lowest <= version <= MAX_INT32:
+    if not is_int(version) or not lowest <= version <= MAX_INT32:
         raise ValueError(f"update_weights: version={version!r} must be an int > the current version {current} "
                          "and < 2**31")
 

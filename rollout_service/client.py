@@ -17,6 +17,7 @@ from rollout_service.prompts import prompt_items
 from rollout_service.reward_fns import resolve
 from rollout_service.score_requests import score_requests
 from rollout_service.types import EpisodeParams, Prompt, RolloutRequest, RolloutResult, SamplingParams
+from rollout_service.values import is_int, is_number
 from rollout_service.weights.buckets import named_items
 from rollout_service.weights.transport import TRANSPORTS
 
@@ -40,7 +41,7 @@ def _checked_request(i: int, prompt: Any, sampling: SamplingParams, apply_chat_t
 
 
 def _check_seconds(what: str, v: Any, least: float) -> None:
-    if not isinstance(v, (int, float)) or isinstance(v, bool) or not least <= v < 1e9:  # (NaN fails too)
+    if not is_number(v) or not least <= v < 1e9:  # (NaN fails too)
         raise ValueError(f"{what}={v!r} must be a number of seconds >= {least:g}")
 
 
@@ -184,7 +185,7 @@ class RolloutClient:
             if n is not None and n != len(envs):
                 raise ValueError(f"run_episodes: n={n!r} but {len(envs)} environments were given")
         elif callable(envs_or_factory) and not isinstance(envs_or_factory, Environment):
-            if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            if not is_int(n) or n < 1:
                 raise ValueError(f"run_episodes: n={n!r}: a factory needs the number of environments, an int >= 1")
             envs = [envs_or_factory(i) for i in range(n)]
         else:
@@ -267,7 +268,7 @@ class RolloutClient:
         config's placement.timeout_s), none is and this raises ValueError, the service as it was. Removed ones
         (the last ones first) get no new requests and finish theirs for up to `drain_s` seconds, then hand the
         rest to the other workers; nothing is lost."""
-        if not isinstance(num_workers, int) or isinstance(num_workers, bool) or num_workers < 1:
+        if not is_int(num_workers) or num_workers < 1:
             raise ValueError(f"scale: num_workers={num_workers!r} must be an int >= 1")
         _check_seconds("scale: drain_s", drain_s, 0.0)
         if timeout_s is not None:
@@ -299,7 +300,7 @@ class RolloutClient:
         `worker`'s placement-group bundle, on the half of its CPUs and GPUs that a service started with
         `colocate: true` leaves: {"num_cpus", "num_gpus", "scheduling_strategy"}. The two then share a GPU,
         taking turns with sleep() / wake_up()."""
-        if not isinstance(worker, int) or isinstance(worker, bool):
+        if not is_int(worker):
             raise ValueError(f"colocated_options: worker={worker!r} must be an int")
         return self._open.colocated_options(worker)
 

@@ -6,6 +6,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from rollout_service.values import is_int, is_number
+
 # The one table of ops backends and dtype names (torch-free, so a command line can read it at once).
 OPS_BACKENDS = ("torch", "cuda")  # the ops backends an engine runs on (ops/backend.py)
 ENGINE_BACKENDS = ("auto", *OPS_BACKENDS)  # what EngineConfig.backend takes: "auto" picks one at start
@@ -163,8 +165,7 @@ class EngineConfig:
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
 
-def _number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+_number = is_number
 
 
 @dataclass
@@ -375,8 +376,7 @@ class ServiceConfig:
         return cls.from_dict(_merge(base, overrides))
 
 
-def _is_count(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+_is_count = is_int
 
 
 def _merge(base: dict, overrides: dict) -> dict:

@@ -32,6 +32,7 @@ import numpy as np
 
 from rollout_service.prompts import prompts_with_metadata
 from rollout_service.types import RolloutRequest, RolloutResult, SamplingParams
+from rollout_service.values import is_int, is_number
 
 Group = list[RolloutResult]
 
@@ -139,9 +140,9 @@ def _keep_filter(keep: Any) -> Callable[[Group], bool]:
 
 
 def _check_counts(target_groups: Any, max_oversample: Any) -> None:
-    if not isinstance(target_groups, int) or isinstance(target_groups, bool) or target_groups < 1:
+    if not is_int(target_groups) or target_groups < 1:
         raise ValueError(f"generate_groups: target_groups={target_groups!r} must be an int >= 1")
-    if (not isinstance(max_oversample, (int, float)) or isinstance(max_oversample, bool)
+    if (not is_number(max_oversample)
             or (isinstance(max_oversample, float) and not math.isfinite(max_oversample)) or max_oversample < 1):
         raise ValueError(f"generate_groups: max_oversample={max_oversample!r} must be a number >= 1 (groups "
                          "submitted at most, per group wanted)")

@@ -5,14 +5,13 @@ here are the same in-process and in the router, and `FidelityLog` is what either
 from __future__ import annotations
 
 import logging
-import numbers
 import reprlib
 from collections import deque
 from collections.abc import Mapping
 from typing import Any, Callable
 
 from rollout_service.checks import check_text
-from rollout_service.wire import MAX_INT32
+from rollout_service.values import MAX_INT32, is_int, is_number
 
 FIDELITY_KEPT = 256  # fidelity reports a service keeps (the newest)
 # What one report may hold. The service keeps FIDELITY_KEPT of them and returns them all with every info(),
@@ -36,11 +35,11 @@ def _json_scalar(v: Any) -> Any:
         if len(v) > FIDELITY_MAX_STR:
             raise ValueError(f"a string of {len(v)} characters (at most {FIDELITY_MAX_STR}: {_WHY_BOUNDED})")
         return v
-    if isinstance(v, numbers.Integral) and not isinstance(v, bool):
+    if is_int(v):
         if not -2**63 <= v < 2**63:
             raise ValueError("an int outside [-2**63, 2**63)")
         return int(v)
-    if isinstance(v, numbers.Real) and not isinstance(v, bool):
+    if is_number(v):
         return float(v)
     raise ValueError(f"a {type(v).__name__}; values are numbers, strings, None or lists of those")
 
@@ -49,7 +48,7 @@ def check_fidelity(version: Any, report: Any) -> dict:
     """A fidelity report as the service keeps it: {"version": version, **report}, every value a plain JSON
     number, string, None or list of those, within the FIDELITY_MAX_* bounds. ValueError naming what is wrong
     (checked before anything is copied: an oversized report costs little to refuse)."""
-    if not isinstance(version, numbers.Integral) or isinstance(version, bool) or not 0 <= version <= MAX_INT32:
+    if not is_int(version) or not 0 <= version <= MAX_INT32:
         raise ValueError(f"report_fidelity: version={version!r} must be an int >= 0 (and < 2**31)")
     if not isinstance(report, Mapping):
         raise ValueError(f"report_fidelity: report must be a dict, got {type(report).__name__}")

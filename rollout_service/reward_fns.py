@@ -9,7 +9,6 @@ import importlib
 import importlib.machinery
 import inspect
 import math
-import numbers
 import sys
 from pathlib import Path
 from typing import Callable, Iterable
@@ -17,6 +16,7 @@ from typing import Callable, Iterable
 from rollout_service.checks import check_reward_name
 from rollout_service.types import RolloutResult
 from rollout_service.user_code import Guard, describe_error, unguarded
+from rollout_service.values import is_number
 
 RewardFn = Callable[[RolloutResult], float]
 _resolved: dict[str, RewardFn] = {}
@@ -87,7 +87,7 @@ def _check_one_argument(params: Iterable[inspect.Parameter], attr: str, where: s
 
 def _checked(value: object) -> float:
     # a bool is an int to Python, but a reward function returning one has most likely forgotten a conversion
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    if not is_number(value):
         raise ValueError(f"the reward function returned a {type(value).__name__}, not a float")
     value = float(value)
     if not math.isfinite(value):

@@ -4,7 +4,6 @@ streams records to and from files). Arrays travel as raw little-endian bytes; ne
 """
 from __future__ import annotations
 
-import math
 import reprlib
 from collections.abc import Mapping
 from typing import Any, Iterable
@@ -12,21 +11,12 @@ from typing import Any, Iterable
 import msgpack
 import numpy as np
 
+from rollout_service.values import MAX_INT32, is_int, is_number, is_real
+
 # "done" and "max_turns" end multi-turn episodes (the environment said done / the turn limit was reached)
 # "scored": a given completion's teacher-forced log-probs (RolloutRequest.completion)
 FINISH_REASONS = ("stop", "length", "abort", "done", "max_turns", "scored")
 WIRE_SCHEMA_VERSION = 1
-MAX_INT32 = 2**31 - 1  # token ids and policy versions travel as int32 (RolloutResult's wire format)
-
-
-def is_int(x: Any) -> bool:
-    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
-
-
-def is_real(x: Any) -> bool:
-    if isinstance(x, bool) or not isinstance(x, (int, float, np.integer, np.floating)):
-        return False
-    return isinstance(x, (int, np.integer)) or math.isfinite(x)  # isfinite overflows on a huge int
 
 
 def reject_unknown(d: Mapping, known: set[str], what: str) -> None:
@@ -166,8 +156,6 @@ def need(ok: bool, name: str, why: str, value: Any = _UNSHOWN) -> None:
         raise ValueError(f"RolloutResult.{name}{shown}: {why}")
 
 
-def _is_number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 def _check_ids(d: Mapping, name: str) -> int:
@@ -190,7 +178,7 @@ def _check_top(top: Any, n: int) -> None:
         need(ok, f"top_logprobs[{i}]", "must be [token ids, log-probs], two lists of equal length", entry)
         need(all(is_int(t) and 0 <= t <= MAX_INT32 for t in entry[0]), f"top_logprobs[{i}]",
               "token ids must be ints in [0, 2**31)", entry[0])
-        need(all(_is_number(v) for v in entry[1]), f"top_logprobs[{i}]", "log-probs must be numbers", entry[1])
+        need(all(is_number(v) for v in entry[1]), f"top_logprobs[{i}]", "log-probs must be numbers", entry[1])
 
 
 def _check_turns(turns: Any, n: int) -> None:
@@ -204,7 +192,7 @@ def _check_turns(turns: Any, n: int) -> None:
               f"'start' <= 'end' must span token_ids ({n} tokens), 'version' an int in [0, 2**31)", t)
         need(isinstance(t.get("finish_reason", ""), str), f"{what}['finish_reason']", "must be a str",
               t.get("finish_reason"))
-        need(t.get("reward") is None or _is_number(t["reward"]), f"{what}['reward']", "must be None or a number",
+        need(t.get("reward") is None or is_number(t["reward"]), f"{what}['reward']", "must be None or a number",
               t.get("reward"))
 
 
@@ -233,7 +221,7 @@ def check_result_record(d: Any) -> None:
         _check_top(d["top_logprobs"], n)
     need(d["reward"] is None or is_real(d["reward"]), "reward", "must be None or a finite number", d["reward"])
     t = d["timings"]
-    need(isinstance(t, dict) and all(isinstance(k, str) and _is_number(v) for k, v in t.items()), "timings",
+    need(isinstance(t, dict) and all(isinstance(k, str) and is_number(v) for k, v in t.items()), "timings",
           "must be a dict of str -> number (seconds)", t)
     for name in ("error", "reward_error"):
         need(d.get(name) is None or isinstance(d[name], str), name, "must be None or a str", d.get(name))

@@ -15,7 +15,7 @@ PACKAGES = ("rollout_service", "actors", "benchmarks")
 
 # (layer name, module prefixes): the first matching prefix names a module's layer; longer prefixes first
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("types", ("rollout_service.types", "rollout_service.config", "rollout_service.prompts",
+    ("types", ("rollout_service.values", "rollout_service.types", "rollout_service.config", "rollout_service.prompts",
                "rollout_service.prompts_sample", "rollout_service.user_code", "rollout_service.results_file",
                "rollout_service.fidelity", "rollout_service.tasks", "rollout_service.checks", "rollout_service.wire",
                "rollout_service.reward_fns", "rollout_service.episodes", "rollout_service.receipts",

@@ -7,7 +7,6 @@ import copy
 import dataclasses
 import hashlib
 import math
-import numbers
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +17,7 @@ from rollout_service.engine.kv_cache import pages_for
 from rollout_service.engine.routing import extend_episode_routing, routing_fields
 from rollout_service.episodes import Observation
 from rollout_service.types import EpisodeParams, RolloutRequest, RolloutResult, SamplingParams
+from rollout_service.values import is_int, is_number
 from rollout_service.user_code import Guard, describe_error
 
 
@@ -284,7 +284,7 @@ def _observation(value: Any, where: str, allow_empty: bool = False) -> Observati
         if all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
                for m in value):
             return value
-        if all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in value):
+        if all(is_int(t) for t in value):
             return [int(t) for t in value]
     raise _EnvironmentFault(f"{where} returned {_describe(value)}: expected text, a list of chat messages "
                             "(dicts with str 'role' and 'content') or a list of token ids")
@@ -292,7 +292,7 @@ def _observation(value: Any, where: str, allow_empty: bool = False) -> Observati
 
 def _finite_number(value: Any) -> bool:
     """A real number that is finite as a float (an int too large for one, say 10**400, is not)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    if not is_number(value):
         return False
     try:
         return math.isfinite(float(value))

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from rollout_service.values import is_int
+
 
 @dataclass(frozen=True)
 class ArchFlags:
@@ -110,7 +112,7 @@ def moe_spec(config: Any) -> MoeSpec | None:
 
 def _int_field(config: Any, field: str, low: int, high: int | None = None) -> int:
     value = getattr(config, field, None)
-    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+    if not is_int(value) or value < low or (high is not None and value > high):
         bound = f"an int >= {low}" if high is None else f"an int in [{low}, {high}]"
         raise ValueError(f"{config.model_type}: {field}={value!r} must be {bound}")
     return value
@@ -133,7 +135,7 @@ def _qwen3_moe(config: Any) -> MoeSpec | None:
         return None
     step = _int_field(config, "decoder_sparse_step", 1)
     dense = getattr(config, "mlp_only_layers", None) or []
-    if not isinstance(dense, (list, tuple)) or any(isinstance(i, bool) or not isinstance(i, int) for i in dense):
+    if not isinstance(dense, (list, tuple)) or any(not is_int(i) for i in dense):
         raise ValueError(f"qwen3_moe: mlp_only_layers={dense!r} must be a list of layer indices")
     norm = getattr(config, "norm_topk_prob", False)
     if not isinstance(norm, bool):

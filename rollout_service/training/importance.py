@@ -12,10 +12,10 @@ The weights carry no gradient: they scale a token's loss, they are not trained t
 """
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import torch
+
+from rollout_service.values import is_real
 
 MODES = ("tis", "mis")
 
@@ -26,7 +26,7 @@ def importance_weights(rollout_logprobs: torch.Tensor | np.ndarray, learner_logp
     log-probs the engine returned (`rollout_logprobs`) and the learner recomputed (`learner_logprobs`)."""
     if mode not in MODES:
         raise ValueError(f"importance_weights: mode={mode!r}; choose one of {MODES}")
-    if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not math.isfinite(cap) or cap <= 1:
+    if not is_real(cap) or cap <= 1:
         raise ValueError(f"importance_weights: cap={cap!r} must be a finite number > 1")
     learner = torch.as_tensor(learner_logprobs).detach()
     rollout = torch.as_tensor(rollout_logprobs, device=learner.device).detach()
