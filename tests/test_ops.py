@@ -271,3 +271,24 @@ def test_logits_of_half_inputs_are_float32_and_not_rounded_to_the_model_dtype():
     assert (logits.double() - exact).abs().max() < 1e-4
     # a bf16 result would be off by up to half a bf16 step (~0.03 at these magnitudes)
     assert (exact.to(torch.bfloat16).double() - exact).abs().max() > 1e-2
+
+
+def test_every_backend_provides_the_ops_interface_with_its_signatures():
+    """ops/interface.py declares what the model, engine and sampler may call; each backend class has every
+    method with the interface's parameter names (CUDA ones checked as classes: no GPU needed)."""
+    import inspect
+
+    from rollout_service.ops.cuda_ops import CudaOps
+    from rollout_service.ops.interface import Ops
+    from rollout_service.ops.invariant import InvariantOps
+    from rollout_service.ops.invariant_cuda import CudaInvariantOps
+    from rollout_service.ops.torch_ops import TorchOps
+
+    methods = [n for n, v in vars(Ops).items() if inspect.isfunction(v) and not n.startswith("_")]
+    assert len(methods) >= 20
+    for cls in (TorchOps, CudaOps, InvariantOps, CudaInvariantOps):
+        assert isinstance(cls.name, str) and cls.name
+        for name in methods:
+            want = list(inspect.signature(getattr(Ops, name)).parameters)
+            assert list(inspect.signature(getattr(cls, name)).parameters) == want, (cls.__name__, name)
+    assert isinstance(TorchOps(), Ops)

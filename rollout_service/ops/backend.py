@@ -6,12 +6,10 @@ import logging
 import torch
 
 from rollout_service.config import OPS_BACKENDS
+from rollout_service.ops.interface import Ops
 from rollout_service.ops.torch_ops import TorchOps
 
 logger = logging.getLogger(__name__)
-
-# The interface every backend provides; the CUDA backend subclasses it.
-Ops = TorchOps
 
 
 def select_ops(backend: str, exact_prefill_attention: bool = False, batch_invariant: bool = False) -> Ops:
