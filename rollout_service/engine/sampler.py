@@ -39,7 +39,7 @@ from rollout_service.engine.logits_processors import apply_penalties, truncation
 from rollout_service.ops.random import gumbel, row_key
 from rollout_service.engine.sequence import Sequence
 from rollout_service.engine.transfers import to_device
-from rollout_service.ops.backend import Ops
+from rollout_service.ops.backend import Ops, select_ops
 from rollout_service.types import SamplingParams
 
 _FEW_CANDIDATES = 8       # noise only the kept tokens when at most 1/8 of the vocabulary is kept
@@ -97,7 +97,7 @@ class Sampler:
     whose argmax_logsumexp serves plain greedy batches (the CUDA one in one read of the logits)."""
 
     def __init__(self, ops: Ops | None = None) -> None:
-        self.ops = ops if ops is not None else Ops()
+        self.ops = ops if ops is not None else select_ops("torch")
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence], ahead: int = 0) -> SamplerOutput:
         """ahead=1: each sequence has one sampled token not yet recorded (an overlapped decode step), so
