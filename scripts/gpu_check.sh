@@ -159,6 +159,9 @@ NEW_JSON=$(printf '%s\n' $NEW | grep '\.json$' || true)
 if [ -n "$NEW_JSON" ]; then  # every figure against the newest committed one of its workload and model (>10%: warned)
   # shellcheck disable=SC2086  # one argument per file
   "$PY" -m benchmarks.harness.regressions $NEW_JSON --against "$RESULTS" 2>&1 | tee -a "$LOG"
+  # docs/benchmark-results.md with this run's figures (commit it with the result files; a test checks it)
+  "$PY" -m benchmarks.harness.summary 2>&1 | tee -a "$LOG"
+  if [ -n "${OUT:-}" ]; then mkdir -p "$OUT/docs" && cp docs/benchmark-results.md "$OUT/docs/"; fi
 fi
 for f in $NEW; do case $f in *.md) cat "$f";; esac; done
 # green: the GPU tests (where the tree has them) passed, every benchmark step that ran passed, and one did run

@@ -29,3 +29,11 @@ def test_a_broken_link_fails_the_build(tmp_path):
     page.write_text(page.read_text() + "\nSee [the missing page](no-such-page.md).\n")
     proc = build(tmp_path, tmp_path / "site")
     assert proc.returncode != 0 and "no-such-page.md" in proc.stdout + proc.stderr
+
+
+def test_the_results_page_shows_the_committed_results():
+    """docs/benchmark-results.md is generated from benchmarks/results/*.json: a result file lands with its page."""
+    from benchmarks.harness import summary
+
+    assert summary.PAGE.read_text() == summary.page(), "run: python -m benchmarks.harness.summary"
+    assert summary.page().count("\n| ") >= 20  # a row per (hardware, model, workload) measured
