@@ -278,6 +278,7 @@ def test_every_backend_provides_the_ops_interface_with_its_signatures():
     method with the interface's parameter names (CUDA ones checked as classes: no GPU needed)."""
     import inspect
 
+    from rollout_service.ops.cpu_ops import CpuOps
     from rollout_service.ops.cuda_ops import CudaOps
     from rollout_service.ops.interface import Ops
     from rollout_service.ops.invariant import InvariantOps
@@ -286,7 +287,7 @@ def test_every_backend_provides_the_ops_interface_with_its_signatures():
 
     methods = [n for n, v in vars(Ops).items() if inspect.isfunction(v) and not n.startswith("_")]
     assert len(methods) >= 20
-    for cls in (TorchOps, CudaOps, InvariantOps, CudaInvariantOps):
+    for cls in (TorchOps, CpuOps, CudaOps, InvariantOps, CudaInvariantOps):
         assert isinstance(cls.name, str) and cls.name
         for name in methods:
             want = list(inspect.signature(getattr(Ops, name)).parameters)

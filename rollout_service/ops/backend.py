@@ -7,7 +7,7 @@ import torch
 
 from rollout_service.config import OPS_BACKENDS
 from rollout_service.ops.interface import Ops
-from rollout_service.ops.torch_ops import TorchOps
+from rollout_service.ops.cpu_ops import CpuOps
 
 logger = logging.getLogger(__name__)
 
@@ -22,7 +22,7 @@ def select_ops(backend: str, exact_prefill_attention: bool = False, batch_invari
 
         return InvariantOps()
     if backend == "torch":
-        return TorchOps()
+        return CpuOps()  # the reference, with the CPU's own paths for CPU tensors (ops/cpu_ops.py)
     if backend == "cuda":
         try:
             from rollout_service.ops.cuda_ops import CudaOps

@@ -1,8 +1,8 @@
 """Ops: what the model, the engine and the sampler may ask of an ops backend, and nothing else.
 
 Implementations, chosen in one place (ops/backend.py select_ops): TorchOps (ops/torch_ops.py: the reference
-semantics, on any device, with the CPU's C kernels and oneDNN products where they give the same results),
-CudaOps (ops/cuda_ops.py: the csrc kernels, falling back to the reference outside what they cover), and the
+semantics in plain torch, on any device), CpuOps (ops/cpu_ops.py: the reference with the CPU's C kernels and
+oneDNN products; the "torch" backend), CudaOps (ops/cuda_ops.py: the csrc kernels, falling back to the reference outside what they cover), and the
 batch-invariant pair InvariantOps / CudaInvariantOps (ops/invariant.py, ops/invariant_cuda.py). Every backend
 computes the reference's function; where its rounding may differ is said in its module. tests/test_ops.py checks
 that each one provides every method below.

@@ -34,7 +34,7 @@ import torch
 
 from rollout_service.ops import attention as attention_ref
 from rollout_service.ops import cpu_attention, cpu_ext, cpu_linear, moe
-from rollout_service.ops.torch_ops import TorchOps
+from rollout_service.ops.cpu_ops import CpuOps
 
 ROW_TILE = 16
 KEY_BLOCK = 64
@@ -318,7 +318,7 @@ def gather_paged_kv(kv_layer: torch.Tensor, meta: attention_ref.AttentionMetadat
     return keys.float(), values.float()
 
 
-class InvariantOps(TorchOps):
+class InvariantOps(CpuOps):
     """The torch reference with batch-invariant products and attention (EngineConfig.batch_invariant)."""
 
     name = "torch-invariant"

@@ -1,12 +1,11 @@
-"""The torch reference Ops: plain torch on any device. They define the semantics; the CUDA Ops subclass
-this class and override what they have kernels for."""
+"""The torch reference Ops: plain torch on any device. They define the semantics; the CPU's Ops (ops/cpu_ops.py)
+and the CUDA Ops subclass this class and override what they have kernels for."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from rollout_service.ops import (attention, cpu_attention, cpu_greedy, cpu_linear, cpu_norm, cpu_rope, fp8, moe, norm,
-                                 rope, sampling, shared_prefix)
+from rollout_service.ops import attention, fp8, moe, norm, rope, sampling
 
 
 def _capturing(t: torch.Tensor) -> bool:
@@ -17,27 +16,19 @@ class TorchOps:
     name = "torch"
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        if cpu_norm.applies(x, weight):  # one C pass per row (ops/cpu_norm.py)
-            return cpu_norm.add_rms_norm(x, None, weight, eps)[0]
         return norm.rms_norm(x, weight, eps)
 
     def add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if cpu_norm.applies(x, weight) and residual.dtype == x.dtype and residual.shape == x.shape:
-            return cpu_norm.add_rms_norm(x, residual, weight, eps)
         return norm.add_rms_norm(x, residual, weight, eps)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x @ weight.T (+ bias), float32 accumulation rounded once to the dtype (as cuBLAS does); float32 on the
-        CPU through oneDNN (ops/cpu_linear.py)."""
-        return cpu_linear.linear(x, weight, bias)
+        """x @ weight.T (+ bias), float32 accumulation rounded once to the dtype (as cuBLAS does)."""
+        return F.linear(x, weight, bias)
 
     def gated_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """silu_and_mul of the fused gate_up projection: weight [2I, H] holds the gate rows, then the up rows. float32
-        on the CPU: the silu and the product in oneDNN's epilogues (ops/cpu_linear.py)."""
-        if bias is None and cpu_linear.applies(x, weight):
-            return cpu_linear.gated_linear(x, weight)
+        """silu_and_mul of the fused gate_up projection: weight [2I, H] holds the gate rows, then the up rows."""
         return self.silu_and_mul(self.linear(x, weight, bias))
 
     def fp8_linear(self, x: torch.Tensor | fp8.Fp8Rows, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -124,12 +115,7 @@ class TorchOps:
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
         kv_layer: torch.Tensor, slot_mapping: torch.Tensor,
     ) -> torch.Tensor:
-        """rope(q, k), then write_kv(k, v); returns the rotated q. One fusable step for kernel backends, and one C
-        pass with the same bits on the CPU (ops/cpu_rope.py)."""
-        if cpu_rope.applies(q, k, v, cos_sin, kv_layer):
-            checked = self._per_step("cpu rope", (positions, slot_mapping), (cos_sin.shape, kv_layer.shape),
-                                     lambda: cpu_rope.check(positions, slot_mapping, cos_sin, kv_layer))
-            return cpu_rope.rope_and_write_kv(q, k, v, *checked, cos_sin, kv_layer)
+        """rope(q, k), then write_kv(k, v); returns the rotated q. One fusable step for kernel backends."""
         q, k = self.rope(q, k, positions, cos_sin)
         self.write_kv(kv_layer, k, v, slot_mapping)
         return q
@@ -138,8 +124,6 @@ class TorchOps:
         """float32 hidden [T, H] @ weight [V, H].T, never rounded to the model dtype on the way: a bf16 logit of
         magnitude 10 is only resolved to 0.06, which would move every log-prob by up to 0.03. Half inputs
         multiply exactly in float32 and accumulate in float32 on every device (cuBLAS does it natively)."""
-        if hidden.dtype == torch.float32 and weight.dtype == torch.float32:
-            return cpu_linear.linear(hidden, weight)
         if hidden.is_cuda and hidden.dim() == 2 and hidden.dtype == weight.dtype:
             return torch.mm(hidden, weight.t(), out_dtype=torch.float32)
         return F.linear(hidden.float(), weight.float())
@@ -147,13 +131,6 @@ class TorchOps:
     def attention(
         self, q: torch.Tensor, kv_layer: torch.Tensor, meta: attention.AttentionMetadata, scale: float
     ) -> torch.Tensor:
-        if cpu_attention.applies(q, kv_layer):  # K/V read in place (csrc/cpu_attention.c)
-            return cpu_attention.attention(q, kv_layer, meta, scale)
-        if not meta.is_prefill and kv_layer.device.type == "cpu":
-            # rows that share a prompt's pages read them once (ops/shared_prefix.py)
-            shared = shared_prefix.step_plan(meta, kv_layer.shape[2], kv_layer.shape[3])
-            if shared is not None:
-                return shared_prefix.attention(q, kv_layer, shared, scale, torch.float32)
         return attention.paged_attention(q, kv_layer, meta, scale)
 
     def gumbel_argmax(self, x: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -163,10 +140,7 @@ class TorchOps:
     def argmax_logsumexp(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(tokens int64 [B], values [B], lse [B]) of rows x [B, V]: `values, tokens = x.max(dim=1)` (NaN the
         largest, the first index on ties, values[b] = x[b, tokens[b]]) and `lse = x.logsumexp(dim=1)` (NaN if
-        the row has a NaN, else +inf if it has a +inf). Kernel backends read x once for all three; so does a C pass
-        on the CPU (ops/cpu_greedy.py)."""
-        if cpu_greedy.applies(x):
-            return cpu_greedy.argmax_logsumexp(x)
+        the row has a NaN, else +inf if it has a +inf). Kernel backends read x once for all three."""
         values, tokens = x.max(dim=1)
         return tokens, values, self.logsumexp(x)
 
