@@ -6,7 +6,7 @@ flight twice (resubmitted after a fault, regenerated when stale) and every resul
 to it. A (request_id, sample_index) is delivered once; later copies are dropped.
 
 A stream holds results the router has whole (aborts) and, for polled ones, the payload's ref and the result's
-place in it (rollout_service/result_payloads.py): the client fetches those. A stream whose last read handed out
+place in it (rollout_service/results/payloads.py): the client fetches those. A stream whose last read handed out
 refs ends only at the client's next read, which reports the samples whose payload was lost (its node died): they
 are missing again, and the router generates them anew.
 
@@ -23,7 +23,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollout_service.result_payloads import Batch, Header
+from rollout_service.results.payloads import Batch, Header
 from rollout_service.types import RolloutRequest, RolloutResult
 
 

@@ -75,7 +75,7 @@ class Recovery:
         self.quarantine.read(i, incarnation, running)
         self.counters["polls"] += 1
         self.counters["polled_results"] += len(headers)
-        for h in headers:  # the payload stays unread: it goes to the client (rollout_service/result_payloads.py)
+        for h in headers:  # the payload stays unread: it goes to the client (rollout_service/results/payloads.py)
             try:
                 self.dispatcher.on_header(h, payload)
             except Exception as e:  # one bad result must not cost the others

@@ -110,7 +110,7 @@ class Router:
     async def next_results(self, sid: str, timeout: float = 1.0, lost: list[tuple[str, int]] = ()
                            ) -> tuple[list[RolloutResult], list, bool, bool]:
         """Results of stream `sid` delivered since the last call (waits up to `timeout` for one): those the router
-        holds whole, and payload batches for the client to fetch (rollout_service/result_payloads.py); whether
+        holds whole, and payload batches for the client to fetch (rollout_service/results/payloads.py); whether
         the stream is complete (it is then forgotten); whether no worker can serve until the learner pushes
         weights (a restarted worker after a broadcast refresh). `lost`: the (request_id, sample_index) of the
         last call's batches whose payload the client could not fetch: they are generated again."""

@@ -104,7 +104,7 @@ class EngineConfig:
     # model (and FP8 tensor cores on a GPU; the torch backend computes the same arithmetic anywhere).
     quantization: str | None = None
     # A secret shared with the learner: batch-invariant receipts become HMACs under it, which only a holder of
-    # the key can produce for edited content (rollout_service/receipts.py). Kept out of repr.
+    # the key can produce for edited content (rollout_service/results/receipts.py). Kept out of repr.
     receipt_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:

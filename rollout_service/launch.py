@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Callable
 
 from rollout_service.config import ServiceConfig
-from rollout_service.results_file import save_results
+from rollout_service.results.file import save_results
 from rollout_service.types import RolloutRequest, RolloutResult
 
 DEFAULT_OUTPUT = "rollout_results.msgpack"

@@ -296,7 +296,7 @@ class RolloutResult:
     when it was sampled; equal to token_versions[i] unless the sample went on across a refresh on KV the
     old weights computed (EngineConfig.on_refresh "continue"), so a learner can drop or weigh those
     tokens. `receipt` (batch-invariant engines): sha256 over the producing version's weights digest, the
-    prompt and token ids and the log-prob bytes (rollout_service/receipts.py); InvariantForward.verify
+    prompt and token ids and the log-prob bytes (rollout_service/results/receipts.py); InvariantForward.verify
     recomputes it."""
 
     request_id: str

@@ -1,5 +1,5 @@
 """RolloutResult's msgpack wire format: field conversions and the checks that every record is what it claims,
-each failure a ValueError naming the field (rollout_service/types.py builds the objects; results_file.py
+each failure a ValueError naming the field (rollout_service/types.py builds the objects; results/file.py
 streams records to and from files). Arrays travel as raw little-endian bytes; never pickle.
 """
 from __future__ import annotations

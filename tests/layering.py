@@ -16,10 +16,10 @@ PACKAGES = ("rollout_service", "actors", "benchmarks")
 # (layer name, module prefixes): the first matching prefix names a module's layer; longer prefixes first
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("types", ("rollout_service.values", "rollout_service.types", "rollout_service.config", "rollout_service.prompts",
-               "rollout_service.prompts_sample", "rollout_service.user_code", "rollout_service.results_file",
+               "rollout_service.prompts_sample", "rollout_service.user_code", "rollout_service.results.file", "rollout_service.results.__init__",
                "rollout_service.fidelity", "rollout_service.tasks", "rollout_service.checks", "rollout_service.wire",
-               "rollout_service.reward_fns", "rollout_service.episodes", "rollout_service.receipts",
-               "rollout_service.score_requests", "rollout_service.result_payloads")),
+               "rollout_service.reward_fns", "rollout_service.episodes", "rollout_service.results.receipts",
+               "rollout_service.score_requests", "rollout_service.results.payloads")),
     ("ops", ("rollout_service.ops",)),
     ("model", ("rollout_service.model",)),
     ("weights", ("rollout_service.weights",)),
@@ -27,7 +27,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("host", ("rollout_service.rewards", "rollout_service.reward_examples", "rollout_service.calculator_env",
               "rollout_service.host")),
     ("actors", ("actors",)),
-    ("backends", ("rollout_service.backends", "rollout_service.result_stream")),
+    ("backends", ("rollout_service.backends", "rollout_service.results.stream")),
     ("client", ("rollout_service.client", "rollout_service.dynamic_sampling")),
     ("training", ("rollout_service.training", "rollout_service.mismatch", "actors.learner", "actors.grpo",
                   "actors.grpo_config",

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from rollout_service import cli, launch
-from rollout_service.results_file import load_results
+from rollout_service.results.file import load_results
 
 pytest_plugins = ["ray_fixtures"]
 REPO = Path(__file__).resolve().parents[1]

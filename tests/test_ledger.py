@@ -1,5 +1,5 @@
 """The router's book (actors/ledger.py) and results as headers for the router and payloads for the client
-(rollout_service/result_payloads.py): a stream that was handed payload refs ends only at the client's next read;
+(rollout_service/results/payloads.py): a stream that was handed payload refs ends only at the client's next read;
 samples the client reports lost are missing again, to be generated anew; the per-worker loads a dispatch reads are
 kept up to date. Pure Python: the ledger never reads a payload, so a plain object stands in for the ObjectRef (the
 round trip through Ray, with a real node lost, is tests/test_ray_nodes.py)."""
@@ -10,7 +10,7 @@ import pickle
 import random
 
 from actors.ledger import Ledger
-from rollout_service.result_payloads import pack
+from rollout_service.results.payloads import pack
 from rollout_service.types import RolloutRequest, RolloutResult, SamplingParams
 
 

@@ -20,7 +20,7 @@ import pytest
 import yaml
 from ray_fixtures import free_ports
 
-from rollout_service.results_file import load_results
+from rollout_service.results.file import load_results
 
 pytest_plugins = ["ray_fixtures"]
 pytestmark = [pytest.mark.ray, pytest.mark.slow]

@@ -89,7 +89,7 @@ def test_a_killed_node_loses_nothing_and_a_node_that_joins_serves_the_current_we
 
 def test_results_lost_with_their_node_before_the_client_reads_them_are_generated_again(
         svc, rollout_nodes, reference, make_tiny_llama):
-    """The router hands a stream the refs of payloads in the workers' object stores (result_payloads.py). Every
+    """The router hands a stream the refs of payloads in the workers' object stores (results/payloads.py). Every
     result is delivered to the stream before it is read; then worker 1's node dies, and its payloads with it:
     the client reports those samples lost, the router generates them again on worker 0, and the stream still
     yields each sample once, with the seeded tokens."""

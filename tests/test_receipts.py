@@ -1,4 +1,4 @@
-"""Rollout receipts (rollout_service/receipts.py): a batch-invariant engine signs what it computed with the
+"""Rollout receipts (rollout_service/results/receipts.py): a batch-invariant engine signs what it computed with the
 weights digest of its version; InvariantForward.verify recomputes the log-probs and the receipt on the learner
 and names the first token that differs. Tampering with one log-prob, a token or the receipt is caught."""
 import dataclasses
@@ -10,7 +10,7 @@ from tiny_models import tiny_hf_model
 
 from rollout_service import RolloutRequest, RolloutResult, SamplingParams
 from rollout_service.engine.engine import Engine
-from rollout_service.receipts import receipt_of, weights_digest
+from rollout_service.results.receipts import receipt_of, weights_digest
 from rollout_service.training import InvariantForward
 
 PROMPTS = [[1, 5, 9, 33], list(range(40, 75)), [7]]

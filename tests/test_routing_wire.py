@@ -7,7 +7,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from rollout_service.results_file import load_results, save_results
+from rollout_service.results.file import load_results, save_results
 from rollout_service.types import RolloutRequest, RolloutResult, SamplingParams
 
 

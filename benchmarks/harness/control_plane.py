@@ -186,7 +186,7 @@ def _markdown(lat: dict, runs: list[dict]) -> list[str]:
              "requests/s; 256-token answers, 256 at a time, 10 tokens every 25.6 ms, are W2's rate per worker "
              "(100k tokens/s, ~390 results/s). A busy worker's results reach the router in batches, one poll at "
              "most every max(20 ms, workers / 500 s) (actors/recovery.py), and the router reads their headers only: the payload goes "
-             "to the client (rollout_service/result_payloads.py). CPU from /proc (10 ms ticks); every process shares this machine's "
+             "to the client (rollout_service/results/payloads.py). CPU from /proc (10 ms ticks); every process shares this machine's "
              "cores, so results/s is what the whole machine sustained and the router's CPU per result is the "
              "figure that carries to other machines. router results/CPU-s: what one router could carry with a "
              "core of its own. idle: the router's CPU share on the idle service (its long polls of every worker), "

@@ -16,7 +16,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from rollout_service.backends.ray_cluster import ensure_ray, starts_local_ray
 from actors.capacity import resolve_auto
 from rollout_service.config import ServiceConfig
-from rollout_service.result_stream import ResultStream, close_streams, hold_sleep, release_sleep, send_closes
+from rollout_service.results.stream import ResultStream, close_streams, hold_sleep, release_sleep, send_closes
 from rollout_service.types import RolloutResult
 from rollout_service.weights.push import WeightPusher
 
@@ -91,7 +91,7 @@ class RayBackend:
     def submit(self, requests: list) -> Iterator[RolloutResult]:
         """Validate and dispatch now (ValueError naming the bad requests); then yield results as they
         finish, each (request_id, sample_index) exactly once. `requests` may hold RolloutRequests,
-        request dicts or msgpack-encoded requests. The stream (rollout_service/result_stream.py) ends in
+        request dicts or msgpack-encoded requests. The stream (rollout_service/results/stream.py) ends in
         the router however its consumer goes: read to the end, `close()`d, dropped unread, the client
         closed, or this process gone."""
         send_closes()

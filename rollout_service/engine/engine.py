@@ -42,7 +42,7 @@ from rollout_service.engine.sleep import Sleeper, process_gpu_bytes
 from rollout_service.model.loader import load_model
 from rollout_service.ops.backend import resolve_backend
 from rollout_service.prompts import PromptProcessor
-from rollout_service.receipts import receipt_of
+from rollout_service.results.receipts import receipt_of
 from rollout_service.types import RolloutRequest, RolloutResult
 from rollout_service.user_code import Guard, unguarded
 
@@ -343,7 +343,7 @@ class Engine(DecodeSteps, FaultIsolation, WeightRefresh):
             timings={"queued": seq.t_arrival, "first_token": seq.t_first_token or seq.t_finished,
                      "finished": seq.t_finished}, error=error, **result_routing(self.kv.routing, seq),
         )
-        if self.config.batch_invariant and error is None:  # rollout_service/receipts.py
+        if self.config.batch_invariant and error is None:  # rollout_service/results/receipts.py
             result.receipt = receipt_of(result, self.weights_digest(), self.config.receipt_key)
         return result
 

@@ -22,7 +22,7 @@ from rollout_service.engine.heap import release_freed_memory
 from rollout_service.engine.scoring import restart_partial
 from rollout_service.engine.sequence import Sequence
 from rollout_service.model.weight_update import apply_named_tensors, validate_manifest, validate_named_tensors
-from rollout_service.receipts import weights_digest
+from rollout_service.results.receipts import weights_digest
 from rollout_service.weights.buckets import named_items, reject_nonfinite
 from rollout_service.weights.canary import reject_overflowing
 
@@ -73,7 +73,7 @@ class WeightRefresh:
         self.kv.blocks.free(seq)
 
     def weights_digest(self) -> str:
-        """sha256 of every weight by name (rollout_service/receipts.py): two engines, or an engine and a learner
+        """sha256 of every weight by name (rollout_service/results/receipts.py): two engines, or an engine and a learner
         holding the same tensors under the same names, hold bitwise the same weights iff their digests are
         equal. An FP8 weight counts with its scales. Kept until the next refresh."""
         with self._lock:

@@ -33,7 +33,7 @@ from rollout_service.model.registry import arch_flags, moe_spec
 from rollout_service.ops import moe, norm
 from rollout_service.ops.backend import resolve_backend, select_ops
 from rollout_service.ops.rope import apply_rope, build_cos_sin_cache, rope_head_dim
-from rollout_service.receipts import receipt_of, weights_digest
+from rollout_service.results.receipts import receipt_of, weights_digest
 from rollout_service.training.routing_replay import check_routing, packed_routing
 from rollout_service.types import RolloutResult
 
@@ -265,7 +265,7 @@ class InvariantForward:
                digest: str | None = None, key: str | bytes | None = None) -> list[Verdict]:
         """Check batch-invariant rollouts against the policy's current weights (those of the results' version):
         each result must be well formed, its receipt what its content and these weights give
-        (rollout_service/receipts.py; `key`: the service's EngineConfig.receipt_key, when it has one), and its
+        (rollout_service/results/receipts.py; `key`: the service's EngineConfig.receipt_key, when it has one), and its
         log-probs bitwise this forward's. `digest`: the weights digest to expect (default: the policy's own, by
         parameter name). One Verdict per result, in order."""
         digest = digest or weights_digest(self.policy.named_parameters())

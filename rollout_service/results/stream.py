@@ -1,7 +1,7 @@
 """ResultStream: what RayBackend.submit returns, an iterator over one stream of results in the router.
 
 Each read gets the results the router holds whole and, for the others, where their payload is: this process
-fetches it from the worker's node (rollout_service/result_payloads.py) and reports on its next read what was lost
+fetches it from the worker's node (rollout_service/results/payloads.py) and reports on its next read what was lost
 with a node, for the router to generate again.
 
 A stream holds requests in flight on the workers, so its end must reach the router however its consumer
@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator
 
 import ray
 
-from rollout_service.result_payloads import unpack
+from rollout_service.results.payloads import unpack
 from rollout_service.types import RolloutResult
 
 _TICK_S = 0.5  # how often the thread sends queued closes and checks whether leases are due
