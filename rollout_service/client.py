@@ -14,7 +14,7 @@ from rollout_service.checks import check_metadata, check_request_ids
 from rollout_service.config import EngineConfig
 from rollout_service.fidelity import check_fidelity
 from rollout_service.prompts import prompt_items
-from rollout_service.reward_fns import resolve
+from rollout_service.rewards.functions import resolve
 from rollout_service.score_requests import score_requests
 from rollout_service.types import EpisodeParams, Prompt, RolloutRequest, RolloutResult, SamplingParams
 from rollout_service.values import is_int, is_number

@@ -316,7 +316,7 @@ class ServiceConfig:
         if not _is_count(self.reward_workers) or self.reward_workers < 0:
             _fail(c, "reward_workers", self.reward_workers, "must be an int >= 0")
         if self.reward is not None:
-            from rollout_service.reward_fns import resolve
+            from rollout_service.rewards.functions import resolve
             resolve(self.reward, f"{c}.reward")
         self.sampling_params()  # validates the defaults now, not at the first request
 

@@ -3,7 +3,7 @@
 
 One lock guards the engine, so every call (submit, abort, a weight swap, sleep) lands between two steps. The
 stepping thread runs while there is work and the host is neither paused nor asleep. Finished results go to
-`on_results` once their rewards are computed, off the stepping thread (rollout_service/rewards.py). `stats`
+`on_results` once their rewards are computed, off the stepping thread (rollout_service/rewards/runner.py). `stats`
 reads without the lock, so it answers at once even in the middle of a long step.
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ import threading
 from typing import Any, Callable, Iterator
 
 from rollout_service.ops import omp_pool
-from rollout_service.rewards import REWARD_THREADS, RewardBook, RewardRunner, Starter
+from rollout_service.rewards.runner import REWARD_THREADS, RewardBook, RewardRunner, Starter
 from rollout_service.types import RolloutRequest, RolloutResult
 from rollout_service.user_code import Guard, describe_error, unguarded
 

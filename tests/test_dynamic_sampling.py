@@ -1,5 +1,5 @@
 """Dynamic sampling (rollout_service/dynamic_sampling.py): client.generate_groups in-process and through
-Ray. The reward rollout_service.reward_examples:difficulty_reward makes "easy" and "hard" groups constant
+Ray. The reward rollout_service.rewards.examples:difficulty_reward makes "easy" and "hard" groups constant
 (always dropped by "nonconstant") and "medium" ones mixed (parity of the sampled tokens)."""
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from tiny_models import tiny_hf_model
 
 pytest_plugins = ["ray_fixtures"]
 
-DIFFICULTY = "rollout_service.reward_examples:difficulty_reward"
+DIFFICULTY = "rollout_service.rewards.examples:difficulty_reward"
 SP = SamplingParams(n=4, temperature=1.0, max_tokens=6, ignore_eos=True, seed=5)
 
 
@@ -92,7 +92,7 @@ def _check_abort_of_unneeded_groups(client) -> None:
 def _check_failed_groups(client) -> None:
     """A reward error in a group: the group is failed, not dropped; the call goes on. (The good groups' rewards
     take 0.2 s each, so failed groups are judged before the third good one whatever the threads' order.)"""
-    fail = "rollout_service.reward_examples:failing_reward"
+    fail = "rollout_service.rewards.examples:failing_reward"
     meta = [{"fail": True} if i % 2 == 0 else {"fail": False, "sleep_s": 0.2} for i in range(12)]
     res = client.generate_groups([[9, i + 1] for i in range(12)], SP, keep=lambda g: True, target_groups=3,
                                  reward=fail, metadata=meta)

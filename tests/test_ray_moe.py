@@ -73,7 +73,7 @@ def test_routed_experts_come_back_through_the_service_and_its_streams(svc, local
                         return_prompt_routed_experts=True)
     key = lambda r: (tuple(r.prompt_token_ids), r.sample_index)  # noqa: E731
     want = {key(r): r for r in local.generate(PROMPTS, sp)}
-    reward = "rollout_service.reward_examples:length_reward"
+    reward = "rollout_service.rewards.examples:length_reward"
     for got in (svc.generate(PROMPTS, sp), list(svc.stream(PROMPTS, sp, reward=reward))):
         assert sorted(map(key, got)) == sorted(want)
         for r in got:

@@ -1,4 +1,4 @@
-"""Rewards computed by the service (rollout_service/rewards.py): in-process and through Ray, in the workers'
+"""Rewards computed by the service (rollout_service/rewards/runner.py): in-process and through Ray, in the workers'
 threads and in reward actors; a reward that raises marks only its results, a name that cannot be imported is
 a ValueError at the client (and a request error at a worker), and the service keeps serving."""
 from __future__ import annotations
@@ -13,13 +13,13 @@ import ray
 from ray_fixtures import wait_for
 from rollout_service.client import RolloutClient
 from rollout_service.config import ServiceConfig
-from rollout_service.reward_fns import resolve, score
+from rollout_service.rewards.functions import resolve, score
 from rollout_service.types import RolloutRequest, RolloutResult, SamplingParams
 from tiny_models import tiny_hf_model
 
 pytest_plugins = ["ray_fixtures"]
 
-EX = "rollout_service.reward_examples"
+EX = "rollout_service.rewards.examples"
 SP = SamplingParams(n=2, temperature=1.0, max_tokens=6, ignore_eos=True, seed=3)
 
 
@@ -73,7 +73,7 @@ def test_unimportable_names_are_value_errors_naming_why(local, name, why):
 def test_a_name_is_checked_before_its_module_runs():
     """A module not yet imported is read, not run, to check the name: importing `this` prints the Zen of Python,
     and http.server:test would open a listener on port 8000."""
-    code = ("import sys\nfrom rollout_service.reward_fns import resolve\n"
+    code = ("import sys\nfrom rollout_service.rewards.functions import resolve\n"
             "for name in ('this:s', 'http.server:test', 'json.tool:main'):\n"
             "    try:\n        resolve(name)\n    except ValueError as e:\n        print(e)\n"
             "print(sorted(m for m in ('this', 'http.server', 'json.tool', 'json') if m in sys.modules))")

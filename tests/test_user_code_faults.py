@@ -17,7 +17,7 @@ from tiny_models import tiny_hf_model
 
 pytest_plugins = ["ray_fixtures"]
 
-EX = "rollout_service.reward_examples"
+EX = "rollout_service.rewards.examples"
 PLAIN = SamplingParams(max_tokens=6, ignore_eos=True)
 TIMEOUT_S = 3.0  # the service's user_code_timeout_s here
 

@@ -1,7 +1,7 @@
 """WDS: dynamic sampling's overhead over plain generation (issue 17's target: <= 10% of the wasted generation).
 
 On the in-process engine, `generate_groups` keeps `ds_groups` groups of n samples whose rewards are not
-all equal. The reward (rollout_service.reward_examples:difficulty_reward) is decided by each prompt's
+all equal. The reward (rollout_service.rewards.examples:difficulty_reward) is decided by each prompt's
 metadata: "easy" prompts always 1 and "hard" always 0 (constant groups: dropped), "medium" the parity of
 the sampled tokens (mixed); half of the prompts are medium. Samples are fixed-length (ignore_eos) and
 seeded, so the same prompt gives the same tokens in every run, whichever way it is generated.
@@ -26,7 +26,7 @@ from benchmarks.harness.engine_side import open_engine
 from benchmarks.harness.models import random_prompts
 from benchmarks.harness.report import Cell, Row
 
-REWARD = "rollout_service.reward_examples:difficulty_reward"
+REWARD = "rollout_service.rewards.examples:difficulty_reward"
 KINDS = ("easy", "medium", "hard", "medium")  # half of the groups constant
 MAX_OVERSAMPLE = 4.0
 MAX_SEQS = 1024  # the engine's batch: every group submitted at once fits for the default shapes' models

@@ -1,6 +1,6 @@
 """Reward functions by name: "package.module:function", a def of one argument (the RolloutResult) returning a
 finite float. `resolve` checks a name (reading the module's source before it ever runs) and imports it once
-per process; `score` calls it on one result and never raises (rollout_service/rewards.py runs them).
+per process; `score` calls it on one result and never raises (rollout_service/rewards/runner.py runs them).
 """
 from __future__ import annotations
 

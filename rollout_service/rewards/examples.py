@@ -1,4 +1,4 @@
-"""Example reward functions, importable by name from any worker ("rollout_service.reward_examples:NAME"):
+"""Example reward functions, importable by name from any worker ("rollout_service.rewards.examples:NAME"):
 for the tests, the benchmark and as templates. A reward function takes a RolloutResult and returns a float.
 """
 from __future__ import annotations

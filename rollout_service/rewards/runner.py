@@ -1,6 +1,6 @@
 """Rewards computed by the service, where the results are.
 
-A reward function is named by an importable "package.module:function" (rollout_service/reward_fns.py; a
+A reward function is named by an importable "package.module:function" (rollout_service/rewards/functions.py; a
 result carries its request's `metadata`, e.g. the ground truth). The name travels with the request (or is the
 service's default) and is resolved once per process. A function that raises, or returns anything but a finite
 number, marks that one result (`reward=None`, `reward_error` says why); the others go on.
@@ -14,7 +14,7 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Iterable
 
-from rollout_service.reward_fns import resolve, score_all
+from rollout_service.rewards.functions import resolve, score_all
 from rollout_service.types import RolloutResult
 from rollout_service.user_code import Guard, unguarded
 
