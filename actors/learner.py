@@ -14,7 +14,7 @@ import numpy as np
 import ray
 import torch
 
-from rollout_service.mismatch import learner_logprobs, logprob_mismatch, token_logprobs
+from rollout_service.training.mismatch import learner_logprobs, logprob_mismatch, token_logprobs
 from rollout_service.training.loss import ppo_clip_loss
 from rollout_service.types import RolloutResult, SamplingParams
 

@@ -12,6 +12,6 @@ def __getattr__(name: str):
         from rollout_service.client import RolloutClient
         return RolloutClient
     if name in ("logprob_mismatch", "mismatch_report"):
-        from rollout_service import mismatch
+        from rollout_service.training import mismatch
         return getattr(mismatch, name)
     raise AttributeError(f"module 'rollout_service' has no attribute {name!r}")

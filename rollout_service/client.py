@@ -306,7 +306,7 @@ class RolloutClient:
 
     def report_fidelity(self, version: int, report: dict) -> None:
         """Tell the service how closely the rollouts of policy `version` match the learner's log-probs (e.g.
-        rollout_service.mismatch.logprob_mismatch: mean_abs, max_abs, kl, ratio_max, n_tokens): logged in
+        rollout_service.training.mismatch.logprob_mismatch: mean_abs, max_abs, kl, ratio_max, n_tokens): logged in
         one line and kept, the last 256, in info()["fidelity"]. `report`: str keys; numbers, strings, None
         or lists of those."""
         check_fidelity(version, report)

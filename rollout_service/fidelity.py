@@ -79,7 +79,7 @@ def check_fidelity(version: Any, report: Any) -> dict:
 def fidelity_line(entry: dict) -> str:
     """One log line of at most FIDELITY_LINE_MAX characters: "fidelity of version 3: mean |dlogp| 1.2e-04,
     max 3.1e-02, KL 2e-06, max ratio 1.03 over 4096 tokens" from the keys of
-    rollout_service.mismatch.logprob_mismatch (a report with none of them is written as key=value, long
+    rollout_service.training.mismatch.logprob_mismatch (a report with none of them is written as key=value, long
     values abridged)."""
     known = {"mean_abs": "mean |dlogp| {:.1e}", "max_abs": "max {:.1e}", "kl": "KL {:.0e}",
              "ratio_max": "max ratio {:.3g}", "ratio_outside_share": "{:.2%} of tokens outside the ratio band"}

@@ -29,7 +29,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("actors", ("actors",)),
     ("backends", ("rollout_service.backends", "rollout_service.results.stream")),
     ("client", ("rollout_service.client", "rollout_service.dynamic_sampling")),
-    ("training", ("rollout_service.training", "rollout_service.mismatch", "actors.learner", "actors.grpo",
+    ("training", ("rollout_service.training", "actors.learner", "actors.grpo",
                   "actors.grpo_config",
                   "rollout_service.__init__")),
     ("entry", ("rollout_service.launch", "rollout_service.cli")),

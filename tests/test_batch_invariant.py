@@ -157,7 +157,7 @@ def test_config_takes_either_backend_and_refuses_non_bools():
 def test_gradients_match_the_reference_forward():
     """InvariantForward's backward is the reference math: its gradients are as close to a float64 computation
     as those of the same computation through the transformers forward (tests/numerics.py)."""
-    from rollout_service.mismatch import token_logprobs
+    from rollout_service.training.mismatch import token_logprobs
     policy = tiny_hf_model("qwen2", num_hidden_layers=2)
     sp = SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True, seed=2, logprobs_mode="scaled")
     results = [r for k, r in run(policy, [(p, sp) for p in _prompts(3, 9)]).items() if k != "stats"]

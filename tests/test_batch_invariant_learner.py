@@ -8,7 +8,7 @@ from numerics import assert_as_close_as_the_reference, float64_copy
 from tiny_models import tiny_hf_model
 
 from rollout_service.engine.engine import Engine
-from rollout_service.mismatch import token_logprobs
+from rollout_service.training.mismatch import token_logprobs
 from rollout_service.training import InvariantForward
 from rollout_service.training.loss import ppo_clip_loss
 from rollout_service.types import RolloutRequest, SamplingParams

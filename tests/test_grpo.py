@@ -14,7 +14,7 @@ from rollout_service.training.loss import ppo_clip_loss
 from actors.learner import group_advantages
 from rollout_service import tasks
 from rollout_service.client import RolloutClient
-from rollout_service.mismatch import learner_logprobs, logprob_mismatch, token_logprobs
+from rollout_service.training.mismatch import learner_logprobs, logprob_mismatch, token_logprobs
 from rollout_service.types import RolloutResult
 from tiny_models import tiny_hf_model
 

@@ -12,7 +12,7 @@ import torch
 from actors.grpo import GRPOConfig, GRPOLearner
 from benchmarks.harness.multiturn import SyntheticEnv
 from rollout_service.client import RolloutClient
-from rollout_service.mismatch import logprob_mismatch, num_model_tokens, token_logprobs
+from rollout_service.training.mismatch import logprob_mismatch, num_model_tokens, token_logprobs
 from rollout_service.types import RolloutResult
 from tiny_models import tiny_hf_model
 

@@ -14,7 +14,7 @@ from tiny_models import tiny_hf_model
 
 from actors.grpo import GRPOConfig, GRPOLearner
 from rollout_service.client import RolloutClient
-from rollout_service.mismatch import token_logprobs
+from rollout_service.training.mismatch import token_logprobs
 
 
 def learner(replay: bool, policy=None) -> tuple[RolloutClient, GRPOLearner]:

@@ -10,7 +10,7 @@ from test_batch_invariant import _prompts, same_bytes
 from test_moe import moe_model
 
 from rollout_service.engine.engine import Engine
-from rollout_service.mismatch import token_logprobs
+from rollout_service.training.mismatch import token_logprobs
 from rollout_service.training.invariant_forward import InvariantForward
 from rollout_service.types import SamplingParams
 

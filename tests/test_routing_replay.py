@@ -12,7 +12,7 @@ from test_moe import moe_model
 from tiny_models import tiny_hf_model
 
 from rollout_service import RolloutClient, SamplingParams
-from rollout_service.mismatch import mismatch_report, token_logprobs
+from rollout_service.training.mismatch import mismatch_report, token_logprobs
 from rollout_service.training import replay_routing
 from rollout_service.training.invariant_forward import InvariantForward
 

@@ -79,7 +79,7 @@ def wmf_moe_fidelity(ctx: BenchContext) -> list[Row]:
 def _report(model: torch.nn.Module, results: list, replay: bool) -> dict:
     """The mismatch of the learner's recompute (replaying the routing or not) with the importance-ratio band
     [1 / RATIO_CAP, RATIO_CAP], and how often its own routing differs from the engine's."""
-    from rollout_service.mismatch import learner_logprobs, logprob_mismatch
+    from rollout_service.training.mismatch import learner_logprobs, logprob_mismatch
     from rollout_service.training.routing_replay import RoutingStats
 
     stats = RoutingStats()

@@ -132,7 +132,7 @@ def recorded_layout(results: Sequence[RolloutResult], layers: int, top_k: int) -
 @contextmanager
 def replay_routing(policy: nn.Module, results: Sequence[RolloutResult], replay: bool = True) -> Iterator[RoutingStats]:
     """Within the block, every forward of `policy` must be over `results`' sequences in token_logprobs' layout
-    (rollout_service.mismatch), and routes each recorded position to the recorded experts (module docstring).
+    (rollout_service.training.mismatch), and routes each recorded position to the recorded experts (module docstring).
     Yields the RoutingStats of those forwards. replay=False leaves the policy's own routing in place and only
     counts where it differs from the recorded one. The hooks stay for the whole block: a backward that
     recomputes the layers (gradient checkpointing) inside it replays them too, and counts its forward again."""

@@ -118,7 +118,7 @@ def test_learner_recompute_equals_rollout_bytes(arch):
 def test_bf16_learner_gradients_are_as_good_as_transformers_bf16(model):
     """bf16 through the kernels, backward by the reference math: every parameter's gradient is as close to the
     float32 gradient (transformers' forward on float32 weights) as transformers' own bf16 gradient is."""
-    from rollout_service.mismatch import token_logprobs
+    from rollout_service.training.mismatch import token_logprobs
 
     results = [r for k, r in run(model, [(p, SAMPLED) for p in prompts(3, 9, 120)]).items()
                if isinstance(k, tuple)]
