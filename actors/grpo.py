@@ -51,7 +51,7 @@ import torch
 
 from actors.grpo_config import GRPOConfig
 from actors.learner import group_advantages, load_policy
-from rollout_service import tasks
+from rollout_service.examples import tasks
 from rollout_service.training.mismatch import (fp32_reference_report, learner_logprobs, logprob_mismatch, model_token_mask,
                                      num_model_tokens, token_logprobs)
 from rollout_service.model.registry import moe_spec

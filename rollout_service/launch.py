@@ -28,7 +28,7 @@ def load_prompts(path: str | None, limit: int | None = None) -> list[dict]:
     """Prompt records from a JSONL file (one JSON string, or an object with "prompt" and optional
     "metadata" / "sampling" / "request_id" per line), or the built-in sample set when path is None."""
     if path is None:
-        from rollout_service.prompts_sample import SAMPLE_PROMPTS
+        from rollout_service.examples.sample_prompts import SAMPLE_PROMPTS
         records = [dict(r) for r in SAMPLE_PROMPTS]
     else:
         try:

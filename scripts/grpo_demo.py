@@ -32,7 +32,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rollout_service import tasks  # noqa: E402
+from rollout_service.examples import tasks  # noqa: E402
 
 DEMO_KEYS = ("steps", "eval_every", "heldout_size", "learner_threads", "policy")
 

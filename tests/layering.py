@@ -16,15 +16,15 @@ PACKAGES = ("rollout_service", "actors", "benchmarks")
 # (layer name, module prefixes): the first matching prefix names a module's layer; longer prefixes first
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("types", ("rollout_service.values", "rollout_service.types", "rollout_service.config", "rollout_service.prompts",
-               "rollout_service.prompts_sample", "rollout_service.user_code", "rollout_service.results.file", "rollout_service.results.__init__",
-               "rollout_service.fidelity", "rollout_service.tasks", "rollout_service.checks", "rollout_service.wire",
+               "rollout_service.examples.sample_prompts", "rollout_service.user_code", "rollout_service.results.file", "rollout_service.results.__init__",
+               "rollout_service.fidelity", "rollout_service.examples.tasks", "rollout_service.examples.__init__", "rollout_service.checks", "rollout_service.wire",
                "rollout_service.rewards.functions", "rollout_service.rewards.__init__", "rollout_service.episodes", "rollout_service.results.receipts",
                "rollout_service.score_requests", "rollout_service.results.payloads")),
     ("ops", ("rollout_service.ops",)),
     ("model", ("rollout_service.model",)),
     ("weights", ("rollout_service.weights",)),
     ("engine", ("rollout_service.engine",)),
-    ("host", ("rollout_service.rewards.runner", "rollout_service.rewards.examples", "rollout_service.calculator_env",
+    ("host", ("rollout_service.rewards.runner", "rollout_service.rewards.examples", "rollout_service.examples.calculator_env",
               "rollout_service.host")),
     ("actors", ("actors",)),
     ("backends", ("rollout_service.backends", "rollout_service.results.stream")),

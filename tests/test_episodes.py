@@ -15,11 +15,11 @@ import torch
 
 from rollout_service import RolloutClient, SamplingParams
 from benchmarks.harness.multiturn import SyntheticEnv
-from rollout_service.calculator_env import STOP, CalculatorEnv, evaluate, tool_answer
+from rollout_service.examples.calculator_env import STOP, CalculatorEnv, evaluate, tool_answer
 from rollout_service.engine.episodes import turn_seed
 from rollout_service.episodes import Environment
 from rollout_service.prompts import PromptProcessor
-from rollout_service.tasks import Problem
+from rollout_service.examples.tasks import Problem
 from rollout_service.types import EpisodeParams, RolloutRequest
 from tiny_models import tiny_hf_model
 

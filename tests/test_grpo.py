@@ -12,7 +12,7 @@ from actors.grpo import GRPOConfig, GRPOLearner
 from rollout_service.training.engine_match import check_bitwise_engine
 from rollout_service.training.loss import ppo_clip_loss
 from actors.learner import group_advantages
-from rollout_service import tasks
+from rollout_service.examples import tasks
 from rollout_service.client import RolloutClient
 from rollout_service.training.mismatch import learner_logprobs, logprob_mismatch, token_logprobs
 from rollout_service.types import RolloutResult

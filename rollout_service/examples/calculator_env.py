@@ -1,4 +1,4 @@
-"""An example Environment for multi-turn episodes: the arithmetic tasks (rollout_service/tasks.py) with a
+"""An example Environment for multi-turn episodes: the arithmetic tasks (rollout_service/examples/tasks.py) with a
 calculator tool.
 
 The model may write `<calc>EXPR</calc>`; sampled with `stop=STOP`, its turn ends there and the environment
@@ -16,7 +16,7 @@ import re
 from fractions import Fraction
 from typing import Any
 
-from rollout_service import tasks
+from rollout_service.examples import tasks
 
 STOP = ["</calc>"]  # the turn's stop string: sample with SamplingParams(stop=STOP)
 SYSTEM = ("You are a calculator. To compute, write <calc>EXPR</calc> with numbers, + - * / and parentheses; "
