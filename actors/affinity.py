@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any
 
-from rollout_service.types import RolloutRequest
+from rollout_service.api.types import RolloutRequest
 
 MAX_KEYS = 1 << 17    # prefixes remembered (~10 MB of router memory when full)
 MAX_PAGES = 512       # pages of one prompt recorded: 8192 tokens at page size 16

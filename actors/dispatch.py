@@ -12,7 +12,7 @@ from actors.ledger import Ledger, Tracked, decode_request
 from actors.remote_errors import ACTOR_DOWN, error_text, is_down
 from actors.workers import WorkerTable
 from rollout_service.results.payloads import Header, oldest_version
-from rollout_service.types import RolloutRequest, RolloutResult
+from rollout_service.api.types import RolloutRequest, RolloutResult
 
 # a request regenerated this often, because each time a refresh came before it finished, never would: it fails
 MAX_STALE_REGENERATIONS = 8

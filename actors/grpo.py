@@ -60,7 +60,7 @@ from rollout_service.training import (InvariantForward, LearnerOutOfMemory, Mast
 from rollout_service.training.engine_match import check_bitwise_engine, engine_numerics
 from rollout_service.training.loss import corrected_pg_loss, ppo_clip_loss, ratio_deviation
 from rollout_service.training.memory import describe, is_out_of_memory
-from rollout_service.types import EpisodeParams, RolloutRequest, RolloutResult, SamplingParams
+from rollout_service.api.types import EpisodeParams, RolloutRequest, RolloutResult, SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ import torch
 from rollout_service.config import DTYPE_NAMES
 from rollout_service.training import OPTIMIZERS
 from rollout_service.training.importance import MODES as CORRECTIONS
-from rollout_service.values import is_int
+from rollout_service.api.values import is_int
 
 
 @dataclass

@@ -16,7 +16,7 @@ import torch
 
 from rollout_service.training.mismatch import learner_logprobs, logprob_mismatch, token_logprobs
 from rollout_service.training.loss import ppo_clip_loss
-from rollout_service.types import RolloutResult, SamplingParams
+from rollout_service.api.types import RolloutResult, SamplingParams
 
 
 def load_policy(model: Any, dtype: torch.dtype | None = None, device: str | torch.device | None = None,

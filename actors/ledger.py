@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollout_service.results.payloads import Batch, Header
-from rollout_service.types import RolloutRequest, RolloutResult
+from rollout_service.api.types import RolloutRequest, RolloutResult
 
 
 @dataclass

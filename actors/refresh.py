@@ -29,7 +29,7 @@ import ray
 
 from actors.remote_errors import error_text, is_down
 from actors.workers import WorkerTable
-from rollout_service.checks import check_policy_version
+from rollout_service.api.checks import check_policy_version
 from rollout_service.weights.transport import REGROUP
 
 

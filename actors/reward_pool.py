@@ -16,7 +16,7 @@ import ray
 from actors.remote_errors import error_text, is_down
 from rollout_service.config import ServiceConfig
 from rollout_service.rewards.functions import score_all
-from rollout_service.types import RolloutResult
+from rollout_service.api.types import RolloutResult
 
 
 class RewardActor:

@@ -27,7 +27,7 @@ from actors.remote_errors import error_text
 from actors.reward_pool import RewardPool
 from rollout_service.host import EngineHost
 from rollout_service.results.payloads import Header, pack
-from rollout_service.types import RolloutRequest, RolloutResult
+from rollout_service.api.types import RolloutRequest, RolloutResult
 from rollout_service.weights.cuda_ipc import visible_gpus
 from rollout_service.weights.group import GroupSpec
 from rollout_service.weights.receiver import WeightReceiver

@@ -33,8 +33,8 @@ from actors.slots import Slots
 from actors.workers import WorkerTable
 from rollout_service.config import ServiceConfig
 from rollout_service.fidelity import FidelityLog
-from rollout_service.types import RolloutResult
-from rollout_service.values import is_int
+from rollout_service.api.types import RolloutResult
+from rollout_service.api.values import is_int
 
 
 class Router:

@@ -33,7 +33,7 @@ from actors.remote_errors import error_text
 from actors.slots import Slots
 from actors.workers import WorkerTable
 from rollout_service.config import ServiceConfig
-from rollout_service.values import is_int, is_number
+from rollout_service.api.values import is_int, is_number
 
 
 class Scaler:

@@ -1,5 +1,5 @@
 """rollout_service: a distributed rollout service for RL post-training of language models."""
-from rollout_service.types import RolloutRequest, RolloutResult, SamplingParams
+from rollout_service.api.types import RolloutRequest, RolloutResult, SamplingParams
 
 __all__ = ["RolloutClient", "RolloutRequest", "RolloutResult", "SamplingParams", "logprob_mismatch",
            "mismatch_report"]
@@ -7,7 +7,7 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
-    # The client pulls in torch and the engine; keep `import rollout_service.types` light for wire-only users.
+    # The client pulls in torch and the engine; keep `import rollout_service.api.types` light for wire-only users.
     if name == "RolloutClient":
         from rollout_service.client import RolloutClient
         return RolloutClient

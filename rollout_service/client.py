@@ -10,14 +10,14 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence as Seq
 
 from rollout_service.backends import Backend
-from rollout_service.checks import check_metadata, check_request_ids
+from rollout_service.api.checks import check_metadata, check_request_ids
 from rollout_service.config import EngineConfig
 from rollout_service.fidelity import check_fidelity
 from rollout_service.prompts import prompt_items
 from rollout_service.rewards.functions import resolve
 from rollout_service.score_requests import score_requests
-from rollout_service.types import EpisodeParams, Prompt, RolloutRequest, RolloutResult, SamplingParams
-from rollout_service.values import is_int, is_number
+from rollout_service.api.types import EpisodeParams, Prompt, RolloutRequest, RolloutResult, SamplingParams
+from rollout_service.api.values import is_int, is_number
 from rollout_service.weights.buckets import named_items
 from rollout_service.weights.transport import TRANSPORTS
 

@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from rollout_service.values import is_int, is_number
+from rollout_service.api.values import is_int, is_number
 
 # The one table of ops backends and dtype names (torch-free, so a command line can read it at once).
 OPS_BACKENDS = ("torch", "cuda")  # the ops backends an engine runs on (ops/backend.py)
@@ -321,7 +321,7 @@ class ServiceConfig:
         self.sampling_params()  # validates the defaults now, not at the first request
 
     def sampling_params(self, **overrides: Any):
-        from rollout_service.types import SamplingParams
+        from rollout_service.api.types import SamplingParams
         if not isinstance(self.sampling, dict):
             _fail("ServiceConfig", "sampling", self.sampling, "must be a mapping of SamplingParams fields")
         try:

@@ -31,8 +31,8 @@ from typing import Any, Callable
 import numpy as np
 
 from rollout_service.prompts import prompts_with_metadata
-from rollout_service.types import RolloutRequest, RolloutResult, SamplingParams
-from rollout_service.values import is_int, is_number
+from rollout_service.api.types import RolloutRequest, RolloutResult, SamplingParams
+from rollout_service.api.values import is_int, is_number
 
 Group = list[RolloutResult]
 

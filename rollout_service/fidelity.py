@@ -10,8 +10,8 @@ from collections import deque
 from collections.abc import Mapping
 from typing import Any, Callable
 
-from rollout_service.checks import check_text
-from rollout_service.values import MAX_INT32, is_int, is_number
+from rollout_service.api.checks import check_text
+from rollout_service.api.values import MAX_INT32, is_int, is_number
 
 FIDELITY_KEPT = 256  # fidelity reports a service keeps (the newest)
 # What one report may hold. The service keeps FIDELITY_KEPT of them and returns them all with every info(),

@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterator
 
 from rollout_service.ops import omp_pool
 from rollout_service.rewards.runner import REWARD_THREADS, RewardBook, RewardRunner, Starter
-from rollout_service.types import RolloutRequest, RolloutResult
+from rollout_service.api.types import RolloutRequest, RolloutResult
 from rollout_service.user_code import Guard, describe_error, unguarded
 
 OnResults = Callable[[list[RolloutResult]], None]

@@ -19,7 +19,7 @@ from typing import Callable
 
 from rollout_service.config import ServiceConfig
 from rollout_service.results.file import save_results
-from rollout_service.types import RolloutRequest, RolloutResult
+from rollout_service.api.types import RolloutRequest, RolloutResult
 
 DEFAULT_OUTPUT = "rollout_results.msgpack"
 
@@ -59,7 +59,7 @@ def _check_record(rec: dict, where: str) -> None:
     from dataclasses import fields
 
     from rollout_service.config import did_you_mean
-    from rollout_service.types import SamplingParams
+    from rollout_service.api.types import SamplingParams
 
     if "prompt" not in rec:
         raise ValueError(f"{where}: a prompt record needs a 'prompt' key")

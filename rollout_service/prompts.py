@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Mapping, Sized
 from typing import Any
 
-from rollout_service.types import Prompt, RolloutRequest
+from rollout_service.api.types import Prompt, RolloutRequest
 
 _TURN = "\u2063assistant turn\u2063"  # stands for the model's text in chat_delta's renderings (found by rindex)
 

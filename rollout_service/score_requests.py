@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from rollout_service.types import RolloutRequest, RolloutResult, SamplingParams
+from rollout_service.api.types import RolloutRequest, RolloutResult, SamplingParams
 
 
 def _is_pair(x: Any) -> bool:

@@ -1,5 +1,5 @@
 """One engine serving requests in waves, the shared helper of the batch-invariant tests (CPU and GPU)."""
-from rollout_service.types import RolloutRequest
+from rollout_service.api.types import RolloutRequest
 
 
 def serve_in_waves(engine, requests, then=()) -> dict:

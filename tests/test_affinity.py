@@ -7,7 +7,7 @@ import random
 
 import actors.affinity as affinity
 from actors.affinity import Affinity, page_keys
-from rollout_service.types import EpisodeParams, RolloutRequest, SamplingParams
+from rollout_service.api.types import EpisodeParams, RolloutRequest, SamplingParams
 
 ANSWER = 32
 

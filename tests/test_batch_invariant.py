@@ -13,7 +13,7 @@ from rollout_service.config import EngineConfig
 from rollout_service.engine.engine import Engine
 from rollout_service.ops import cpu_linear, invariant
 from rollout_service.training.invariant_forward import InvariantForward
-from rollout_service.types import SamplingParams
+from rollout_service.api.types import SamplingParams
 
 SAMPLED = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True, seed=11, logprobs_mode="scaled")
 TARGET = list(range(3, 44))  # 41 tokens: crosses a 16-row tile and a partial page

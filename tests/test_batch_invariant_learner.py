@@ -11,7 +11,7 @@ from rollout_service.engine.engine import Engine
 from rollout_service.training.mismatch import token_logprobs
 from rollout_service.training import InvariantForward
 from rollout_service.training.loss import ppo_clip_loss
-from rollout_service.types import RolloutRequest, SamplingParams
+from rollout_service.api.types import RolloutRequest, SamplingParams
 
 PROMPTS = [[1, 5, 9, 33], list(range(40, 75)), [7]]  # 35 tokens: crosses a 16-row tile of the products
 ADVANTAGES = [1.0, -0.5, -0.5]  # per sample of a group of 3

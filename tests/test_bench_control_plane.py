@@ -9,7 +9,7 @@ import pytest
 
 from benchmarks.harness.control_plane import _markdown, cpu_seconds, latency, throughput
 from benchmarks.harness.fabricated import Fabricate
-from rollout_service.types import RolloutRequest, SamplingParams
+from rollout_service.api.types import RolloutRequest, SamplingParams
 
 pytest_plugins = ["ray_fixtures"]
 

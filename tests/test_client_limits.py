@@ -10,11 +10,11 @@ import time
 import pytest
 import ray
 
-from rollout_service.checks import MAX_METADATA_BYTES
+from rollout_service.api.checks import MAX_METADATA_BYTES
 from rollout_service.client import RolloutClient
 from rollout_service.fidelity import (FIDELITY_LINE_MAX, FIDELITY_MAX_KEYS, FIDELITY_MAX_STR, FIDELITY_MAX_VALUES,
                                       check_fidelity, fidelity_line)
-from rollout_service.types import RolloutRequest, SamplingParams
+from rollout_service.api.types import RolloutRequest, SamplingParams
 from tiny_models import tiny_hf_model
 
 pytest_plugins = ["ray_fixtures"]

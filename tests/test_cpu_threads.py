@@ -6,7 +6,7 @@ import torch
 
 from rollout_service.engine.engine import Engine
 from rollout_service.ops.cpu_threads import BUSY, SAMPLES, Pressure, _cgroup_quota, decide
-from rollout_service.types import RolloutRequest, SamplingParams
+from rollout_service.api.types import RolloutRequest, SamplingParams
 from tiny_models import tiny_hf_model
 
 

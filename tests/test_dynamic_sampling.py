@@ -10,7 +10,7 @@ import pytest
 
 from rollout_service.client import RolloutClient
 from rollout_service.dynamic_sampling import IN_FLIGHT_PER_WORKER, GroupsResult
-from rollout_service.types import RolloutRequest, SamplingParams
+from rollout_service.api.types import RolloutRequest, SamplingParams
 from tiny_models import tiny_hf_model
 
 pytest_plugins = ["ray_fixtures"]

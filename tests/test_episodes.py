@@ -20,7 +20,7 @@ from rollout_service.engine.episodes import turn_seed
 from rollout_service.episodes import Environment
 from rollout_service.prompts import PromptProcessor
 from rollout_service.examples.tasks import Problem
-from rollout_service.types import EpisodeParams, RolloutRequest
+from rollout_service.api.types import EpisodeParams, RolloutRequest
 from tiny_models import tiny_hf_model
 
 pytest_plugins = ["ray_fixtures"]

@@ -7,7 +7,7 @@ import torch
 
 from rollout_service.engine.engine import Engine
 from rollout_service.ops import fp8
-from rollout_service.types import RolloutRequest, SamplingParams
+from rollout_service.api.types import RolloutRequest, SamplingParams
 from tiny_models import tiny_hf_model
 
 pytest_plugins = ["ray_fixtures"]

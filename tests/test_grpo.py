@@ -15,7 +15,7 @@ from actors.learner import group_advantages
 from rollout_service.examples import tasks
 from rollout_service.client import RolloutClient
 from rollout_service.training.mismatch import learner_logprobs, logprob_mismatch, token_logprobs
-from rollout_service.types import RolloutResult
+from rollout_service.api.types import RolloutResult
 from tiny_models import tiny_hf_model
 
 

@@ -13,7 +13,7 @@ from actors.grpo import GRPOConfig, GRPOLearner
 from benchmarks.harness.multiturn import SyntheticEnv
 from rollout_service.client import RolloutClient
 from rollout_service.training.mismatch import logprob_mismatch, num_model_tokens, token_logprobs
-from rollout_service.types import RolloutResult
+from rollout_service.api.types import RolloutResult
 from tiny_models import tiny_hf_model
 
 MASK = [1, 1, 0, 0, 0, 1, 1]  # a model turn, three environment tokens, the next model turn

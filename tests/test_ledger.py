@@ -11,7 +11,7 @@ import random
 
 from actors.ledger import Ledger
 from rollout_service.results.payloads import pack
-from rollout_service.types import RolloutRequest, RolloutResult, SamplingParams
+from rollout_service.api.types import RolloutRequest, RolloutResult, SamplingParams
 
 
 def result(job: str, index: int, versions: list[int], metadata=None) -> RolloutResult:

@@ -12,7 +12,7 @@ from test_moe import moe_model
 from rollout_service.engine.engine import Engine
 from rollout_service.training.mismatch import token_logprobs
 from rollout_service.training.invariant_forward import InvariantForward
-from rollout_service.types import SamplingParams
+from rollout_service.api.types import SamplingParams
 
 SAMPLED = SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True, seed=11, logprobs_mode="scaled")
 TARGET = list(range(3, 44))  # 41 tokens: crosses a 16-row tile and a partial page

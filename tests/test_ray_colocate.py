@@ -18,7 +18,7 @@ from rollout_service.client import RolloutClient
 from rollout_service.fidelity import fidelity_line
 from rollout_service.config import ServiceConfig
 from rollout_service.backends.ray import RayBackend
-from rollout_service.types import SamplingParams
+from rollout_service.api.types import SamplingParams
 
 pytest_plugins = ["ray_fixtures"]
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(120)]

@@ -14,7 +14,7 @@ import ray
 from ray_fixtures import cpu_engine, kill_worker, wait_for, workers
 from rollout_service.client import RolloutClient
 from rollout_service.backends.ray import RayBackend
-from rollout_service.types import RolloutRequest, SamplingParams
+from rollout_service.api.types import RolloutRequest, SamplingParams
 
 pytest_plugins = ["ray_fixtures"]
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(180)]

@@ -10,7 +10,7 @@ from test_moe_weights import per_expert
 from tiny_models import tiny_hf_model
 
 from rollout_service.client import RolloutClient
-from rollout_service.types import SamplingParams
+from rollout_service.api.types import SamplingParams
 
 pytest_plugins = ["ray_fixtures"]
 pytestmark = pytest.mark.ray

@@ -10,7 +10,7 @@ import ray
 
 from rollout_service.config import ServiceConfig
 from rollout_service.backends.ray import RayBackend
-from rollout_service.types import RolloutRequest, SamplingParams
+from rollout_service.api.types import RolloutRequest, SamplingParams
 
 pytest_plugins = ["ray_fixtures"]
 pytestmark = pytest.mark.ray

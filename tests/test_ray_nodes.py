@@ -14,7 +14,7 @@ import pytest
 from ray_fixtures import add_rollout_node, cpu_engine, kill_rollout_node, node_alive, wait_for
 from rollout_service.client import RolloutClient
 from rollout_service.config import ServiceConfig
-from rollout_service.types import RolloutRequest, SamplingParams
+from rollout_service.api.types import RolloutRequest, SamplingParams
 
 pytest_plugins = ["ray_fixtures"]
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(300)]

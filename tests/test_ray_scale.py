@@ -13,7 +13,7 @@ import ray
 from ray_fixtures import cpu_engine, wait_for
 from rollout_service import cli
 from rollout_service.client import RolloutClient
-from rollout_service.types import RolloutRequest, SamplingParams
+from rollout_service.api.types import RolloutRequest, SamplingParams
 
 pytest_plugins = ["ray_fixtures"]
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(300)]

@@ -12,7 +12,7 @@ import torch
 
 from ray_fixtures import cpu_engine
 from rollout_service.client import RolloutClient
-from rollout_service.types import RolloutRequest, SamplingParams
+from rollout_service.api.types import RolloutRequest, SamplingParams
 from rollout_service.weights import named_items
 
 pytest_plugins = ["ray_fixtures"]

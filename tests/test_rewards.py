@@ -14,7 +14,7 @@ from ray_fixtures import wait_for
 from rollout_service.client import RolloutClient
 from rollout_service.config import ServiceConfig
 from rollout_service.rewards.functions import resolve, score
-from rollout_service.types import RolloutRequest, RolloutResult, SamplingParams
+from rollout_service.api.types import RolloutRequest, RolloutResult, SamplingParams
 from tiny_models import tiny_hf_model
 
 pytest_plugins = ["ray_fixtures"]

@@ -11,7 +11,7 @@ from tiny_models import tiny_hf_model
 
 from rollout_service import RolloutClient, SamplingParams
 from rollout_service.engine.engine import Engine
-from rollout_service.types import EpisodeParams, RolloutRequest
+from rollout_service.api.types import EpisodeParams, RolloutRequest
 
 SP = SamplingParams(n=3, temperature=1.0, max_tokens=12, seed=4, ignore_eos=True, return_routed_experts=True,
                     return_prompt_routed_experts=True)

@@ -12,7 +12,7 @@ from actors.grpo import GRPOConfig, GRPOLearner
 from rollout_service.client import RolloutClient
 from rollout_service.engine.engine import Engine
 from rollout_service.training.invariant_forward import InvariantForward
-from rollout_service.types import SamplingParams
+from rollout_service.api.types import SamplingParams
 
 SP = SamplingParams(temperature=0.7, max_tokens=14, ignore_eos=True, seed=3, n=2, logprobs_mode="scaled",
                     return_routed_experts=True, return_prompt_routed_experts=True)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from rollout_service.results.file import load_results, save_results
-from rollout_service.types import RolloutRequest, RolloutResult, SamplingParams
+from rollout_service.api.types import RolloutRequest, RolloutResult, SamplingParams
 
 
 def routed(i: int = 0, dtype=np.uint8, layers: int = 3, k: int = 2) -> RolloutResult:

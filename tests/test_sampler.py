@@ -10,7 +10,7 @@ from rollout_service.engine.logits_processors import apply_penalties, truncation
 from rollout_service.engine.sampler import Sampler
 from rollout_service.engine.sequence import Sequence
 from rollout_service.ops.torch_ops import TorchOps
-from rollout_service.types import SamplingParams
+from rollout_service.api.types import SamplingParams
 
 
 def make_seq(seed: int = 0, sample_index: int = 0, prompt=(1, 2, 3), output=(), **params) -> Sequence:

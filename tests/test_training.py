@@ -12,7 +12,7 @@ import torch
 from rollout_service.training.mismatch import fp32_reference_report, token_logprobs
 from rollout_service.training import LearnerOutOfMemory, MasterWeights, StepClock, memory_figures
 from rollout_service.training.memory import describe, is_out_of_memory
-from rollout_service.types import RolloutResult
+from rollout_service.api.types import RolloutResult
 from tiny_models import tiny_hf_model
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from rollout_service.results.file import iter_results, load_results, save_results
-from rollout_service.types import RolloutRequest, RolloutResult, SamplingParams
+from rollout_service.api.types import RolloutRequest, RolloutResult, SamplingParams
 
 
 def _result(i: int = 0, top: bool = True) -> RolloutResult:

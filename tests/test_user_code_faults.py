@@ -12,7 +12,7 @@ import ray
 
 from ray_fixtures import wait_for, workers
 from rollout_service.client import RolloutClient
-from rollout_service.types import RolloutRequest, SamplingParams
+from rollout_service.api.types import RolloutRequest, SamplingParams
 from tiny_models import tiny_hf_model
 
 pytest_plugins = ["ray_fixtures"]

@@ -73,7 +73,7 @@ def throughput(workers: int, fabricate: Fabricate, count: int, max_tokens: int, 
     """One run: `count` requests of n samples of `max_tokens` tokens through a service of `workers` workers.
     The router's CPU on the idle service over `idle_s` first (its long polls of every worker) is reported
     apart, and taken out of the per-result figure: it grows with the workers and the wall time, not the load."""
-    from rollout_service.types import RolloutRequest, SamplingParams
+    from rollout_service.api.types import RolloutRequest, SamplingParams
 
     backend, router_pid, worker_pids = start(workers, fabricate, f"bench-cp-{workers}-{max_tokens}", custom)
     try:
@@ -119,7 +119,7 @@ def latency(rounds: int, custom: dict | None = None) -> dict:
     """Submit-to-result of one 1-token request at a time on an idle 2-worker service, and a bare actor call."""
     import ray
 
-    from rollout_service.types import RolloutRequest, SamplingParams
+    from rollout_service.api.types import RolloutRequest, SamplingParams
 
     backend, _, _ = start(2, Fabricate(), "bench-cp-latency", custom)
     try:

@@ -38,7 +38,7 @@ class Shape:
 def conversations(client: Any, s: Shape, seed: int = 0) -> int:
     """W7's shape as an agent loop run by the client; returns the new tokens (the first prompts, observations
     and each earlier turn's last sampled token, which never had KV), as W7 counts them."""
-    from rollout_service.types import SamplingParams
+    from rollout_service.api.types import SamplingParams
 
     envs = [SyntheticEnv(e, s.prompt, s.obs, s.vocab) for e in range(s.episodes)]
     histories = [env.tokens(0) for env in envs]
@@ -53,7 +53,7 @@ def conversations(client: Any, s: Shape, seed: int = 0) -> int:
 
 
 def engine_episodes(client: Any, s: Shape) -> int:
-    from rollout_service.types import SamplingParams
+    from rollout_service.api.types import SamplingParams
 
     total = s.prompt + s.turns * s.new + (s.turns - 1) * s.obs
     client.run_episodes([SyntheticEnv(e, s.prompt, s.obs, s.vocab) for e in range(s.episodes)],
@@ -65,7 +65,7 @@ def engine_episodes(client: Any, s: Shape) -> int:
 def grpo_batches(client: Any, s: Shape, steps: int = 2) -> int:
     """Two GRPO steps' batches: one system prompt shared by every prompt; returns the tokens a perfect cache
     would prefill (the system prompt once, each problem once)."""
-    from rollout_service.types import SamplingParams
+    from rollout_service.api.types import SamplingParams
 
     rng = random.Random(1)
     system = [rng.randrange(s.vocab) for _ in range(s.grpo_system)]

@@ -57,7 +57,7 @@ def _hf_scores(hf: Any, seqs: list, batch: int) -> list[torch.Tensor]:
 
 
 def score(hf: Any, make_engine: Any, s: Shape) -> dict:
-    from rollout_service.types import RolloutRequest, SamplingParams
+    from rollout_service.api.types import RolloutRequest, SamplingParams
     seqs = _sequences(s, hf.config.vocab_size)
     tokens = sum(len(c) for _, c in seqs)
     t0 = time.perf_counter()
@@ -78,7 +78,7 @@ def score(hf: Any, make_engine: Any, s: Shape) -> dict:
 
 
 def refresh(make_engine: Any, weights: dict, s: Shape, on_refresh: str) -> dict:
-    from rollout_service.types import RolloutRequest, SamplingParams
+    from rollout_service.api.types import RolloutRequest, SamplingParams
     engine = make_engine(on_refresh=on_refresh)
     g = torch.Generator().manual_seed(1)
     sampling = SamplingParams(n=s.w2n_n, temperature=1.0, max_tokens=s.w2n_new, ignore_eos=True, seed=7)

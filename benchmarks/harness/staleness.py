@@ -32,7 +32,7 @@ class StreamShape:
 
 
 def _submit_wave(engine: Any, s: StreamShape, wave: int, vocab: int) -> None:
-    from rollout_service.types import EpisodeParams, RolloutRequest, SamplingParams
+    from rollout_service.api.types import EpisodeParams, RolloutRequest, SamplingParams
     sampling = SamplingParams(temperature=0.0, max_tokens=s.new, ignore_eos=True)
     rng = random.Random(wave)
     for i in range(s.prompts_per_wave):

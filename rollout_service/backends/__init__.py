@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Iterator, Protocol
 
-from rollout_service.types import RolloutRequest, RolloutResult
+from rollout_service.api.types import RolloutRequest, RolloutResult
 
 
 class Backend(Protocol):

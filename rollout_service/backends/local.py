@@ -15,7 +15,7 @@ from typing import Any, Iterator
 from rollout_service.fidelity import FidelityLog
 from rollout_service.host import EngineHost
 from rollout_service.ops import omp_pool
-from rollout_service.types import RolloutRequest, RolloutResult
+from rollout_service.api.types import RolloutRequest, RolloutResult
 
 WAIT_S = 0.05  # a stream's reader looks at the host this often while it waits (to see close() or a failure)
 

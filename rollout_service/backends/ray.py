@@ -17,7 +17,7 @@ from rollout_service.backends.ray_cluster import ensure_ray, starts_local_ray
 from actors.capacity import resolve_auto
 from rollout_service.config import ServiceConfig
 from rollout_service.results.stream import ResultStream, close_streams, hold_sleep, release_sleep, send_closes
-from rollout_service.types import RolloutResult
+from rollout_service.api.types import RolloutResult
 from rollout_service.weights.push import WeightPusher
 
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from rollout_service.checks import check_request_ids, engine_device
+from rollout_service.api.checks import check_request_ids, engine_device
 from rollout_service.config import EngineConfig
 from rollout_service.engine.episodes import EpisodeGroup, EpisodeRunner
 from rollout_service.engine.isolation import FaultIsolation
@@ -43,7 +43,7 @@ from rollout_service.model.loader import load_model
 from rollout_service.ops.backend import resolve_backend
 from rollout_service.prompts import PromptProcessor
 from rollout_service.results.receipts import receipt_of
-from rollout_service.types import RolloutRequest, RolloutResult
+from rollout_service.api.types import RolloutRequest, RolloutResult
 from rollout_service.user_code import Guard, unguarded
 
 log = logging.getLogger(__name__)

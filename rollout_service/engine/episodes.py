@@ -16,8 +16,8 @@ import numpy as np
 from rollout_service.engine.kv_cache import pages_for
 from rollout_service.engine.routing import extend_episode_routing, routing_fields
 from rollout_service.episodes import Observation
-from rollout_service.types import EpisodeParams, RolloutRequest, RolloutResult, SamplingParams
-from rollout_service.values import is_int, is_number
+from rollout_service.api.types import EpisodeParams, RolloutRequest, RolloutResult, SamplingParams
+from rollout_service.api.values import is_int, is_number
 from rollout_service.user_code import Guard, describe_error
 
 

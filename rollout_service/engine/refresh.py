@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from rollout_service.checks import check_policy_version
+from rollout_service.api.checks import check_policy_version
 from rollout_service.engine.heap import release_freed_memory
 from rollout_service.engine.scoring import restart_partial
 from rollout_service.engine.sequence import Sequence

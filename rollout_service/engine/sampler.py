@@ -40,7 +40,7 @@ from rollout_service.ops.random import gumbel, row_key
 from rollout_service.engine.sequence import Sequence
 from rollout_service.engine.transfers import to_device
 from rollout_service.ops.backend import Ops, select_ops
-from rollout_service.types import SamplingParams
+from rollout_service.api.types import SamplingParams
 
 _FEW_CANDIDATES = 8       # noise only the kept tokens when at most 1/8 of the vocabulary is kept
 

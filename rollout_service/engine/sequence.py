@@ -5,7 +5,7 @@ import enum
 import itertools
 import time
 
-from rollout_service.types import SamplingParams
+from rollout_service.api.types import SamplingParams
 
 _ids = itertools.count()
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from rollout_service.values import is_int
+from rollout_service.api.values import is_int
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Results files: a stream of msgpack result records (rollout_service/types.py's wire format) between a header
+"""Results files: a stream of msgpack result records (rollout_service/api/types.py's wire format) between a header
 and an end record holding their count, so that a file cut short anywhere, even between two records, is an
 error rather than fewer results; read in chunks, so a file of any size loads. Files written before the header
 existed (results only) still load; one of those cut between two records cannot be told from a shorter one.
@@ -12,8 +12,8 @@ from typing import Any, Iterable, Iterator
 
 import msgpack
 
-from rollout_service.types import RolloutResult
-from rollout_service.wire import WIRE_SCHEMA_VERSION, check_record, packb
+from rollout_service.api.types import RolloutResult
+from rollout_service.api.wire import WIRE_SCHEMA_VERSION, check_record, packb
 
 FILE_HEADER = {"schema": WIRE_SCHEMA_VERSION, "kind": "results_file"}
 READ_SIZE = 1 << 20  # bytes read from a results file at a time

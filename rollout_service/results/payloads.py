@@ -17,7 +17,7 @@ from __future__ import annotations
 import pickle
 from typing import Any, Callable, NamedTuple
 
-from rollout_service.types import RolloutResult
+from rollout_service.api.types import RolloutResult
 
 
 class Header(NamedTuple):

@@ -19,7 +19,7 @@ from typing import Iterable
 import numpy as np
 import torch
 
-from rollout_service.types import RolloutResult
+from rollout_service.api.types import RolloutResult
 
 _TAG = b"rollout_service receipt v2\0"
 

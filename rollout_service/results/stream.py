@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterator
 import ray
 
 from rollout_service.results.payloads import unpack
-from rollout_service.types import RolloutResult
+from rollout_service.api.types import RolloutResult
 
 _TICK_S = 0.5  # how often the thread sends queued closes and checks whether leases are due
 

@@ -8,7 +8,7 @@ import os
 import signal
 import time
 
-from rollout_service.types import RolloutResult
+from rollout_service.api.types import RolloutResult
 
 
 def length_reward(result: RolloutResult) -> float:

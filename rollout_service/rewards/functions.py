@@ -13,10 +13,10 @@ import sys
 from pathlib import Path
 from typing import Callable, Iterable
 
-from rollout_service.checks import check_reward_name
-from rollout_service.types import RolloutResult
+from rollout_service.api.checks import check_reward_name
+from rollout_service.api.types import RolloutResult
 from rollout_service.user_code import Guard, describe_error, unguarded
-from rollout_service.values import is_number
+from rollout_service.api.values import is_number
 
 RewardFn = Callable[[RolloutResult], float]
 _resolved: dict[str, RewardFn] = {}

@@ -15,7 +15,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Iterable
 
 from rollout_service.rewards.functions import resolve, score_all
-from rollout_service.types import RolloutResult
+from rollout_service.api.types import RolloutResult
 from rollout_service.user_code import Guard, unguarded
 
 # start(name, results) -> a Future of one (reward, reward_error) per result

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from rollout_service.values import is_real
+from rollout_service.api.values import is_real
 
 MODES = ("tis", "mis")
 

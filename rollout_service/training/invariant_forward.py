@@ -35,7 +35,7 @@ from rollout_service.ops.backend import resolve_backend, select_ops
 from rollout_service.ops.rope import apply_rope, build_cos_sin_cache, rope_head_dim
 from rollout_service.results.receipts import receipt_of, weights_digest
 from rollout_service.training.routing_replay import check_routing, packed_routing
-from rollout_service.types import RolloutResult
+from rollout_service.api.types import RolloutResult
 
 Routing = tuple[torch.Tensor, torch.Tensor]
 

@@ -28,7 +28,7 @@ import torch
 
 from rollout_service.training.importance import ratio_report
 from rollout_service.training.routing_replay import RoutingStats, carries_routing, replay_routing
-from rollout_service.types import RolloutResult
+from rollout_service.api.types import RolloutResult
 
 
 def model_token_mask(result: RolloutResult) -> np.ndarray:

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from rollout_service.model.registry import moe_spec
-from rollout_service.types import RolloutResult
+from rollout_service.api.types import RolloutResult
 
 
 @dataclass

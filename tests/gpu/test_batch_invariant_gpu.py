@@ -11,7 +11,7 @@ from kv_utils import requires_cuda
 from rollout_service.engine.engine import Engine
 from rollout_service.ops.attention import make_metadata
 from rollout_service.training import InvariantForward
-from rollout_service.types import SamplingParams
+from rollout_service.api.types import SamplingParams
 
 pytestmark = pytest.mark.skipif(**requires_cuda)
 

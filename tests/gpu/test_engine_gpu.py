@@ -17,7 +17,7 @@ from kv_utils import requires_cuda
 from rollout_service.engine.engine import Engine
 from rollout_service.ops.attention import paged_attention
 from rollout_service.ops.torch_ops import TorchOps
-from rollout_service.types import RolloutRequest, SamplingParams
+from rollout_service.api.types import RolloutRequest, SamplingParams
 
 pytestmark = pytest.mark.skipif(**requires_cuda)
 

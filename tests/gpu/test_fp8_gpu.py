@@ -8,7 +8,7 @@ from model_utils import Pages, load, random_caches, tiny_hf_model
 
 from rollout_service.engine.engine import Engine
 from rollout_service.ops import cuda_fp8, fp8
-from rollout_service.types import RolloutRequest, SamplingParams
+from rollout_service.api.types import RolloutRequest, SamplingParams
 
 pytestmark = pytest.mark.skipif(**requires_cuda)
 BF16 = torch.bfloat16

@@ -71,7 +71,7 @@ def test_one_colocated_step_logs_every_phase_and_reports_fidelity(service):
 
 
 def test_learner_out_of_memory_is_reported_and_the_worker_serves_on(service):
-    from rollout_service.types import SamplingParams
+    from rollout_service.api.types import SamplingParams
     big = tiny_hf_model("llama").config
     big.vocab_size = 32768  # logits of 64 samples x 44 positions x 32k: over a 0.25 GB cap
     actor = learner(service, big, memory_limit_gb=0.25, micro_batch=64, group_size=16)

@@ -10,7 +10,7 @@ from engine_waves import serve_in_waves
 from kv_utils import rel_err, requires_cuda
 
 from rollout_service.ops import cuda_moe, moe
-from rollout_service.types import SamplingParams
+from rollout_service.api.types import SamplingParams
 
 pytestmark = pytest.mark.skipif(**requires_cuda)
 BF16 = torch.bfloat16

@@ -7,7 +7,7 @@ import pytest
 from kv_utils import requires_cuda
 from test_moe_gpu import moe_hf
 
-from rollout_service.types import SamplingParams
+from rollout_service.api.types import SamplingParams
 
 pytestmark = pytest.mark.skipif(**requires_cuda)
 ray = pytest.importorskip("ray")

@@ -11,7 +11,7 @@ from kv_utils import requires_cuda
 from test_engine_gpu import first_divergence, fp32_margin, small_model
 
 from rollout_service.engine.engine import Engine
-from rollout_service.types import RolloutRequest, SamplingParams
+from rollout_service.api.types import RolloutRequest, SamplingParams
 
 pytestmark = pytest.mark.skipif(**requires_cuda)
 

@@ -7,7 +7,7 @@ from rollout_service.ops.random import gumbel, row_key, vocab_ids
 from rollout_service.engine.sampler import Sampler
 from rollout_service.engine.sequence import Sequence
 from rollout_service.ops.torch_ops import TorchOps
-from rollout_service.types import SamplingParams
+from rollout_service.api.types import SamplingParams
 
 pytestmark = pytest.mark.skipif(**requires_cuda)
 

@@ -7,7 +7,7 @@ from kv_utils import requires_cuda
 from model_utils import tiny_hf_model
 
 from rollout_service.engine.engine import Engine
-from rollout_service.types import RolloutRequest, SamplingParams
+from rollout_service.api.types import RolloutRequest, SamplingParams
 
 pytestmark = pytest.mark.skipif(**requires_cuda)
 

@@ -9,7 +9,7 @@ import re
 from collections.abc import Mapping
 from typing import Any, Iterable
 
-from rollout_service.values import MAX_INT32, is_int
+from rollout_service.api.values import MAX_INT32, is_int
 
 
 def check_text(s: str, what: str) -> None:

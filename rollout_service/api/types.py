@@ -15,9 +15,9 @@ from typing import Any, Union
 import msgpack
 import numpy as np
 
-from rollout_service.checks import check_completion, check_metadata, check_reward_name, check_text
-from rollout_service.values import MAX_INT32, is_int, is_real
-from rollout_service.wire import (FINISH_REASONS, WIRE_SCHEMA_VERSION, SHORT, TO_WIRE, check_result_record, checked_routing,
+from rollout_service.api.checks import check_completion, check_metadata, check_reward_name, check_text
+from rollout_service.api.values import MAX_INT32, is_int, is_real
+from rollout_service.api.wire import (FINISH_REASONS, WIRE_SCHEMA_VERSION, SHORT, TO_WIRE, check_result_record, checked_routing,
                                   from_i32, need, packb, reject_unknown, routing_from_wire, tuple_key, unpack_record)
 
 LOGPROBS_MODES = ("processed", "scaled", "raw")

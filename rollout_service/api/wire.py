@@ -1,5 +1,5 @@
 """RolloutResult's msgpack wire format: field conversions and the checks that every record is what it claims,
-each failure a ValueError naming the field (rollout_service/types.py builds the objects; results/file.py
+each failure a ValueError naming the field (rollout_service/api/types.py builds the objects; results/file.py
 streams records to and from files). Arrays travel as raw little-endian bytes; never pickle.
 """
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any, Iterable
 import msgpack
 import numpy as np
 
-from rollout_service.values import MAX_INT32, is_int, is_number, is_real
+from rollout_service.api.values import MAX_INT32, is_int, is_number, is_real
 
 # "done" and "max_turns" end multi-turn episodes (the environment said done / the turn limit was reached)
 # "scored": a given completion's teacher-forced log-probs (RolloutRequest.completion)
