@@ -244,21 +244,23 @@ def test_builtin_prompts_and_bench_delegation(capfd):
     assert cli.parser().parse_args(["build-kernels"]).command == "build-kernels"
 
 
+def _help_without_torch(code: str, usage: str) -> None:
+    """`code` (Python, in a fresh process) prints a --help starting with `usage`, then `exit <code> <torch loaded>`."""
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.stdout.startswith(usage), proc.stdout[:500] + proc.stderr[-2000:]
+    assert proc.stdout.rstrip().endswith("exit 0 False")
+
+
 def test_the_demo_help_answers_before_torch_is_imported():
     """scripts/run_local.sh --help is the demo's: it took 19 s on a busy machine when torch came first."""
-    code = ("import runpy, sys\nsys.argv = ['demo.py', '--help']\ntry:\n    runpy.run_path('scripts/demo.py', "
-            "run_name='__main__')\nexcept SystemExit as e:\n    print('exit', e.code, 'torch' in sys.modules)\n")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert proc.stdout.startswith("usage: demo.py"), proc.stdout[:500] + proc.stderr[-2000:]
-    assert proc.stdout.rstrip().endswith("exit 0 False")
+    _help_without_torch("import runpy, sys\nsys.argv = ['demo.py', '--help']\ntry:\n    runpy.run_path("
+                        "'scripts/demo.py', run_name='__main__')\nexcept SystemExit as e:\n    print('exit', e.code, "
+                        "'torch' in sys.modules)\n", "usage: demo.py")
 
 
 def test_bench_help_answers_before_torch_is_imported():
-    code = ("import sys\nfrom rollout_service import cli\nrc = cli.main(['bench', '--help'])\n"
-            "print('exit', rc, 'torch' in sys.modules)\n")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert proc.stdout.startswith("usage: rollout-service bench"), proc.stdout[:500] + proc.stderr[-2000:]
-    assert proc.stdout.rstrip().endswith("exit 0 False")
+    _help_without_torch("import sys\nfrom rollout_service import cli\nrc = cli.main(['bench', '--help'])\n"
+                        "print('exit', rc, 'torch' in sys.modules)\n", "usage: rollout-service bench")
 
 
 @pytest.mark.ray
