@@ -271,6 +271,8 @@ def test_profile_breakdown_classes_kernels_and_finds_the_lm_head_and_idle_time()
 
 def test_quick_contended_rows_run_engine_and_peers_beside_busy_neighbours(tmp_path):
     from pathlib import Path
+
+    from benchmarks.harness.contention import NEIGHBOUR_CODE
     rc = main(["--quick", "--model", "tiny-llama", "--workloads", "W2c,W1c", "--out", str(tmp_path)])
     assert rc == 0
     _, doc, _ = _load(str(tmp_path))
@@ -282,7 +284,7 @@ def test_quick_contended_rows_run_engine_and_peers_beside_busy_neighbours(tmp_pa
     spinning = []
     for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
         try:
-            if cmdline.read_bytes().endswith(b"while True: pass\0"):
+            if cmdline.read_bytes().endswith(NEIGHBOUR_CODE.encode() + b"\0"):
                 spinning.append(cmdline)
         except OSError:
             pass  # a process that ended meanwhile

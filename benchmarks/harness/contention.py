@@ -16,10 +16,14 @@ from benchmarks.harness.workloads import w1_latency, w2_rollout
 NEIGHBOURS = 2
 
 
+# A bare loop, named so that the harness's own neighbours can be told from other busy processes on the machine.
+NEIGHBOUR_CODE = "while True: pass  # rollout_service busy neighbour"
+
+
 @contextmanager
 def busy_neighbours(k: int = NEIGHBOURS):
     """k processes that each keep one CPU busy (a bare Python loop) until the block ends."""
-    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(k)]
+    procs = [subprocess.Popen([sys.executable, "-c", NEIGHBOUR_CODE]) for _ in range(k)]
     try:
         yield
     finally:
