@@ -4,20 +4,21 @@ int: `n=True` is a mistake to refuse, not a 1. numpy's scalars count as Python's
 from __future__ import annotations
 
 import math
-import numbers
 from typing import Any
+
+import numpy as np
 
 MAX_INT32 = 2**31 - 1  # token ids and policy versions travel as int32 (RolloutResult's wire format)
 
 
 def is_int(x: Any) -> bool:
     """An integer: int or numpy integer, not a bool."""
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)  # concrete types: checked per token
 
 
 def is_number(x: Any) -> bool:
     """An int or a float (numpy's too), not a bool; NaN and infinities included (is_real excludes them)."""
-    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)
 
 
 def is_real(x: Any) -> bool:
