@@ -162,10 +162,15 @@ class EngineConfig:
 # Service configuration (the Ray side): what a cluster_configs/*.yaml file holds.
 
 
+def local_ray_wanted(address: str | None) -> bool:
+    """Whether `address`, else $RAY_ADDRESS, asks for a new local Ray instance (unset or "local") rather than
+    naming a cluster to join. Ray-free, so a launcher can judge it before importing Ray."""
+    return (address or os.environ.get("RAY_ADDRESS") or "local") == "local"
+
+
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
 
-_number = is_number
 
 
 @dataclass
@@ -181,14 +186,14 @@ class WorkerResources:
 
     def __post_init__(self) -> None:
         c = "ServiceConfig.resources"
-        if not _number(self.num_cpus) or self.num_cpus < 0:
+        if not is_number(self.num_cpus) or self.num_cpus < 0:
             _fail(c, "num_cpus", self.num_cpus, "must be a number >= 0")
-        if self.num_gpus != "auto" and (not _number(self.num_gpus) or self.num_gpus < 0):
+        if self.num_gpus != "auto" and (not is_number(self.num_gpus) or self.num_gpus < 0):
             _fail(c, "num_gpus", self.num_gpus, "must be 'auto' or a number >= 0")
-        if self.memory_gb is not None and (not _number(self.memory_gb) or self.memory_gb <= 0):
+        if self.memory_gb is not None and (not is_number(self.memory_gb) or self.memory_gb <= 0):
             _fail(c, "memory_gb", self.memory_gb, "must be None or a number > 0")
         if not isinstance(self.custom, dict) or not all(
-                isinstance(k, str) and k and _number(v) and v > 0 for k, v in self.custom.items()):
+                isinstance(k, str) and k and is_number(v) and v > 0 for k, v in self.custom.items()):
             _fail(c, "custom", self.custom, "must map resource names to numbers > 0")
         if {"CPU", "GPU", "memory"} & set(self.custom):
             _fail(c, "custom", self.custom, "use num_cpus / num_gpus / memory_gb for CPU, GPU and memory")
@@ -210,7 +215,7 @@ class Placement:
     def __post_init__(self) -> None:
         if self.strategy not in PLACEMENT_STRATEGIES:
             _fail("ServiceConfig.placement", "strategy", self.strategy, f"must be one of {PLACEMENT_STRATEGIES}")
-        if not _number(self.timeout_s) or self.timeout_s <= 0:
+        if not is_number(self.timeout_s) or self.timeout_s <= 0:
             _fail("ServiceConfig.placement", "timeout_s", self.timeout_s, "must be a number > 0")
 
 
@@ -293,27 +298,27 @@ class ServiceConfig:
             _fail(c, "name", self.name, "must be a non-empty string")
         if not isinstance(self.namespace, str) or not self.namespace:
             _fail(c, "namespace", self.namespace, "must be a non-empty string")
-        if self.num_workers != "auto" and (not _is_count(self.num_workers) or self.num_workers < 1):
+        if self.num_workers != "auto" and (not is_int(self.num_workers) or self.num_workers < 1):
             _fail(c, "num_workers", self.num_workers, "must be 'auto' or an int >= 1")
-        if self.max_staleness is not None and (not _is_count(self.max_staleness) or self.max_staleness < 0):
+        if self.max_staleness is not None and (not is_int(self.max_staleness) or self.max_staleness < 0):
             _fail(c, "max_staleness", self.max_staleness, "must be None or an int >= 0")
         for name, lo in (("max_restarts", -1), ("max_concurrency", 2)):
-            if not _is_count(getattr(self, name)) or getattr(self, name) < lo:
+            if not is_int(getattr(self, name)) or getattr(self, name) < lo:
                 _fail(c, name, getattr(self, name), f"must be an int >= {lo}")
-        if self.num_prompts is not None and (not _is_count(self.num_prompts) or self.num_prompts < 1):
+        if self.num_prompts is not None and (not is_int(self.num_prompts) or self.num_prompts < 1):
             _fail(c, "num_prompts", self.num_prompts, "must be None or an int >= 1")
         for name in ("detached", "apply_chat_template", "colocate"):
             if not isinstance(getattr(self, name), bool):
                 _fail(c, name, getattr(self, name), "must be true or false")
         for name in ("client_lease_s", "user_code_timeout_s"):
-            if not _number(getattr(self, name)) or not getattr(self, name) > 0:
+            if not is_number(getattr(self, name)) or not getattr(self, name) > 0:
                 _fail(c, name, getattr(self, name), "must be a number > 0")
         for name in ("address", "prompts", "output"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
                 _fail(c, name, getattr(self, name), "must be a string or null")
         if self.routing not in ROUTINGS:
             _fail(c, "routing", self.routing, f"must be one of {ROUTINGS}")
-        if not _is_count(self.reward_workers) or self.reward_workers < 0:
+        if not is_int(self.reward_workers) or self.reward_workers < 0:
             _fail(c, "reward_workers", self.reward_workers, "must be an int >= 0")
         if self.reward is not None:
             from rollout_service.rewards.functions import resolve
@@ -376,7 +381,6 @@ class ServiceConfig:
         return cls.from_dict(_merge(base, overrides))
 
 
-_is_count = is_int
 
 
 def _merge(base: dict, overrides: dict) -> dict:

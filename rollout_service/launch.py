@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from rollout_service.config import ServiceConfig
+from rollout_service.config import ServiceConfig, local_ray_wanted
 from rollout_service.results.file import save_results
 from rollout_service.api.types import RolloutRequest, RolloutResult
 
@@ -100,8 +100,7 @@ def prepare(config: ServiceConfig) -> tuple[list[RolloutRequest], Path]:
 
     reqs = build_requests(config, load_prompts(config.prompts, config.num_prompts))
     output = output_path(config)
-    local = (config.address or os.environ.get("RAY_ADDRESS") or "local") == "local"
-    check_source_here(config.engine.model, local=local)
+    check_source_here(config.engine.model, local=local_ray_wanted(config.address))
     return reqs, output
 
 

@@ -14,6 +14,7 @@ import ray
 
 from rollout_service.backends.ray_auth import (NO_TOKEN_ADVICE, auth_failure, check_token_accepted,
                                                use_token_auth)
+from rollout_service.config import local_ray_wanted
 
 
 def _local_instance_options() -> dict:
@@ -93,6 +94,6 @@ def _check_reachable(address: str) -> None:
 
 def starts_local_ray(address: str | None) -> bool:
     """Whether ensure_ray(address) will start a new Ray instance, which ends with this process."""
-    return not ray.is_initialized() and (address or os.environ.get("RAY_ADDRESS") or "local") == "local"
+    return not ray.is_initialized() and local_ray_wanted(address)
 
 
