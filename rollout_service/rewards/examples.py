@@ -33,12 +33,9 @@ def difficulty_reward(result: RolloutResult) -> float:
 
 
 def failing_reward(result: RolloutResult) -> float:
-    """Raises for results whose metadata says {"fail": True}, else the length reward (after metadata
-    "sleep_s" seconds, if given: a good reward slower than a failing one)."""
+    """Raises for results whose metadata says {"fail": True}, else the length reward."""
     if isinstance(result.metadata, dict) and result.metadata.get("fail"):
         raise RuntimeError(f"no reward for sample {result.sample_index}")
-    if isinstance(result.metadata, dict) and result.metadata.get("sleep_s"):
-        time.sleep(result.metadata["sleep_s"])
     return length_reward(result)
 
 
