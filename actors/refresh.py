@@ -27,7 +27,7 @@ from typing import Any, Awaitable, Callable
 
 import ray
 
-from actors.remote_errors import error_text, is_down
+from rollout_service.backends.remote_errors import error_text, is_down
 from actors.workers import WorkerTable
 from rollout_service.api.checks import check_policy_version
 from rollout_service.weights.transport import REGROUP

@@ -26,7 +26,7 @@ from actors.placement import learner_options
 from actors.quarantine import Quarantine
 from actors.recovery import Recovery
 from actors.refresh import RefreshCoordinator
-from actors.remote_errors import error_text
+from rollout_service.backends.remote_errors import error_text
 from actors.reward_pool import create_reward_actors, kill_reward_actors
 from actors.scaling import Scaler
 from actors.slots import Slots

@@ -26,6 +26,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("engine", ("rollout_service.engine",)),
     ("host", ("rollout_service.rewards.runner", "rollout_service.rewards.examples", "rollout_service.examples.calculator_env",
               "rollout_service.host")),
+    ("cluster", ("rollout_service.backends.capacity", "rollout_service.backends.remote_errors",
+                 "rollout_service.backends.ray_cluster", "rollout_service.backends.ray_auth")),
     ("actors", ("actors",)),
     ("backends", ("rollout_service.backends", "rollout_service.results.stream")),
     ("client", ("rollout_service.client", "rollout_service.dynamic_sampling")),
@@ -145,3 +147,19 @@ def upward(mods: dict[str, Module], strict: bool = True) -> list[tuple[str, str,
             if trank > rank:
                 bad.append((m.name, layer, t, tlayer))
     return bad
+
+
+def import_time_imports(mod: Module, known: set[str]) -> set[str]:
+    """The project modules `mod` imports when it is itself imported: statements outside function bodies (a
+    class body runs at import time, a method's does not)."""
+    out: set[str] = set()
+
+    def walk(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                continue
+            out.update(_targets(child, mod.name, known))
+            walk(child)
+
+    walk(ast.parse(mod.path.read_text(), str(mod.path)))
+    return out - {mod.name}

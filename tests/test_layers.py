@@ -1,6 +1,6 @@
 """The module structure (tests/layering.py, docs/layout.md): every file in a layer, no import up a layer, no
 import circle across or inside folders, no file over 400 lines."""
-from layering import ROOT, circles, layer_of, scan, upward
+from layering import ROOT, circles, import_time_imports, layer_of, scan, upward
 
 MAX_LINES = 400
 
@@ -38,3 +38,30 @@ def test_the_scan_sees_an_upward_import_and_a_circle():
     mods["rollout_service.client"].imports.add("actors.router")
     mods["actors.router"].imports.add("rollout_service.client")
     assert any({"actors.router", "rollout_service.client"} <= set(c) for c in circles(mods))
+
+
+def _actors_imported_at_import_time(mods) -> dict[str, list[str]]:
+    known = set(mods)
+    found = {m.name: sorted(t for t in import_time_imports(m, known) if t.split(".")[0] == "actors")
+             for m in mods.values() if m.name.startswith("rollout_service.")}
+    return {k: v for k, v in found.items() if v}
+
+
+def test_rollout_service_never_imports_actors_when_imported():
+    """actors/ depends on rollout_service, not the reverse: the only way in is the Ray backend starting the
+    router, inside the function that starts it."""
+    mods = scan()
+    assert _actors_imported_at_import_time(mods) == {}
+    lazy = {m.name for m in mods.values() if m.name.startswith("rollout_service.")
+            and any(t.split(".")[0] == "actors" for t in m.imports)}
+    assert lazy == {"rollout_service.backends.ray"}
+
+
+def test_the_import_time_scan_sees_a_top_level_import(tmp_path):
+    """It can fail: a module-level `from actors.router import X` is seen, the same line in a function is not."""
+    from layering import Module
+    mods = scan()
+    src = tmp_path / "m.py"
+    src.write_text("import os\nfrom actors.router import RouterActor\n\ndef f():\n    from actors.control import x\n")
+    mods["rollout_service.fake"] = Module("rollout_service.fake", src, 5)
+    assert _actors_imported_at_import_time(mods) == {"rollout_service.fake": ["actors.router"]}

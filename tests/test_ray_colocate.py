@@ -10,7 +10,7 @@ import time
 import pytest
 import ray
 
-from actors.capacity import worker_bundle
+from rollout_service.backends.capacity import worker_bundle
 from actors.placement import colocated_share
 from actors.router import RouterActor
 from ray_fixtures import cpu_engine, kill_worker, wait_for, workers

@@ -14,7 +14,8 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from rollout_service.backends.ray_cluster import ensure_ray, starts_local_ray
-from actors.capacity import resolve_auto
+from rollout_service.backends.capacity import resolve_auto
+from rollout_service.backends.remote_errors import error_text
 from rollout_service.config import ServiceConfig
 from rollout_service.results.stream import ResultStream, close_streams, hold_sleep, release_sleep, send_closes
 from rollout_service.api.types import RolloutResult
@@ -69,7 +70,7 @@ class RayBackend:
         except ray.exceptions.RayActorError as e:  # the router process itself died
             cause = getattr(e, "cause", None) or e
             ray.kill(router)
-            raise ValueError(f"rollout service {cfg.name!r} failed to start: {_message(cause)}") from None
+            raise ValueError(f"rollout service {cfg.name!r} failed to start: {error_text(cause)}") from None
         if err is not None:
             ray.get(router.shutdown.remote())
             ray.kill(router)
@@ -200,8 +201,3 @@ def _wait_name_released(name: str, namespace: str, timeout: float = 10.0) -> Non
         except ValueError:
             return
         time.sleep(0.1)
-
-
-def _message(e: BaseException) -> str:
-    from actors.remote_errors import error_text
-    return error_text(e)
