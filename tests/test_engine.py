@@ -306,7 +306,7 @@ def test_failure_recording_the_step_in_flight_for_an_abort_fails_only_its_reques
         eng.add_request(RolloutRequest([4, 5, 6, 7], sp, request_id=rid), seq)
     for _ in range(3):
         assert eng.step() == []
-    assert eng._in_flight is not None
+    assert eng.loop.in_flight is not None
     seqs["bad"].sampling.stop = 5
     aborted = eng.abort(["a"])
     assert [(r.request_id, r.finish_reason, r.error) for r in aborted] == [("a", "abort", None)]

@@ -176,7 +176,7 @@ def test_abort_ends_a_running_episode_and_the_engine_goes_on(client):
                          episode=EpisodeParams(Scripted([(" ok", 0.0, False)] * 9), max_turns=9, max_total_tokens=500))
     engine.add_request(req)
     out = []
-    while not any(rid.startswith("ep-abort/") and rid.endswith("/1") for rid in engine._requests):
+    while not any(rid.startswith("ep-abort/") and rid.endswith("/1") for rid in engine.requests.ids()):
         out += engine.step()
     assert out == [] and engine.has_unfinished()
     aborted = engine.abort(["ep-abort"])
@@ -248,7 +248,7 @@ def test_a_refresh_between_turns_shows_in_the_versions(client, model):
     req = RolloutRequest(None, SamplingParams(max_tokens=4, ignore_eos=True, seed=0), request_id="ep-refresh",
                          episode=EpisodeParams(Scripted([(" more", 0.0, False)] * 2), max_turns=3))
     engine.add_request(req)
-    while not any(rid == "ep-refresh/0/1" for rid in engine._requests):
+    while not any(rid == "ep-refresh/0/1" for rid in engine.requests.ids()):
         assert not engine.step()
     version = engine.policy_version + 1
     engine.update_weights(model.state_dict(), version)  # the same weights: only the version changes

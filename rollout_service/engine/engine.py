@@ -4,7 +4,10 @@ add_request -> Scheduler -> ModelRunner -> Sampler -> finished sequences become 
 All mutation happens under one lock, so a weight refresh or an abort from another thread lands between
 two steps.
 
-The step loops, plain and overlapped (overlap_decode), are engine/overlap.py; episodes, engine/episodes.py.
+The engine is a facade over collaborators, each owning its state and told what it may call (each file's
+docstring says): the request table and outbox (requests.py), the scheduler, the decode loop (decode_loop.py:
+plain and overlapped steps), the token recorder (recorder.py: tokens, stops, forks), fault isolation
+(isolation.py), the weight refresh (refresh.py: the policy version), the sleeper and the episode runner.
 
 A request is checked again when it is added and the sequence keeps a copy of its sampling params, so a
 caller changing the request afterwards cannot reach a step. A step that raises anyway loses no request:
@@ -14,10 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import random
 import threading
-import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,17 +28,17 @@ import torch
 from rollout_service.api.checks import check_request_ids, engine_device
 from rollout_service.config import EngineConfig
 from rollout_service.engine.episodes import EpisodeGroup, EpisodeRunner
+from rollout_service.engine.decode_loop import DecodeLoop
 from rollout_service.engine.isolation import FaultIsolation
 from rollout_service.engine.kv_cache import pages_for, sized_kv_cache
-from rollout_service.engine.model_runner import ModelRunner, Prefilled
-from rollout_service.engine.overlap import DecodeSteps, Launched
-from rollout_service.engine.overflow import overflow_error
+from rollout_service.engine.model_runner import ModelRunner
+from rollout_service.engine.recorder import StopRules, TokenRecorder
 from rollout_service.engine.refresh import WeightRefresh
+from rollout_service.engine.requests import RequestTable
 from rollout_service.engine.routing import check_routing_request, keep_routing, result_routing
-from rollout_service.engine.sampler import Sampler, SamplerOutput
-from rollout_service.engine.scheduler import Batch, Scheduler
-from rollout_service.engine.scoring import complete, outside_kept_set, record_scores
-from rollout_service.engine.sequence import Sequence, SeqStatus
+from rollout_service.engine.sampler import Sampler
+from rollout_service.engine.scheduler import Scheduler
+from rollout_service.engine.sequence import Sequence
 from rollout_service.engine.sleep import Sleeper, process_gpu_bytes
 from rollout_service.model.loader import load_model
 from rollout_service.ops.backend import resolve_backend
@@ -47,13 +48,6 @@ from rollout_service.api.types import RolloutRequest, RolloutResult
 from rollout_service.user_code import Guard, unguarded
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _Request:
-    metadata: Any
-    seqs: list[Sequence]
-    num_pending: int
 
 
 @dataclass
@@ -71,7 +65,7 @@ class EngineCounters:
     recent: deque = field(default_factory=lambda: deque(maxlen=64))  # (time, tokens) for tokens/s
 
 
-class Engine(DecodeSteps, FaultIsolation, WeightRefresh):
+class Engine:
     def __init__(self, config: EngineConfig | None = None, model_source: Any = None, tokenizer: Any = None,
                  **overrides: Any):
         config = dataclasses.replace(config or EngineConfig(), **overrides)
@@ -104,18 +98,27 @@ class Engine(DecodeSteps, FaultIsolation, WeightRefresh):
         self.runner = ModelRunner(self.model, self.kv, self.device, self.max_model_len, config.max_num_seqs,
                                   use_graphs, config.cuda_graph_max_batch)
         self.sampler = Sampler(self.model.ops)
-        self.policy_version = 0
         self.sleeper = Sleeper(self.model, self.kv, self.runner, self.scheduler, self.device)
         self.counters = EngineCounters()
-        self._requests: dict[str, _Request] = {}
+        self._lock = threading.RLock()
+        self.requests = RequestTable(self._result, self.scheduler.finish)
+        self.recorder = TokenRecorder(self.model, self.sampler, self.scheduler, self.kv.blocks, self.requests,
+                                      self.counters, StopRules(self.eos_ids, self.prompts, self.max_model_len))
+        self.loop = DecodeLoop(config.overlap_decode, self.scheduler, self.runner, self.sampler, self.recorder,
+                               self.counters, lambda: self.refresh.version)
+        self.isolation = FaultIsolation(self.scheduler, self.requests, self.loop)
+        self.refresh = WeightRefresh(self.model, self.device, config, self.kv, self.scheduler, self.sleeper,
+                                     self.counters, self._lock, self.isolation.flush,
+                                     lambda: self.requests.post(self.abort(self.requests.ids())))
         self.episodes = EpisodeRunner(self)  # multi-turn episode requests (rollout_service/episodes.py)
         # how environment code is entered: a Ray worker tells its router first (actors/quarantine.py)
         self.user_code: Guard = unguarded
-        self._outbox: list[RolloutResult] = []
-        self._in_flight: Launched | None = None
         self._seed_rng = random.Random(config.seed)
-        self._digest: str | None = None  # the weights digest of this version, once a receipt needed it
-        self._lock = threading.RLock()
+
+    @property
+    def policy_version(self) -> int:
+        """The version of the weights served now (the last refresh's)."""
+        return self.refresh.version
 
     # ---- requests -----------------------------------------------------------------------------------
     def prepare(self, req: RolloutRequest) -> Sequence | EpisodeGroup:
@@ -133,7 +136,7 @@ class Engine(DecodeSteps, FaultIsolation, WeightRefresh):
             raise ValueError(f"request {req.request_id!r}: {e}") from None
 
     def _prepare(self, req: RolloutRequest) -> Sequence | EpisodeGroup:
-        if req.request_id in self._requests or req.request_id in self.episodes:
+        if req.request_id in self.requests or req.request_id in self.episodes:
             raise ValueError("this request_id is already in flight")
         check_routing_request(req.sampling, self.model)
         if req.episode is not None:
@@ -179,21 +182,21 @@ class Engine(DecodeSteps, FaultIsolation, WeightRefresh):
             if seq.request_id != req.request_id:
                 raise ValueError(f"add_request: the sequence was prepared for request {seq.request_id!r}, "
                                  f"not {req.request_id!r}")
-            if seq.request_id in self._requests or seq.request_id in self.episodes:
+            if seq.request_id in self.requests or seq.request_id in self.episodes:
                 raise ValueError(f"request {seq.request_id!r}: this request_id is already in flight")
             if isinstance(seq, EpisodeGroup):
-                self._outbox += self.episodes.start(seq)  # episodes whose environment failed at once
+                self.requests.post(self.episodes.start(seq))  # episodes whose environment failed at once
                 return
-            self._requests[seq.request_id] = _Request(req.metadata, [seq], seq.sampling.n)
+            self.requests.add(seq, req.metadata)
             self.scheduler.add(seq)
 
     @property
     def num_requests(self) -> int:
         """Requests in flight (an episode's running turns count as its requests)."""
-        return len(self._requests)
+        return len(self.requests)
 
     def has_unfinished(self) -> bool:
-        return bool(self._requests or self._outbox or self.episodes.has_unfinished())
+        return bool(len(self.requests) or self.requests.has_output() or self.episodes.has_unfinished())
 
     def abort(self, request_ids: list[str]) -> list[RolloutResult]:
         """Finish the given requests now (finish_reason "abort", tokens so far); unknown ids are ignored. An
@@ -201,13 +204,12 @@ class Engine(DecodeSteps, FaultIsolation, WeightRefresh):
         request_ids = check_request_ids(request_ids)
         out: list[RolloutResult] = []
         with self._lock:
-            self._flush()  # the tokens of the step in flight are the sequences' too
-            self._outbox = self.episodes.collect(self._outbox)  # turns that just finished move their episodes on
+            self.isolation.flush()  # the tokens of the step in flight are the sequences' too
+            self.requests.take_through(self.episodes.collect)  # turns that just finished move their episodes on
             for rid in request_ids + self.episodes.turn_ids(request_ids):
-                state = self._requests.get(rid)
-                for seq in list(state.seqs) if state else []:
+                for seq in self.requests.seqs(rid):
                     if not seq.is_finished:
-                        out += self._finish(seq, "abort")
+                        out += self.requests.finish(seq, "abort")
             return self.episodes.collect(out)
 
     # ---- one step -----------------------------------------------------------------------------------
@@ -216,118 +218,16 @@ class Engine(DecodeSteps, FaultIsolation, WeightRefresh):
             if self.sleeper.level:
                 raise RuntimeError(f"the engine is asleep (level {self.sleeper.level}): call wake_up() first")
             try:
-                self._step()
+                self.loop.step()
             except Exception as e:
-                self._isolate(e)
-            out, self._outbox = self._outbox, []
-            return self.episodes.collect(out)  # finished turns move their episodes on
-
-    def _reaches_length(self, seq: Sequence, outputs: int) -> bool:
-        """Whether seq is done by max_tokens / max_model_len once it has `outputs` output tokens."""
-        return outputs >= seq.sampling.max_tokens or outputs + len(seq.prompt_token_ids) >= self.max_model_len
+                self.isolation.isolate(e)
+            return self.episodes.collect(self.requests.take())  # finished turns move their episodes on
 
     def run_until_done(self) -> list[RolloutResult]:
         out: list[RolloutResult] = []
         while self.has_unfinished():
             out += self.step()
         return out
-
-    def _after_prefill(self, batch: Batch, prefilled: Prefilled) -> None:
-        self.counters.prefill_steps += 1
-        to_sample, rows, row, scored = [], [], 0, []
-        self.counters.prefilled_tokens += sum(batch.chunk_lens)
-        self.counters.scored_tokens += record_scores(self.model, self.sampler, batch, prefilled.score_hidden)
-        for i, seq in enumerate(batch.seqs):
-            seq.num_computed += batch.chunk_lens[i]
-            if not batch.completes[i]:
-                continue
-            if seq.score_from is not None:
-                scored.append(seq)
-                continue
-            if seq.num_output_tokens:
-                self.counters.recomputes += 1
-            else:
-                self.counters.prompt_prefills += 1
-            group = [seq] + self._fork(seq)
-            to_sample += group
-            rows += [row] * len(group)
-            row += 1
-        self.scheduler.after_prefill(batch, to_sample)
-        for seq in scored:
-            complete(seq, self.policy_version)
-            self.counters.scored_sequences += 1
-            error = overflow_error(seq.output_logprobs, scoring=True)
-            self._outbox += self._finish(seq, "abort" if error else "scored", error or outside_kept_set(seq))
-        if not to_sample:
-            return
-        logits = prefilled.logits
-        if len(rows) != logits.shape[0]:
-            logits = logits[torch.tensor(rows, device=logits.device)]
-        self._append(to_sample, self.sampler(logits, to_sample), self.policy_version)
-
-    def _fork(self, seq: Sequence) -> list[Sequence]:
-        """The n - 1 sibling samples of a prefilled prompt, sharing its pages (kv_cache.BlockManager.fork)."""
-        n, seq.num_samples = seq.num_samples, 1
-        children = []
-        for k in range(1, n):
-            child = seq.fork(seq.sample_index + k)
-            self.kv.blocks.fork(seq, child)
-            children.append(child)
-        self._requests[seq.request_id].seqs += children
-        return children
-
-    def _append(self, seqs: list[Sequence], out: SamplerOutput, version: int) -> None:
-        """Record one sampled token per running sequence, then check for stops (finished ones go to the
-        outbox). `out` is on the host for a decode step (copied behind its sampler); a prefill step's is
-        read here: its one sync."""
-        token_ids, logprobs = out.token_ids.tolist(), out.logprobs.tolist()
-        top_ids = out.top_ids.tolist() if out.top_ids is not None else None
-        top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
-        recorded = 0
-        for i, seq in enumerate(seqs):
-            if seq.status is not SeqStatus.RUNNING:
-                continue  # finished (or aborted) while this step ran
-            recorded += 1
-            k = seq.sampling.logprobs
-            # alternatives outside a truncated distribution (-inf) are not alternatives
-            top = ({t: lp for t, lp in zip(top_ids[i][:k], top_lps[i][:k]) if lp != float("-inf")}
-                   if k and top_ids is not None else None)
-            seq.append(token_ids[i], logprobs[i], version, top)
-            if not math.isfinite(logprobs[i]):  # the forward overflowed: what follows would be garbage
-                error = overflow_error([logprobs[i]], offset=seq.num_output_tokens - 1)
-                self._outbox += self._finish(seq, "abort", error)
-                continue
-            reason = self._stop_reason(seq, token_ids[i])
-            if reason:
-                self._outbox += self._finish(seq, reason)
-        self.counters.generated_tokens += recorded
-        self.counters.recent.append((time.time(), recorded))
-
-    def _stop_reason(self, seq: Sequence, tok: int) -> str | None:
-        sp = seq.sampling
-        if (not sp.ignore_eos and tok in self.eos_ids) or (sp.stop_token_ids and tok in sp.stop_token_ids):
-            return "stop"
-        if sp.stop:
-            text = self.prompts.decode(seq.output_token_ids)
-            hits = [i for i in (text.find(s) for s in sp.stop) if i >= 0]
-            if hits:
-                seq.stop_text_end = min(hits)
-                return "stop"
-        if self._reaches_length(seq, len(seq.output_token_ids)):
-            return "length"
-        return None
-
-    def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> list[RolloutResult]:
-        seq.finish_reason, seq.t_finished = reason, time.time()
-        state = self._requests[seq.request_id]
-        # an aborted prompt that never forked stands for all of its samples
-        indices = range(seq.sample_index, seq.sample_index + seq.num_samples)
-        results = [self._result(seq, state.metadata, i, error) for i in indices]  # first: decoding may raise
-        self.scheduler.finish(seq)
-        state.num_pending -= len(indices)
-        if state.num_pending == 0:
-            del self._requests[seq.request_id]
-        return results
 
     def _result(self, seq: Sequence, metadata: Any, sample_index: int, error: str | None) -> RolloutResult:
         # a failed request's text is left empty: decoding its tokens may be what failed (a scored one's error
@@ -347,6 +247,21 @@ class Engine(DecodeSteps, FaultIsolation, WeightRefresh):
             result.receipt = receipt_of(result, self.weights_digest(), self.config.receipt_key)
         return result
 
+    # ---- weights (engine/refresh.py) -----------------------------------------------------------------
+    def validate_manifest(self, manifest: Any, partial: bool = False) -> None:
+        self.refresh.validate_manifest(manifest, partial)
+
+    def check_version(self, version: Any) -> None:
+        self.refresh.check_version(version)
+
+    def update_weights(self, named_tensors: Any, version: int, partial: bool = False,
+                       check_finite: bool = True) -> None:
+        """Swap the weights at a step boundary after checking every tensor (engine/refresh.py)."""
+        self.refresh.update_weights(named_tensors, version, partial, check_finite)
+
+    def weights_digest(self) -> str:
+        return self.refresh.weights_digest()
+
     # ---- sleep / wake (engine/sleep.py) --------------------------------------------------------------
     @property
     def sleep_level(self) -> int:
@@ -361,7 +276,7 @@ class Engine(DecodeSteps, FaultIsolation, WeightRefresh):
         drops them (the next update_weights must bring every weight). Sequences in flight are preempted and
         recomputed after wake; requests added meanwhile wait. A deeper level may follow a lighter one."""
         with self._lock:
-            self._flush()
+            self.isolation.flush()
             self.sleeper.sleep(level)
 
     def wake_up(self) -> None:

@@ -1,5 +1,8 @@
 """The engine's episode runner: turns of multi-turn episodes (rollout_service/episodes.py says what an episode
 is and what an environment answers) queued as ordinary engine requests, the environment asked between them.
+
+Owns: the episodes and their running turns. May call: what `TurnEngine` declares of the engine that owns it
+(queue a turn, the tokenizer, limits, the policy version, how environment code is entered).
 """
 from __future__ import annotations
 
@@ -9,7 +12,7 @@ import hashlib
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -19,6 +22,22 @@ from rollout_service.episodes import Observation
 from rollout_service.api.types import EpisodeParams, RolloutRequest, RolloutResult, SamplingParams
 from rollout_service.api.values import is_int, is_number
 from rollout_service.user_code import Guard, describe_error
+
+
+class TurnEngine(Protocol):
+    """What the episode runner may use of its engine (engine/engine.py)."""
+
+    max_model_len: int
+    config: Any            # page_size
+    kv: Any                # blocks.num_usable: whether an episode's longest KV fits
+    prompts: Any           # PromptProcessor: the turns' text in and out
+    eos_ids: set[int]
+    user_code: Guard       # how environment code is entered
+
+    @property
+    def policy_version(self) -> int: ...
+
+    def add_request(self, req: RolloutRequest, seq: Any = None) -> None: ...
 
 
 def turn_seed(seed: int, sample: int, turn: int) -> int:
@@ -80,8 +99,8 @@ class EpisodeRunner:
     """The engine's episodes. Invariant: an unfinished episode always has a turn in the engine (its next
     turn is queued in the same call that finishes the previous one), so aborting the turns ends them all."""
 
-    def __init__(self, engine: Any):
-        """`engine`: the Engine that owns these episodes (engine/engine.py), whose requests their turns are."""
+    def __init__(self, engine: TurnEngine):
+        """`engine`: the Engine that owns these episodes, whose requests their turns are."""
         self.engine = engine
         self._groups: dict[str, list[_Episode]] = {}  # episode request id -> its unfinished episodes
         self._turns: dict[str, _Episode] = {}         # running turn's request id -> its episode

@@ -9,18 +9,25 @@ EngineConfig.on_refresh says what happens to sequences part-way through:
   "abort":     they finish now, "abort", with the tokens so far.
 A completion being scored (engine/scoring.py) always starts again: a score is one version's.
 
-A part of Engine (engine/engine.py), kept apart so the refresh reads on its own.
+Owns: the policy version and the digest of its weights. May call: the model's parameters, the scheduler and
+the KV blocks (what a swap does to work in flight), the sleeper (weights parked in host memory), and what the
+engine hands it: its lock (a swap lands between two steps), `flush` (record the step in flight) and `abort_all`.
 """
 from __future__ import annotations
 
-from typing import Any
+import threading
+from typing import Any, Callable
 
 import torch
 
 from rollout_service.api.checks import check_policy_version
+from rollout_service.config import EngineConfig
 from rollout_service.engine.heap import release_freed_memory
+from rollout_service.engine.kv_cache import KVCache
+from rollout_service.engine.scheduler import Scheduler
 from rollout_service.engine.scoring import restart_partial
 from rollout_service.engine.sequence import Sequence
+from rollout_service.engine.sleep import Sleeper
 from rollout_service.model.weight_update import apply_named_tensors, validate_manifest, validate_named_tensors
 from rollout_service.results.receipts import weights_digest
 from rollout_service.weights.buckets import named_items, reject_nonfinite
@@ -28,14 +35,21 @@ from rollout_service.weights.canary import reject_overflowing
 
 
 class WeightRefresh:
-    """Engine's refresh (a mixin: the state is the engine's)."""
+    def __init__(self, model: torch.nn.Module, device: torch.device, config: EngineConfig, kv: KVCache,
+                 scheduler: Scheduler, sleeper: Sleeper, counters: Any,
+                 lock: threading.RLock, flush: Callable[[], None], abort_all: Callable[[], None]):
+        self.model, self.device, self.config, self.kv = model, device, config, kv
+        self.scheduler, self.sleeper, self.counters = scheduler, sleeper, counters
+        self.lock, self.flush, self.abort_all = lock, flush, abort_all
+        self.version = 0
+        self._digest: str | None = None  # the weights digest of this version, once a receipt needed it
 
     def validate_manifest(self, manifest: Any, partial: bool = False) -> None:
         """A refresh's names, shapes and dtypes (no data), checked before its bytes move."""
         validate_manifest(self.model, manifest.entries, partial)
 
     def check_version(self, version: Any) -> None:
-        check_policy_version(version, self.policy_version)
+        check_policy_version(version, self.version)
 
     def update_weights(self, named_tensors: Any, version: int, partial: bool = False,
                        check_finite: bool = True) -> None:
@@ -48,14 +62,14 @@ class WeightRefresh:
         if check_finite:
             reject_nonfinite(items)
             reject_overflowing(items)
-        with self._lock:
+        with self.lock:
             self.sleeper.before_refresh(partial)
-            self._flush()  # its tokens came from the old weights and say so
+            self.flush()  # its tokens came from the old weights and say so
             self._digest = None
             apply_named_tensors(plan)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # the sources may be reused once this returns
-            self.policy_version = version
+            self.version = version
             restart_partial(self.scheduler.waiting, self._release)
             if self.config.on_refresh == "recompute":
                 sched = self.scheduler
@@ -63,7 +77,7 @@ class WeightRefresh:
                 sched.preempt_all()
             self.kv.blocks.set_version(version)
             if self.config.on_refresh == "abort":
-                self._outbox += self.abort(list(self._requests))
+                self.abort_all()
         del items, plan  # the validation's temporaries are garbage now: give their pages back (engine/heap.py)
         release_freed_memory()
 
@@ -76,7 +90,7 @@ class WeightRefresh:
         """sha256 of every weight by name (rollout_service/results/receipts.py): two engines, or an engine and a learner
         holding the same tensors under the same names, hold bitwise the same weights iff their digests are
         equal. An FP8 weight counts with its scales. Kept until the next refresh."""
-        with self._lock:
+        with self.lock:
             if self._digest is None:
                 named = list(self.model.named_parameters())
                 scales = [(f"{n}.fp8_scale", p.fp8_scale) for n, p in named if getattr(p, "fp8_scale", None) is not None]

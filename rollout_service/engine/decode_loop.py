@@ -5,16 +5,22 @@ leaves a decode step in flight: the next call launches the following decode step
 ids, and only then reads and records the first step's tokens, so the host's work hides behind the GPU's. A
 sequence that turns out to have finished wasted one step's row; nothing else changes (the same tokens,
 log-probs and random draws). A step whose sampling needs the tokens so far on the host (penalties) is recorded
-at once in either loop. A part of Engine (engine/engine.py), kept apart so each loop reads on its own.
+at once in either loop.
+
+Owns: the step in flight. May call: the scheduler (what runs next), the model runner, the sampler, the token
+recorder (what a step's tokens do) and the counters; it reads the policy version a step ran under.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 
-from rollout_service.engine.sampler import SamplerOutput, needs_history
-from rollout_service.engine.scheduler import Batch
+from rollout_service.engine.model_runner import ModelRunner
+from rollout_service.engine.recorder import TokenRecorder
+from rollout_service.engine.sampler import Sampler, SamplerOutput, needs_history
+from rollout_service.engine.scheduler import Batch, Scheduler
 from rollout_service.engine.sequence import Sequence, SeqStatus
 from rollout_service.engine.transfers import copy_to_host, to_device
 
@@ -31,12 +37,16 @@ class Launched:
     can_chain: bool  # the next step may run before these tokens are read
 
 
-class DecodeSteps:
-    """Engine's step loops (a mixin: the state is the engine's)."""
+class DecodeLoop:
+    def __init__(self, overlap: bool, scheduler: Scheduler, runner: ModelRunner, sampler: Sampler,
+                 recorder: TokenRecorder, counters: Any, version: Callable[[], int]):
+        self.overlap, self.scheduler, self.runner, self.sampler = overlap, scheduler, runner, sampler
+        self.recorder, self.counters, self.version = recorder, counters, version
+        self.in_flight: Launched | None = None
 
-    def _step(self) -> bool:
+    def step(self) -> bool:
         """One step; what finishes goes to the outbox. False when there was nothing to run."""
-        return self._step_overlapped() if self.config.overlap_decode else self._step_plain()
+        return self._step_overlapped() if self.overlap else self._step_plain()
 
     def _step_plain(self) -> bool:
         batch = self.scheduler.schedule()
@@ -48,14 +58,14 @@ class DecodeSteps:
         return True
 
     def _step_overlapped(self) -> bool:
-        prev, self._in_flight = self._in_flight, None
+        prev, self.in_flight = self.in_flight, None
         if prev is not None:
             # launch the next decode step first, then read and record prev's tokens while it runs
             nxt = self._schedule_ahead(prev) if prev.can_chain else None
             if nxt is not None:
                 batch, rows = nxt
                 ids = prev.out.token_ids if rows is None else prev.out.token_ids[rows]
-                self._in_flight = self._launch(batch, ids)
+                self.in_flight = self._launch(batch, ids)
                 self.counters.overlapped_steps += 1
                 self._record(prev)
                 return True
@@ -66,7 +76,7 @@ class DecodeSteps:
         launched = self._run_scheduled(batch)
         if launched is not None:
             if launched.can_chain:
-                self._in_flight = launched
+                self.in_flight = launched
             else:
                 self._record(launched)
         return True
@@ -77,7 +87,7 @@ class DecodeSteps:
             return self._launch(batch)
         prefilled = self.runner.prefill(batch)
         self.counters.steps += 1
-        self._after_prefill(batch, prefilled)
+        self.recorder.after_prefill(batch, prefilled, self.version())
         return None
 
     def _launch(self, batch: Batch, input_ids: torch.Tensor | None = None) -> Launched:
@@ -87,17 +97,18 @@ class DecodeSteps:
         self.counters.steps += 1
         out = self.sampler(logits, batch.seqs, ahead=ahead)
         host, copied = copy_to_host(out)
-        can_chain = self.config.overlap_decode and not any(needs_history(s.sampling) for s in batch.seqs)
-        return Launched(batch.seqs, out, host, copied, self.policy_version, can_chain)
+        can_chain = self.overlap and not any(needs_history(s.sampling) for s in batch.seqs)
+        return Launched(batch.seqs, out, host, copied, self.version(), can_chain)
 
     def _schedule_ahead(self, prev: Launched) -> tuple[Batch, torch.Tensor | None] | None:
         """The decode step after prev, for prev's sequences that cannot finish by length at prev's token
         (and were not aborted): the batch and the rows of prev's output that feed it (None: all)."""
-        if prev.version != self.policy_version:
+        if prev.version != self.version():
             return None
+        reaches = self.recorder.stops.reaches_length
         # Every running sequence is one of prev's: only a prefill adds to them, and none ran since prev.
         keep = [i for i, s in enumerate(prev.seqs)
-                if s.status is SeqStatus.RUNNING and not self._reaches_length(s, s.num_output_tokens + 1)]
+                if s.status is SeqStatus.RUNNING and not reaches(s, s.num_output_tokens + 1)]
         batch = self.scheduler.schedule_ahead([prev.seqs[i] for i in keep])
         if batch is None:
             return None
@@ -110,18 +121,15 @@ class DecodeSteps:
             seq.num_computed = seq.num_tokens  # the step's query token now has its KV
         if launched.copied is not None:
             launched.copied.synchronize()  # this step's copy only, not the step launched after it
-        self._append(launched.seqs, launched.host, launched.version)
+        self.recorder.record(launched.seqs, launched.host, launched.version)
 
-    def _flush(self) -> None:
-        """Record the step in flight now (before an abort, a weight swap or a sleep); a request at fault
-        fails alone, as in step()."""
-        try:
-            self._record_in_flight()
-        except Exception as e:
-            self._isolate(e)
-
-    def _record_in_flight(self) -> None:
-        if self._in_flight is not None:
-            prev, self._in_flight = self._in_flight, None
+    def record_in_flight(self) -> None:
+        """Record the step in flight now (before an abort, a weight swap or a sleep)."""
+        if self.in_flight is not None:
+            prev, self.in_flight = self.in_flight, None
             self._record(prev)
 
+
+    def drop_in_flight(self) -> None:
+        """Forget the step in flight: its tokens are drawn again from recomputed KV (fault isolation)."""
+        self.in_flight = None
