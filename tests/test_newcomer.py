@@ -97,20 +97,21 @@ def test_a_config_asking_for_a_resource_the_cluster_lacks_fails_at_once(ray_clus
     cluster has and the config to use, in seconds (it waited out the placement timeout, autoscaler errors
     streaming meanwhile)."""
     cfg = _config_file(REPO / "cluster_configs" / "local-gpu.yaml", tmp_path / "gpu.yaml", name="svc-nogpu",
-                       address=ray_cluster.address, placement={"timeout_s": 30}, engine={"model": tiny_model_dir})
-    rc, lines, seconds = _run(CLI + ["run", "--config", str(cfg)], _env(ray_tmp), timeout=120)
+                       address=ray_cluster.address, placement={"timeout_s": 600}, engine={"model": tiny_model_dir})
+    rc, lines, seconds = _run(CLI + ["run", "--config", str(cfg)], _env(ray_tmp), timeout=400)
     # (this machine's own token may draw a warning: the shared cluster uses it, so HOME stays)
     lines = [line for line in lines if not line.startswith("warning: Ray's auth token")]
     assert rc == 2 and lines[-1].startswith("error: cannot place 1 rollout worker(s) of CPU 2, GPU 1"), lines[-20:]
     assert "the Ray cluster has no GPU (it has CPU 4," in lines[-1] and "rollout_node 2" in lines[-1]
     assert "use cluster_configs/local-cpu.yaml" in lines[-1]
-    assert len(lines) == 2 and seconds < 25, (seconds, lines)  # "starting ..." and the error
+    # "starting ..." and the error, long before the placement timeout (~15 s here quiet; a loaded box is slower)
+    assert len(lines) == 2 and seconds < 200, (seconds, lines)
 
 
 @pytest.mark.ray
 def test_a_custom_resource_or_a_strategy_the_nodes_cannot_meet_fails_at_once(ray_cluster, tiny_model_dir):
     from rollout_service.backends.ray import RayBackend
-    base = dict(engine={"model": tiny_model_dir}, placement={"timeout_s": 30})
+    base = dict(engine={"model": tiny_model_dir}, placement={"timeout_s": 600})  # what waiting would cost
     t0 = time.monotonic()
     with pytest.raises(ValueError, match=r"the Ray cluster has no gpu_node .*ray start .*--resources="):
         RayBackend.start_service(str(REPO / "cluster_configs" / "multi-node.yaml"), name="svc-nocustom",
@@ -119,8 +120,8 @@ def test_a_custom_resource_or_a_strategy_the_nodes_cannot_meet_fails_at_once(ray
     with pytest.raises(ValueError, match=r"STRICT_PACK puts every worker on one node, and the most any node "
                                          r"holds is 1"):
         RayBackend.start_service(str(REPO / "cluster_configs" / "multi-node.yaml"), name="svc-pack",
-                          placement={"strategy": "STRICT_PACK", "timeout_s": 30}, engine={"model": tiny_model_dir})
-    assert time.monotonic() - t0 < 20
+                          placement={"strategy": "STRICT_PACK", "timeout_s": 600}, engine={"model": tiny_model_dir})
+    assert time.monotonic() - t0 < 120  # (a few seconds on a quiet machine)
 
 
 def _config_file(base: Path, out: Path, **overrides) -> Path:

@@ -84,11 +84,14 @@ def test_scale_up_and_down_mid_rollout_loses_nothing(svc, reference):
 
 def test_a_scale_the_cluster_can_never_hold_is_refused_at_once(svc):
     before = svc.info()
+    from ray.util import placement_group_table
     for n in (8, 10**6):  # 8 CPUs or a million: the cluster has 4
+        groups = len(placement_group_table())
         t0 = time.monotonic()
         with pytest.raises(ValueError) as e:
-            svc.scale(n, timeout_s=5)
-        assert time.monotonic() - t0 < 2, "refused before any placement group exists"
+            svc.scale(n, timeout_s=300)
+        # refused before any placement group exists, not after waiting for one (< 1 s on a quiet machine)
+        assert time.monotonic() - t0 < 60 and len(placement_group_table()) == groups
         msg = str(e.value)
         assert msg.startswith(f"scale: cannot place {n} rollout worker(s) of CPU 1") and "\n" not in msg, msg
         assert f"they need CPU {n:g} in all, the Ray cluster has 4" in msg and msg.endswith("keeps its 2 worker(s)")
@@ -110,7 +113,7 @@ def test_a_scale_that_cannot_be_placed_now_fails_in_time_and_changes_nothing(svc
         with pytest.raises(ValueError, match=r"cannot place 2 rollout worker\(s\) of CPU 1.* within 3s: the Ray "
                                              r"cluster has .*free of CPU 4.*keeps its 2 worker"):
             svc.scale(4, timeout_s=3)
-        assert time.monotonic() - t0 < 10
+        assert time.monotonic() - t0 < 30  # the 3 s timeout, plus the router's answer on a loaded machine
         after = svc.info()
         assert {k: after[k] for k in ("num_workers", "alive", "gone")} == \
             {k: before[k] for k in ("num_workers", "alive", "gone")}
