@@ -84,6 +84,29 @@ def test_a_name_is_checked_before_its_module_runs():
     assert lines[3] == "[]"  # not even the package json was run
 
 
+def test_a_reward_is_found_outside_the_repository_and_through_an_import_finder(tmp_path):
+    """From another directory (the package installed, not on the working directory's path), and a module of a
+    package that an import hook finds, as `pip install -e` installs one (a finder on sys.meta_path), neither
+    module run."""
+    pkg = tmp_path / "src" / "hooked_task"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("raise RuntimeError('the package ran')\n")
+    (pkg / "rewards.py").write_text("def exact(result):\n    return 1.0\n")
+    code = ("import importlib.machinery, sys\n"
+            "class Hook:\n"
+            "    @classmethod\n"
+            "    def find_spec(cls, name, path=None, target=None):\n"
+            f"        if name == 'hooked_task':\n"
+            f"            return importlib.machinery.PathFinder.find_spec(name, [{str(pkg.parent)!r}])\n"
+            "sys.meta_path.append(Hook)\n"
+            "from rollout_service.rewards.functions import _check_source, resolve\n"
+            "print(resolve('rollout_service.rewards.examples:length_reward').__name__)\n"
+            "_check_source('hooked_task.rewards', 'exact', 'reward')\n"
+            "print('hooked_task' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert out.returncode == 0 and out.stdout.split() == ["length_reward", "False"], out.stderr[-2000:]
+
+
 def test_score_marks_what_is_not_a_finite_float():
     r = RolloutResult("r", 0, [1], [2, 4], [-0.5, -0.5], [0, 0], "length")
     assert score(f"{EX}:length_reward", r) == (2.0, None)

@@ -55,7 +55,8 @@ def _check_source(module_name: str, attr: str, where: str) -> None:
     the module or its packages."""
     path = None
     for i in range(module_name.count(".") + 1):
-        spec = importlib.machinery.PathFinder.find_spec(".".join(module_name.split(".")[:i + 1]), path)
+        name = ".".join(module_name.split(".")[:i + 1])
+        spec = _top_level_spec(name) if i == 0 else importlib.machinery.PathFinder.find_spec(name, path)
         path = spec.submodule_search_locations if spec is not None else None
         if spec is None or (path is None and i < module_name.count(".")):
             raise ValueError(f"{where}: cannot import module {module_name!r}: no such module on the Python path")
@@ -77,6 +78,23 @@ def _check_source(module_name: str, attr: str, where: str) -> None:
     if required != 1 or kw_required:
         raise ValueError(f"{where}: {attr}() must take one argument, the result; it needs "
                          f"{required + kw_required}")
+
+
+def _top_level_spec(name: str) -> importlib.machinery.ModuleSpec | None:
+    """A top-level package's spec as `import` would find it, without importing it: asked of every finder on
+    sys.meta_path, since an editable install (`pip install -e`) is found by a finder of its own, not on sys.path."""
+    module = sys.modules.get(name)
+    if module is not None and getattr(module, "__spec__", None) is not None:
+        return module.__spec__
+    for finder in sys.meta_path:
+        find = getattr(finder, "find_spec", None)
+        try:
+            spec = find(name, None) if find else None
+        except (ImportError, ValueError, AttributeError):
+            continue
+        if spec is not None:
+            return spec
+    return None
 
 
 def _check_one_argument(params: Iterable[inspect.Parameter], attr: str, where: str) -> None:
