@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # One command on a GPU host (no network; torch + transformers preinstalled; run from the source tree):
 # builds the kernels if the tree has them, runs tests/gpu, runs the benchmark harness on qwen2.5-0.5b and
-# llama3-8b, and writes benchmarks/results/<date>-<gpu>[-TAG].json + .md (copied to $OUT too when set).
+# llama3-8b, and writes benchmarks/results/<date>-<gpu>-<workload>.json + .md, one file per workload, each replacing
+# the older file of its GPU and workload (copied to $OUT too when set; file them into a checkout with
+# `python -m benchmarks.harness.file_results $OUT/benchmarks/results/*.json`, which drops the older files there).
 # Ray: used when importable; else installed from an offline bundle in .raybundle/ (scripts/device_ray_env.sh).
 # Everything is bounded so the whole check ends in under 9 minutes; a failing step is reported, not fatal,
 # and the exit status is 0 only when the GPU tests and the benchmark both passed.
 #   usage: scripts/gpu_check.sh
 #   env: PYTHON (default python3), OUT, GPU_CHECK_BUDGET_S (default 530),
 #        GPU_CHECK_MODELS (default qwen2.5-0.5b,llama3-8b), GPU_CHECK_ARGS (extra harness arguments),
-#        GPU_CHECK_RESULTS (default benchmarks/results), GPU_CHECK_TAG (suffix of the result files),
+#        GPU_CHECK_RESULTS (default benchmarks/results), GPU_CHECK_TAG (a label of the runs, kept in their meta),
 #        GPU_CHECK_BENCH (the benchmark steps, in order: default w7,rls,w6,w3,w4,w2p,wbi,main,moe; the budget cuts the
 #        last ones), GPU_CHECK_MOE (the moe step's workloads, default WM,W2,W1,W5,WMF,WBI),
 #        GPU_CHECK_MAIN (the main step's workloads, default W1,W2,W5,W2fp8,W1fp8,W2w,WP,W2n),
@@ -19,7 +21,6 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 if ! "${PYTHON:-python3}" -c "import ray" 2>/dev/null && [ -d .raybundle ]; then
   source scripts/device_ray_env.sh
 fi
-TAG=${GPU_CHECK_TAG:+-$GPU_CHECK_TAG}
 export TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 PY=${PYTHON:-python3}
 BUDGET=${GPU_CHECK_BUDGET_S:-530}
@@ -29,6 +30,8 @@ START=$(date +%s)
 LOG=${OUT:-/tmp}/gpu_check.log
 mkdir -p "$RESULTS" "$(dirname "$LOG")"
 MARK=$(mktemp); touch "$MARK"
+BASE=$(mktemp -d)  # the results as they were: the runs below replace files, the regression check reads these
+cp "$RESULTS"/*.json "$BASE"/ 2>/dev/null || true
 BENCH_STEPS=${GPU_CHECK_BENCH:-w7,rls,w6,w3,w4,w2p,wbi,main,moe}
 left() { echo $(( BUDGET - ($(date +%s) - START) )); }
 wanted() { [[ ",$BENCH_STEPS," == *",$1,"* ]]; }
@@ -59,7 +62,7 @@ fi
 W7_S=$(( $(left) > 120 ? ($(left) > 210 ? 180 : $(left) - 30) : 0 ))
 if wanted w7 && [ "$W7_S" -gt 0 ]; then
   step bench_w7 "$W7_S" "$PY" -m benchmarks --model qwen2.5-0.5b --workloads W7,WDS --budget-s $(( W7_S - 20 )) \
-    --out "$RESULTS" --tag "w7${TAG}"
+    --out "$RESULTS" ${GPU_CHECK_TAG:+--tag "$GPU_CHECK_TAG"}
 fi
 
 # The RL semantics' cost on qwen2.5-0.5b: client.score's engine path vs the transformers recompute (64 sequences
@@ -67,7 +70,7 @@ fi
 RLS_S=$(( $(left) > 300 ? 90 : 0 ))
 if wanted rls && [ "$RLS_S" -gt 0 ]; then
   step bench_rls "$RLS_S" "$PY" -m benchmarks.harness.rl_semantics --model qwen2.5-0.5b --device cuda --out "$RESULTS" \
-    --tag "rl-semantics${TAG}"
+    ${GPU_CHECK_TAG:+--tag "$GPU_CHECK_TAG"}
 fi
 
 # W6 (one colocated GRPO step per model: a Ray service with a learner actor on the same GPU) on its own, first:
@@ -76,7 +79,7 @@ fi
 W6_S=$(( $(left) > 200 ? ($(left) > 420 ? 330 : $(left) - 60) : 0 ))
 if wanted w6 && [ "$W6_S" -gt 0 ]; then
   step bench_w6 "$W6_S" "$PY" -m benchmarks --model "${GPU_CHECK_W6_MODELS:-$MODELS}" --workloads W6,W6fp8 \
-    --budget-s $(( W6_S - 30 )) --out "$RESULTS" --tag "w6${TAG}"
+    --budget-s $(( W6_S - 30 )) --out "$RESULTS" ${GPU_CHECK_TAG:+--tag "$GPU_CHECK_TAG"}
 fi
 
 # W3 (weight refresh by every transport through a one-worker service, and the sleep/wake cycle) on its own:
@@ -84,7 +87,7 @@ fi
 W3_S=$(( $(left) > 300 ? 200 : 0 ))
 if wanted w3 && [ "$W3_S" -gt 0 ]; then
   step bench_w3 "$W3_S" "$PY" -m benchmarks --model "$MODELS" --workloads W3 --budget-s $(( W3_S - 20 )) \
-    --out "$RESULTS" --tag "w3${TAG}"
+    --out "$RESULTS" ${GPU_CHECK_TAG:+--tag "$GPU_CHECK_TAG"}
 fi
 
 # W4 (kernel micro-benchmarks; independent of the model) runs first, on its own: inside the main run it came
@@ -96,7 +99,7 @@ fi
 W4_S=$(( $(left) > 300 ? 130 : 0 ))
 if wanted w4 && [ "$W4_S" -gt 0 ]; then
   step bench_w4 "$W4_S" "$PY" -m benchmarks --model qwen2.5-0.5b --workloads W4 --budget-s $(( W4_S - 20 )) \
-    --out "$RESULTS" --tag "w4${TAG}"
+    --out "$RESULTS" ${GPU_CHECK_TAG:+--tag "$GPU_CHECK_TAG"}
 fi
 
 # W2p (long prompts: 32 prompts x n=16, prompt 1000, 64 new) on both models, on its own. Cost from the shapes:
@@ -109,14 +112,14 @@ fi
 W2P_S=$(( $(left) > 300 ? 200 : 0 ))
 if wanted w2p && [ "$W2P_S" -gt 0 ]; then
   step bench_w2p "$W2P_S" "$PY" -m benchmarks --model "$MODELS" --workloads W2p --budget-s $(( W2P_S - 30 )) \
-    --skip W2p:hf_generate_batch --out "$RESULTS" --tag "w2p${TAG}"
+    --skip W2p:hf_generate_batch --out "$RESULTS" ${GPU_CHECK_TAG:+--tag "$GPU_CHECK_TAG"}
 fi
 # WBI (batch-invariant mode on vs off at W2's and W2n's shapes, in one run, and its bitwise checks: a sample of
 # sequences re-run alone, every sequence recomputed by the learner forward) on both models.
 WBI_S=$(( $(left) > 240 ? ($(left) > 420 ? 360 : $(left) - 40) : 0 ))
 if wanted wbi && [ "$WBI_S" -gt 0 ]; then
   step bench_wbi "$WBI_S" "$PY" -m benchmarks --model "$MODELS" --workloads WBI --repeats 2 --budget-s $(( WBI_S - 30 )) \
-    --out "$RESULTS" --tag "wbi${TAG}"
+    --out "$RESULTS" ${GPU_CHECK_TAG:+--tag "$GPU_CHECK_TAG"}
 fi
 BENCH_S=$(( $(left) - 20 ))
 if ! wanted main; then
@@ -127,7 +130,7 @@ elif [ "$BENCH_S" -gt 90 ]; then
   # GPU time by kernel class at W2's and W2w's batch) for the small model's gap to its floor.
   step bench "$BENCH_S" "$PY" -m benchmarks --model "$MODELS" \
     --workloads "${GPU_CHECK_MAIN:-W1,W2,W5,W2fp8,W1fp8,W2w,WP,W2n}" --budget-s $(( BENCH_S - 50 )) --out "$RESULTS" \
-    ${TAG:+--tag "${TAG#-}"} --skip llama3-8b:hf_static --skip llama3-8b:W2n --skip W2n:hf_generate_batch \
+    ${GPU_CHECK_TAG:+--tag "$GPU_CHECK_TAG"} --skip llama3-8b:hf_static --skip llama3-8b:W2n --skip W2n:hf_generate_batch \
     --skip llama3-8b:W1:hf_generate_batch --skip llama3-8b:W2w --skip llama3-8b:WP --skip W2w:hf_generate_batch \
     ${GPU_CHECK_ARGS:-}
 else
@@ -144,21 +147,23 @@ MOE_S=$(( $(left) > 200 ? $(left) - 20 : 0 ))
 if wanted moe && [ "$MOE_S" -gt 0 ]; then
   step bench_moe "$MOE_S" "$PY" -m benchmarks --model qwen3-30b-a3b --workloads "${GPU_CHECK_MOE:-WM,W2,W1,W5,WMF,WBI}" \
     --engine-opt load_format=share --peer-new-tokens 32 --skip hf_static --skip hf_generate_batch \
-    --shape wbi_check=4 --shape wbi_learner_check=16 --budget-s $(( MOE_S - 30 )) --out "$RESULTS" --tag "moe${TAG}"
+    --shape wbi_check=4 --shape wbi_learner_check=16 --budget-s $(( MOE_S - 30 )) --out "$RESULTS" ${GPU_CHECK_TAG:+--tag "$GPU_CHECK_TAG"}
 fi
 
 NEW=$(find "$RESULTS" -maxdepth 1 -type f -newer "$MARK" \( -name '*.json' -o -name '*.md' \))
 rm -f "$MARK"
+REPLACED=$(for f in "$BASE"/*.json; do [ -e "$f" ] && [ ! -e "$RESULTS/${f##*/}" ] && echo "${f##*/}"; done)
 if [ -n "${OUT:-}" ] && [ -n "$NEW" ]; then
   mkdir -p "$OUT/benchmarks/results" && cp $NEW "$OUT/benchmarks/results/"
 fi
 echo "== summary after $(( $(date +%s) - START ))s:" | tee -a "$LOG"
 for k in "${!STATUS[@]}"; do echo "   $k: ${STATUS[$k]}"; done | tee -a "$LOG"
 echo "   results: ${NEW:-none}" | tee -a "$LOG"
+echo "   replaced (older files of the same GPU and workload, now merged into the new ones): ${REPLACED:-none}" | tee -a "$LOG"
 NEW_JSON=$(printf '%s\n' $NEW | grep '\.json$' || true)
 if [ -n "$NEW_JSON" ]; then  # every figure against the newest committed one of its workload and model (>10%: warned)
   # shellcheck disable=SC2086  # one argument per file
-  "$PY" -m benchmarks.harness.regressions $NEW_JSON --against "$RESULTS" 2>&1 | tee -a "$LOG"
+  "$PY" -m benchmarks.harness.regressions $NEW_JSON --against "$BASE" 2>&1 | tee -a "$LOG"
   # docs/benchmark-results.md with this run's figures (commit it with the result files; a test checks it)
   "$PY" -m benchmarks.harness.summary 2>&1 | tee -a "$LOG"
   if [ -n "${OUT:-}" ]; then mkdir -p "$OUT/docs" && cp docs/benchmark-results.md "$OUT/docs/"; fi

@@ -17,12 +17,21 @@ from benchmarks.harness.workloads import experts_read_per_step, prefix_agreement
 
 
 def _load(out_dir):
-    paths = glob.glob(os.path.join(out_dir, "*.json"))
-    assert len(paths) == 1, paths
-    md = paths[0][:-5] + ".md"
-    assert os.path.exists(md)
-    with open(paths[0]) as f, open(md) as g:
-        return paths[0], json.load(f), g.read()
+    """The run in out_dir, its files (one per workload: <date>-<hardware>-<workload>.json and .md) read as one:
+    (the first JSON's path, {"meta", "ceilings", "rows" of every file}, every .md)."""
+    paths = sorted(glob.glob(os.path.join(out_dir, "*.json")))
+    assert paths
+    docs, mds = [], []
+    for path in paths:
+        with open(path) as f, open(path[:-5] + ".md") as g:
+            docs.append(json.load(f))
+            mds.append(g.read())
+        workload = docs[-1]["meta"]["workload"]
+        assert path.endswith(f"-{workload.lower()}.json") and "earlier_runs" not in docs[-1], path
+        assert {r["workload"].split()[0] for r in docs[-1]["rows"]} == {workload}, path
+    assert len({d["meta"]["started_utc"] for d in docs}) == 1  # one run
+    doc = {"meta": docs[0]["meta"], "ceilings": docs[0]["ceilings"], "rows": [r for d in docs for r in d["rows"]]}
+    return paths[0], doc, "\n".join(mds)
 
 
 def _expected_ratio(row, peer):

@@ -1,8 +1,9 @@
 """Benchmark harness: the engine vs HF transformers on fixed workloads, with the hardware floor.
 
 `rollout-service bench --help` (or `python -m benchmarks --help`), or `main(argv)` from Python. Workloads,
-models and peers are the ones fixed in benchmarks/README.md; results go to benchmarks/results/<date>-<hardware>.json
-and .md. The command line is read here, before the harness imports torch and transformers (seconds), so
+models and peers are the ones fixed in benchmarks/README.md; each workload's results go to
+benchmarks/results/<date>-<hardware>-<workload>.json and .md, replacing that hardware's older file of the
+workload. The command line is read here, before the harness imports torch and transformers (seconds), so
 --help and a mistyped option answer at once.
 """
 from __future__ import annotations
@@ -23,8 +24,10 @@ def parse_args(argv: list[str] | None, prog: str | None = None) -> argparse.Name
                    help="comma-separated names from benchmarks/harness/models.py (default: smollm2-135m on "
                         "CPU, qwen2.5-0.5b on GPU, tiny-llama with --quick)")
     p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset of " + ",".join(sorted(WORKLOADS)))
-    p.add_argument("--out", default="benchmarks/results", help="folder for <date>-<hardware>.json and .md")
-    p.add_argument("--tag", default="", help="suffix of the result file name")
+    p.add_argument("--out", default=None,
+                   help="folder of the <date>-<hardware>-<workload>.json and .md files; a workload's older file of "
+                        "this hardware there is replaced (benchmarks/harness/result_files.py)")
+    p.add_argument("--tag", default="", help="a label of the run, kept in its files' meta (not in their names)")
     p.add_argument("--quick", action="store_true", help="tiny shapes: a smoke run of every code path")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--dtype", default=None, choices=DTYPES, help="default: bf16 (fp32 for smollm2 on CPU)")

@@ -7,7 +7,8 @@ workers whose engines cost nothing (benchmarks/harness/fabricated.py, a benchmar
 - latency added: one 1-token request at a time, submit to result, on an idle service (the engine's part is
   one fabricated step, microseconds), beside one bare Ray actor call.
 
-`python -m benchmarks.harness.control_plane` writes benchmarks/results/<date>-<hardware>-control-plane.{json,md}.
+`python -m benchmarks.harness.control_plane` writes benchmarks/results/<date>-<hardware>-control-plane.{json,md}; a row
+replaces the older run's row of the same workers, n, tokens and speedup (configuration()), the rest of that run stays.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import statistics
 import time
 from typing import Any
 
+from benchmarks.harness.result_files import results_dir
 from benchmarks.harness.fabricated import Fabricate
 from benchmarks.harness.service_bench import write_results
 
@@ -148,8 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     import ray
 
     p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
-    p.add_argument("--out", default="benchmarks/results")
-    p.add_argument("--tag", default="control-plane")
+    p.add_argument("--out", default=None)
+    p.add_argument("--tag", default="", help="a label of the run, kept in its meta")
     p.add_argument("--workers", default="4,16,64", help="worker counts of the results/s runs")
     p.add_argument("--speedup", type=int, default=1,
                    help="each fabricating worker makes this many times W2's rate (8 workers x 8: 64 workers' results "
@@ -170,12 +172,21 @@ def main(argv: list[str] | None = None) -> int:
             print(runs[-1], flush=True)
         for workers in counts:
             count = workers * 256 * args.speedup * (1 if args.quick else 4)
-            runs.append(throughput(workers, w2, count, 256, 256))
+            runs.append({**throughput(workers, w2, count, 256, 256), "speedup": args.speedup})
             print(runs[-1], flush=True)
     finally:
         ray.shutdown()
-    write_results(args.out, args.tag, {"latency": lat}, runs, _markdown(lat, runs))
+    write_results(results_dir(args.out, args.quick), "control-plane", {"latency": lat}, runs, markdown, args.tag, unit=configuration)
     return 0
+
+
+def configuration(row: dict) -> tuple:
+    """What one row measured: a newer run's row of the same configuration replaces an older one's."""
+    return row["workers"], row["n"], row["max_tokens"], row.get("speedup", 1)
+
+
+def markdown(meta: dict, rows: list[dict]) -> list[str]:
+    return _markdown(meta["latency"], rows)
 
 
 def _markdown(lat: dict, runs: list[dict]) -> list[str]:

@@ -13,6 +13,7 @@ import torch
 import transformers
 from tqdm import tqdm
 
+from benchmarks.harness.result_files import results_dir
 from benchmarks.harness.workload_names import WORKLOADS
 from rollout_service.config import DTYPE_NAMES
 from benchmarks.harness.attention_bench import w4_kernels
@@ -148,6 +149,8 @@ def run(args, argv: list[str] | None) -> int:
             "torch_threads": torch.get_num_threads(), "repeats": args.repeats, "backend": args.backend,
             "quick": args.quick, "shapes": vars(shapes), "command": shlex.join(["bench", *(argv or sys.argv[1:])]),
             "models": {}}
+    if args.tag:
+        meta["tag"] = args.tag
     if hasattr(os, "getloadavg"):
         meta["loadavg"] = {"start": os.getloadavg()}
     meta["engine_backend"] = resolved_backend(args.backend, device)
@@ -157,7 +160,7 @@ def run(args, argv: list[str] | None) -> int:
     def save():
         if "loadavg" in meta:
             meta["loadavg"]["end"] = os.getloadavg()
-        return write_report(args.out, meta, ceil.to_dict(), rows, args.tag)
+        return write_report(results_dir(args.out, args.quick), meta, ceil.to_dict(), rows)
 
     end = time.monotonic() + args.budget_s if args.budget_s else float("inf")
     with tqdm(total=len(models) * len(args.workloads), desc="bench", unit="workload") as bar:
@@ -165,6 +168,6 @@ def run(args, argv: list[str] | None) -> int:
             # Each model gets an equal share of what is left, so an early finish helps the next one.
             now = time.monotonic()
             run_model(name, args, device, shapes, ceil, rows, meta, save, bar, now + (end - now) / (len(models) - i))
-    json_path, md_path = save()
-    print(f"wrote {json_path} and {md_path}")
+    paths = save()
+    print("wrote " + ", ".join(f"{p} (and .md)" for p in paths) if paths else "wrote no result: no workload ran")
     return 0

@@ -16,6 +16,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
+from benchmarks.harness.result_files import results_dir
 from benchmarks.harness.multiturn import SyntheticEnv
 from benchmarks.harness.service_bench import bench_cluster, tiny_model_dir, write_results
 
@@ -115,8 +116,8 @@ def run(shape: Shape, workers: int, routing: str, model_dir: str, workload: str)
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
-    p.add_argument("--out", default="benchmarks/results")
-    p.add_argument("--tag", default="prefix-routing")
+    p.add_argument("--out", default=None)
+    p.add_argument("--tag", default="", help="a label of the run, kept in its meta")
     p.add_argument("--quick", action="store_true", help="tiny shapes: a smoke run")
     args = p.parse_args(argv)
     shape = Shape(episodes=4, turns=3, prompt=32, obs=32, new=8, grpo_prompts=4, grpo_system=32,
@@ -129,8 +130,12 @@ def main(argv: list[str] | None = None) -> int:
                        **run(shape, workers, routing, model_dir, workload)}
                 print(row, flush=True)
                 rows.append(row)
-    write_results(args.out, args.tag, {"shape": asdict(shape)}, rows, _markdown(rows, shape))
+    write_results(results_dir(args.out, args.quick), "prefix-routing", {"shape": asdict(shape)}, rows, markdown, args.tag)
     return 0
+
+
+def markdown(meta: dict, rows: list[dict]) -> list[str]:
+    return _markdown(rows, Shape(**meta["shape"]))
 
 
 def _markdown(rows: list[dict], shape: Shape) -> list[str]:

@@ -1,6 +1,8 @@
 """Each figure of a new harness run against the newest committed result of the same workload, model and hardware:
 a warning for every one that got worse by more than a share (10% by default). scripts/gpu_check.sh runs it on
-what it just wrote; a drop is a warning to read, not a failure (a shared machine has noisy minutes).
+what it just wrote, against the results as they were before (its runs replace files); a drop is a warning to read,
+not a failure (a shared machine has noisy minutes). A result file's earlier runs count as committed results, so
+only the figures of runs newer than the committed figure are checked.
 
     python -m benchmarks.harness.regressions NEW.json [NEW2.json ...] --against benchmarks/results
 """
@@ -11,11 +13,13 @@ import json
 import sys
 from pathlib import Path
 
+from benchmarks.harness.result_files import runs_of
+
 THRESHOLD = 0.10
 
 
 def _figures(doc: dict) -> dict[tuple[str, str, str], tuple[float, bool, str]]:
-    """(hardware, model, workload) -> (the engine's value, higher is better, unit) of one result file."""
+    """(hardware, model, workload) -> (the engine's value, higher is better, unit) of one run ({"meta", "rows"})."""
     hardware = doc.get("meta", {}).get("hardware", "?")
     out = {}
     for row in doc.get("rows", []):
@@ -26,20 +30,27 @@ def _figures(doc: dict) -> dict[tuple[str, str, str], tuple[float, bool, str]]:
     return out
 
 
-def newest_figures(results: Path, exclude: set[Path]) -> dict[tuple[str, str, str], tuple[float, bool, str, str]]:
-    """The newest committed value of every (hardware, model, workload) in `results` (files named
-    <date>-<hardware>[-tag].json: the date orders them), with the file it came from."""
+def _newest(paths: list[Path]) -> tuple[dict, dict]:
+    """(key -> (value, higher is better, unit, file name), key -> its run's start) of the newest run of `paths`
+    (every run of every file, ordered by its start) that measured each (hardware, model, workload)."""
     newest: dict = {}
-    for path in sorted(results.glob("*.json")):  # date-first names: later files overwrite earlier ones
-        if path.resolve() in exclude:
-            continue
+    started: dict = {}
+    for path in paths:
         try:
             doc = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
-        for key, (value, higher, unit) in _figures(doc).items():
-            newest[key] = (value, higher, unit, path.name)
-    return newest
+        for run in runs_of(doc):
+            start = run["meta"].get("started_utc", "")
+            for key, (value, higher, unit) in _figures(run).items():
+                if start >= started.get(key, ""):
+                    newest[key], started[key] = (value, higher, unit, path.name), start
+    return newest, started
+
+
+def newest_figures(results: Path, exclude: set[Path]) -> dict[tuple[str, str, str], tuple[float, bool, str, str]]:
+    """The newest committed value of every (hardware, model, workload) in `results`, with the file it came from."""
+    return _newest([p for p in sorted(results.glob("*.json")) if p.resolve() not in exclude])[0]
 
 
 def regressions(new: dict, committed: dict, threshold: float = THRESHOLD) -> list[str]:
@@ -63,8 +74,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--against", type=Path, default=Path("benchmarks/results"), help="committed results")
     ap.add_argument("--threshold", type=float, default=THRESHOLD, help="share of a figure (default 0.10)")
     args = ap.parse_args(argv)
-    committed = newest_figures(args.against, {p.resolve() for p in args.new})
-    new = {k: v for p in args.new for k, v in _figures(json.loads(p.read_text())).items()}
+    exclude = {p.resolve() for p in args.new}
+    committed, committed_start = _newest([p for p in sorted(args.against.glob("*.json")) if p.resolve() not in exclude])
+    figures, started = _newest(args.new)
+    # a figure of a run no newer than the committed one is that run itself (a new file carries its earlier runs)
+    new = {k: v[:3] for k, v in figures.items()
+           if not started[k] or not committed_start.get(k) or started[k] > committed_start[k]}
     lines = regressions(new, committed, args.threshold)
     print("\n".join(lines) if lines else f"no figure more than {args.threshold:.0%} worse than its committed value")
     return 0

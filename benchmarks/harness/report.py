@@ -7,11 +7,10 @@ engine's performance over the floor's (<= 1 up to measurement noise).
 
 from __future__ import annotations
 
-import json
-import os
-import re
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
+
+from benchmarks.harness.result_files import harness_unit, harness_workload, save_newest
 
 PEERS = ("hf_generate", "hf_generate_batch", "other_peer")
 PEER_TITLES = {"hf_generate": "HF generate", "hf_generate_batch": "HF generate_batch", "other_peer": "other peer"}
@@ -54,6 +53,13 @@ class Row:
         self.workload = self.workload.replace(base, name, 1)
         self.metric = f"{condition}: {self.metric}"
 
+    @classmethod
+    def from_dict(cls, d: dict) -> "Row":
+        """A row as to_dict wrote it (its ratios are computed again from the cells)."""
+        cells = {k: Cell(**d[k]) for k in ("engine", *PEERS, "floor") if k in d}
+        return cls(d["model"], d["workload"], d["metric"], d["unit"], d["higher_is_better"], **cells,
+                   details=d.get("details", {}))
+
     def to_dict(self) -> dict:
         d = asdict(self)
         d["ratios"] = {f"engine/{p}": self.perf_ratio(getattr(self, p)) for p in PEERS}
@@ -73,16 +79,6 @@ def _fmt_ratio(r: float | None, suffix: str = "x") -> str:
     if r is None:
         return "n/a"
     return f"{r:.2f}{suffix}" if r >= 0.1 else f"{r:.2g}{suffix}"
-
-
-def hardware_slug(hardware: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", hardware.lower()).strip("-")[:40] or "unknown"
-
-
-def result_stem(meta: dict, tag: str = "") -> str:
-    date = meta["started_utc"][:10]
-    stem = f"{date}-{hardware_slug(meta['hardware'])}"
-    return f"{stem}-{tag}" if tag else stem
 
 
 def render_markdown(meta: dict, ceilings: dict | None, rows: list[Row]) -> str:
@@ -129,18 +125,21 @@ def render_markdown(meta: dict, ceilings: dict | None, rows: list[Row]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_report(out_dir: str, meta: dict, ceilings: dict | None, rows: list[Row],
-                 tag: str = "") -> tuple[str, str]:
-    """Write <date>-<hardware>[-tag].json and .md; called after every workload so a run cut short
-    still leaves everything measured so far."""
-    os.makedirs(out_dir, exist_ok=True)
-    stem = os.path.join(out_dir, result_stem(meta, tag))
-    doc = {"meta": meta, "ceilings": ceilings, "rows": [r.to_dict() for r in rows]}
-    with open(stem + ".json", "w") as f:
-        json.dump(doc, f, indent=1, default=str)
-    with open(stem + ".md", "w") as f:
-        f.write(render_markdown(meta, ceilings, rows))
-    return stem + ".json", stem + ".md"
+def render_run(run: dict) -> str:
+    """One run of a result file ({"meta", "ceilings", "rows"} as written) as render_markdown gives it."""
+    return render_markdown(run["meta"], run.get("ceilings"), [Row.from_dict(r) for r in run["rows"]])
+
+
+def write_report(out_dir: str, meta: dict, ceilings: dict | None, rows: list[Row]) -> list[str]:
+    """Write each workload's rows to <date>-<hardware>-<workload>.json and .md in out_dir, replacing the older
+    file of the same hardware and workload (result_files.save_newest); called after every workload so a run cut
+    short still leaves everything measured so far. Returns the JSON paths."""
+    by_workload: dict[str, list[dict]] = {}
+    for r in rows:
+        d = r.to_dict()
+        by_workload.setdefault(harness_workload(d), []).append(d)
+    return [save_newest(out_dir, wl, {"meta": meta, "ceilings": ceilings, "rows": wl_rows}, harness_unit, render_run)
+            for wl, wl_rows in by_workload.items()]
 
 
 def now_utc() -> str:

@@ -106,12 +106,13 @@ def main(argv: list[str] | None = None) -> int:
     from rollout_service.engine.engine import Engine
 
     from benchmarks.harness.models import load_bench_model
+    from benchmarks.harness.result_files import results_dir
     from benchmarks.harness.service_bench import write_results
     p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    p.add_argument("--out", default="benchmarks/results")
-    p.add_argument("--tag", default="rl-semantics")
+    p.add_argument("--out", default=None)
+    p.add_argument("--tag", default="", help="a label of the run, kept in its meta")
     p.add_argument("--quick", action="store_true", help="tiny shapes: a smoke run")
     args = p.parse_args(argv)
     shape = Shape(score_prompts=2, score_n=2, score_prompt=16, score_completion=48, w2n_prompts=2, w2n_n=2,
@@ -132,8 +133,12 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"shape": asdict(shape), "model": args.model, "device": args.device, "dtype": str(bm.dtype)}
     if args.device == "cuda":
         meta["hardware"] = torch.cuda.get_device_name()
-    write_results(args.out, args.tag, meta, rows, _markdown(rows, shape))
+    write_results(results_dir(args.out, args.quick), "rl-semantics", meta, rows, markdown, args.tag)
     return 0
+
+
+def markdown(meta: dict, rows: list[dict]) -> list[str]:
+    return _markdown(rows, Shape(**meta["shape"]))
 
 
 def _markdown(rows: list[dict], s: Shape) -> list[str]:

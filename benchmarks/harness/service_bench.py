@@ -1,17 +1,20 @@
-"""What the Ray-service benchmarks share (prefix_routing.py, control_plane.py): a local Ray instance of their
-own, the tiny random Llama saved as a HF folder, and the result files (benchmarks/results/<date>-<hardware>-<tag>
-.json and .md, the machine named in both)."""
+"""What the side benchmarks share (control_plane.py, prefix_routing.py, rl_semantics.py, staleness.py): a local
+Ray instance of their own, the tiny random Llama saved as a HF folder, and the result files
+(benchmarks/results/<date>-<hardware>-<benchmark>.json and .md, the machine named in both; a newer run replaces
+the older file, result_files.save_newest)."""
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import platform
 import shutil
 import tempfile
-from typing import Iterator
+from typing import Callable, Iterator
 
-from benchmarks.harness.report import now_utc, result_stem
+from benchmarks.harness.report import now_utc
+from benchmarks.harness.result_files import save_newest
+
+Body = Callable[[dict, list], list]  # (meta, rows) -> the markdown lines under the heading
 
 
 @contextlib.contextmanager
@@ -53,16 +56,27 @@ def machine() -> dict:
             "loadavg": os.getloadavg() if hasattr(os, "getloadavg") else None}
 
 
-def write_results(out_dir: str, tag: str, meta: dict, rows: list[dict], markdown: list[str]) -> tuple[str, str]:
-    meta = {**machine(), **meta}
-    os.makedirs(out_dir, exist_ok=True)
-    stem = os.path.join(out_dir, result_stem(meta, tag))
-    with open(stem + ".json", "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1, default=str)
-    head = [f"# {tag} {meta['started_utc']} on {meta['hardware']}", "",
+def whole_run(row: dict) -> None:
+    """The unit of a benchmark whose run is one measurement: a newer run replaces all of an older one."""
+    return None
+
+
+def run_markdown(run: dict, body: Body) -> str:
+    """One run of a side benchmark's result file: its heading, the machine, then the benchmark's own tables."""
+    meta = run["meta"]
+    load = meta.get("loadavg")
+    head = [f"# {meta.get('workload', '?')} {meta['started_utc']} on {meta['hardware']}", "",
             f"ray {meta['ray']}, torch {meta['torch']}, python {meta['python']}, {meta['cpu_count']} CPUs; load "
-            f"average at the end {meta['loadavg'][0] if meta['loadavg'] else 'n/a'}.", ""]
-    with open(stem + ".md", "w") as f:
-        f.write("\n".join(head + markdown) + "\n")
-    print(f"wrote {stem}.json and {stem}.md")
-    return stem + ".json", stem + ".md"
+            f"average at the end {load[0] if load else 'n/a'}.", ""]
+    return "\n".join(head + body(meta, run["rows"])) + "\n"
+
+
+def write_results(out_dir: str, bench: str, meta: dict, rows: list[dict], body: Body, tag: str = "",
+                  unit: Callable[[dict], object] = whole_run) -> str:
+    """Save a side benchmark's run as benchmarks/results/<date>-<hardware>-<bench>.json and .md (replacing the
+    older file of this hardware); `body` renders a run's tables from its meta and rows, `tag` labels the run."""
+    meta = {**machine(), **meta, **({"tag": tag} if tag else {})}
+    path = save_newest(out_dir, bench, {"meta": meta, "ceilings": None, "rows": rows}, unit,
+                       lambda run: run_markdown(run, body))
+    print(f"wrote {path} and its .md")
+    return path

@@ -14,6 +14,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
+from benchmarks.harness.result_files import results_dir
 from benchmarks.harness.multiturn import SyntheticEnv
 
 
@@ -74,8 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.harness.service_bench import write_results
     p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--out", default="benchmarks/results")
-    p.add_argument("--tag", default="staleness")
+    p.add_argument("--out", default=None)
+    p.add_argument("--tag", default="", help="a label of the run, kept in its meta")
     args = p.parse_args(argv)
     shape = StreamShape()
     hf = load_bench_model(args.model, torch.device("cpu"), torch.float32).hf_model
@@ -87,8 +88,12 @@ def main(argv: list[str] | None = None) -> int:
             weights, shape)}
         print(row, flush=True)
         rows.append(row)
-    write_results(args.out, args.tag, {"shape": asdict(shape), "model": args.model}, rows, _markdown(rows, shape))
+    write_results(results_dir(args.out, False), "staleness", {"shape": asdict(shape), "model": args.model}, rows, markdown, args.tag)
     return 0
+
+
+def markdown(meta: dict, rows: list[dict]) -> list[str]:
+    return _markdown(rows, StreamShape(**meta["shape"]))
 
 
 def _markdown(rows: list[dict], s: StreamShape) -> list[str]:
