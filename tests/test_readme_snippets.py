@@ -1,6 +1,7 @@
 """The Python snippets of the README and docs/ marked `<!-- snippet: NAME -->` run as written, given the objects
 the text around them names (a client, prompts, a policy), here on tiny random models; each test then checks what
-the snippet's comments claim."""
+the snippet's comments claim. Every ```python block of the docs must be such a snippet, run by a test here or in
+tests/test_docs_*.py (test_every_python_block_is_a_tested_snippet)."""
 from __future__ import annotations
 
 import re
@@ -17,6 +18,8 @@ from rollout_service import RolloutClient
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+SNIPPET_TESTS = [Path(__file__).resolve(), *sorted((REPO / "tests").glob("test_docs_*.py"))]
+MARKER = re.compile(r"<!-- snippet: (\S+)\b.*?-->")
 
 
 def docs_text() -> str:
@@ -41,11 +44,42 @@ def test_snippet_names_are_unique():
     assert len(names) == len(set(names)) >= 3, names
 
 
+def test_every_python_block_is_a_tested_snippet():
+    """Each ```python block is right after its marker, each marker right before a ```python block, and each
+    marked snippet is run by a test: its name is the first argument of a run(...) or snippet(...) call in this
+    module or a tests/test_docs_*.py one."""
+    unmarked, stray, names = [], [], []
+    for path in DOCS:
+        lines = path.read_text().splitlines()
+        for i, line in enumerate(lines):
+            where = f"{path.relative_to(REPO)}:{i + 1}"
+            if re.match(r"\s*```\s*py(thon)?\b", line, re.I):
+                marker = MARKER.fullmatch(lines[i - 1].strip()) if i else None
+                if marker:
+                    names.append(marker.group(1))
+                else:
+                    unmarked.append(where)
+            elif "<!-- snippet:" in line and not (i + 1 < len(lines) and lines[i + 1].strip() == "```python"):
+                stray.append(where)
+    assert not unmarked, f"```python blocks without a `<!-- snippet: NAME -->` line before them: {unmarked}"
+    assert not stray, f"snippet markers not followed by a ```python block: {stray}"
+    sources = "\n".join(p.read_text() for p in SNIPPET_TESTS)
+    untested = [n for n in names if not re.search(rf"\b(run|snippet)\(\s*\"{re.escape(n)}\"", sources)]
+    assert not untested, f"snippets no test runs: {untested}"
+    assert len(names) >= 19, names
+
+
 def test_tour_snippet():
-    """The README's tour, on the embedded model as written: results, a score, a refresh to version 1."""
+    """The README's tour (and the Learner API page's first example, the same code), on the embedded model as
+    written: results prompt-major with their log-probs and top alternatives, a score, a refresh to version 1."""
     scope = run("tour")
     results, scored = scope["results"], scope["scored"]
-    assert len(results) == 12 and [r.sample_index for r in results[:4]] == [0, 1, 2, 3]
+    assert len(results) == 12 and [r.sample_index for r in results] == [0, 1, 2, 3] * 3
+    assert len({tuple(r.prompt_token_ids) for r in results}) == 3 and results[8].prompt_token_ids == [1, 9690, 198]
+    for r in results:
+        assert 0 < len(r.token_ids) == len(r.logprobs) == len(r.top_logprobs) <= 64 and np.all(r.logprobs <= 0)
+        assert all(len(top) == 2 for top in r.top_logprobs) and isinstance(r.text, str) and r.finish_reason in (
+            "stop", "length")
     assert scored[0].finish_reason == "scored" and scored[0].token_ids == results[0].token_ids
     assert all(v == 0 for v in scored[0].token_versions)  # scored before the refresh to version 1
 
