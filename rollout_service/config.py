@@ -78,7 +78,7 @@ class EngineConfig:
     # bookkeeping runs while the GPU works; tokens and log-probs are the same either way
     overlap_decode: bool = True
     seed: int = 0
-    on_refresh: str = "continue"  # what a refresh does to sequences in flight: engine/refresh.py
+    on_refresh: str = "continue"  # what a refresh does to sequences in flight: engine/weight_swap.py
     # Which waiting sequence is admitted first and which running one is preempted first: "staleness" orders
     # by the policy version the request was submitted under (oldest first), then arrival, so samples that a
     # refresh is making stale finish before newer ones start; "fifo" by arrival alone (engine/scheduler.py).

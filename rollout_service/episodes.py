@@ -1,7 +1,7 @@
 """Multi-turn episodes: a model turn, the environment's answer, the next turn, ... inside one engine.
 
 This module is what a user implements: the `Environment` protocol. The engine runs episodes with it
-(rollout_service/engine/episodes.py). An episode request (RolloutRequest.episode) runs on the engine it was
+(rollout_service/engine/episode_runner.py). An episode request (RolloutRequest.episode) runs on the engine it was
 sent to, so its KV stays there between
 turns. Every turn is an ordinary engine request whose prompt is the episode's exact token ids so far (never
 text tokenized again), so the prefix cache finds the history's full pages and only the new tokens are

@@ -2,7 +2,7 @@
 
 Such code runs in the service's processes with their rights, and may do anything: raise BaseException
 (SystemExit, KeyboardInterrupt), return values that overflow, end the process, never return. The callers
-(rewards.py, episodes.py) catch everything it raises or returns, so it marks only its own result. What they
+(rewards/runner.py, engine/episode_runner.py) catch everything it raises or returns, so it marks only its own result. What they
 cannot catch (the process ending, a call that never returns) is for whoever runs them to survive: each call
 is entered through a `Guard`, which a Ray worker uses to tell its router which request's code is running
 before it runs (actors/quarantine.py). In-process nothing needs telling: `unguarded`.

@@ -1,5 +1,5 @@
 """The engine as collaborators (engine/engine.py's docstring): no mixins sharing private fields, no part reading
-another's private state, and the episode runner using only what engine/episodes.py's TurnEngine declares."""
+another's private state, and the episode runner using only what engine/episode_runner.py's TurnEngine declares."""
 from __future__ import annotations
 
 import ast
@@ -7,7 +7,7 @@ import typing
 from pathlib import Path
 
 from rollout_service.engine.engine import Engine
-from rollout_service.engine.episodes import TurnEngine
+from rollout_service.engine.episode_runner import TurnEngine
 
 ENGINE_DIR = Path(__file__).resolve().parents[1] / "rollout_service" / "engine"
 LIBRARY_PRIVATES = {"torch._C"}  # a library's own private module, not another part's state
@@ -43,7 +43,7 @@ def test_no_engine_part_reads_another_parts_private_state():
 
 def test_the_episode_runner_uses_only_what_turn_engine_declares():
     declared = set(typing.get_type_hints(TurnEngine)) | {n for n in vars(TurnEngine) if not n.startswith("_")}
-    used = engine_uses((ENGINE_DIR / "episodes.py").read_text())
+    used = engine_uses((ENGINE_DIR / "episode_runner.py").read_text())
     assert used and used <= declared, sorted(used - declared)
 
 

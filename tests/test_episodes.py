@@ -16,7 +16,7 @@ import torch
 from rollout_service import RolloutClient, SamplingParams
 from benchmarks.harness.multiturn import SyntheticEnv
 from rollout_service.examples.calculator_env import STOP, CalculatorEnv, evaluate, tool_answer
-from rollout_service.engine.episodes import turn_seed
+from rollout_service.engine.episode_runner import turn_seed
 from rollout_service.episodes import Environment
 from rollout_service.prompts import PromptProcessor
 from rollout_service.examples.tasks import Problem

@@ -1,5 +1,5 @@
 """Mixture-of-experts models (Qwen3-MoE, Mixtral) in DecoderLM against HF transformers on the same weights and
-tokens, the MoE config fields honoured or refused, and the MoE ops' semantics (ops/moe.py)."""
+tokens, the MoE config fields honoured or refused, and the MoE ops' semantics (ops/moe_experts.py)."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -8,7 +8,7 @@ from tiny_models import tiny_hf_model
 
 from rollout_service.model import DecoderLM, load_model, moe_spec
 from rollout_service.model.moe import SparseMoeBlock, check_moe_backend
-from rollout_service.ops import cuda_moe, moe
+from rollout_service.ops import cuda_moe, moe_experts
 from rollout_service.ops.invariant import InvariantOps
 
 # name -> (model_type, config overrides, the decoder layers transformers makes sparse)
@@ -160,7 +160,7 @@ def test_moe_models_skip_cuda_graphs_while_their_ops_sync_to_the_host():
 # ---- the ops ------------------------------------------------------------------------------------------
 
 def per_token_reference(x, ids, weights, gate_up, down):
-    """Each token's experts one at a time, in float64: what moe.experts computes, without grouping."""
+    """Each token's experts one at a time, in float64: what moe_experts.experts computes, without grouping."""
     out = torch.zeros(x.shape, dtype=torch.float64)
     for t in range(x.shape[0]):
         for s in range(ids.shape[1]):
@@ -176,15 +176,15 @@ def test_route_and_experts_follow_the_contract(ops, renormalize):
     g = torch.Generator().manual_seed(0)
     x, router = torch.randn(37, 24, generator=g), torch.randn(6, 24, generator=g)
     gate_up, down = torch.randn(6, 20, 24, generator=g), torch.randn(6, 24, 10, generator=g)
-    route = ops.moe_route if ops else moe.route
+    route = ops.moe_route if ops else moe_experts.route
     ids, weights = route(x, router, 3, renormalize)
     probs = torch.softmax(x @ router.T, -1)
     top = probs.topk(3, -1)
     assert torch.equal(ids.long(), top.indices)
     want = top.values / top.values.sum(-1, keepdim=True) if renormalize else top.values
     torch.testing.assert_close(weights, want)
-    torch.testing.assert_close(moe.route_weights(x, router, ids, renormalize), weights)
-    experts = ops.moe_experts if ops else moe.experts
+    torch.testing.assert_close(moe_experts.route_weights(x, router, ids, renormalize), weights)
+    experts = ops.moe_experts if ops else moe_experts.experts
     got = experts(x, ids, weights, gate_up, down)
     torch.testing.assert_close(got.double(), per_token_reference(x, ids, weights, gate_up, down), rtol=1e-5, atol=1e-4)
     assert experts(x[:0], ids[:0], weights[:0], gate_up, down).shape == (0, 24)  # a step without rows

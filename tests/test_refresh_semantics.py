@@ -1,4 +1,4 @@
-"""What a refresh does to sequences in flight (engine/refresh.py): on_refresh="recompute" against a fresh
+"""What a refresh does to sequences in flight (engine/weight_swap.py): on_refresh="recompute" against a fresh
 continuation in transformers on the new weights, and KV provenance (RolloutResult.kv_versions) across
 refreshes, preemption, forks and the prefix cache."""
 import pytest

@@ -20,12 +20,12 @@ from benchmarks.harness.attention_bench import w4_kernels
 from benchmarks.harness.batch_invariant import wbi_batch_invariant
 from benchmarks.harness.ceilings import measure_ceilings
 from benchmarks.harness.context import CPU, QUICK, BenchContext, Shapes, parse_shape
-from benchmarks.harness.dynamic_sampling import wds_dynamic_sampling
+from benchmarks.harness.dynamic_sampling_bench import wds_dynamic_sampling
 from benchmarks.harness.models import MODEL_NAMES, load_bench_model
 from benchmarks.harness.moe_fidelity import wmf_moe_fidelity
 from benchmarks.harness.moe_layer import wm_moe_layer
 from benchmarks.harness.multiturn import w7_multiturn
-from benchmarks.harness.refresh import w3_refresh
+from benchmarks.harness.refresh_bench import w3_refresh
 from benchmarks.harness.rl_step import w6_fp8, w6_rl_step
 from benchmarks.harness.report import Cell, Row, now_utc, write_report
 from benchmarks.harness.contention import w1_contended, w2_contended

@@ -54,7 +54,7 @@ def wm_moe_layer(ctx: BenchContext) -> list[Row]:
         row = Row(bm.name, "WM", "one MoE layer's experts", "µs", False)
         row.engine = Cell.na("needs a mixture-of-experts model on a GPU")
         return [row]
-    from rollout_service.ops import cuda_moe, moe
+    from rollout_service.ops import cuda_moe, moe_experts
     from rollout_service.ops.cuda_ops import CudaOps
 
     kernels = CudaOps().kernels
@@ -69,7 +69,7 @@ def wm_moe_layer(ctx: BenchContext) -> list[Row]:
         sets = []
         for _ in range(ROTATE):
             x = torch.randn(tokens, hidden, device=ctx.device, dtype=bm.dtype, generator=g)
-            ids, weights = moe.route(x, router, k, spec.renormalize)
+            ids, weights = moe_experts.route(x, router, k, spec.renormalize)
             sets.append((x, ids, weights))
         touched = statistics.mean(len(torch.unique(ids)) for _, ids, _ in sets)
         row = Row(bm.name, f"WM T={tokens}", f"µs per MoE layer's experts, {tokens} tokens x top-{k} of {experts}",
@@ -81,7 +81,7 @@ def wm_moe_layer(ctx: BenchContext) -> list[Row]:
         ways = {
             "gemv": lambda x, i, w: cuda_moe.gemv_experts(kernels, x, i, w, gate_up, down),
             "grouped": lambda x, i, w: cuda_moe.grouped_experts(kernels, x, i, w, gate_up, down),
-            "reference": lambda x, i, w: moe.experts(x, i, w, gate_up, down),
+            "reference": lambda x, i, w: moe_experts.experts(x, i, w, gate_up, down),
         }
         if tokens * k > GEMV_MAX_ROWS:
             del ways["gemv"]

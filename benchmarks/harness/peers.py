@@ -29,7 +29,7 @@ class PeerRun:
     routed: list | None = None          # the engine's routed experts per sequence (MoE models)
 
 
-class StepClock(StoppingCriteria):
+class TokenClock(StoppingCriteria):
     """Never stops; records the time after each generation step, so HF's decode time per step is
     read directly instead of inferred (prefill is the gap before the first stamp)."""
 
@@ -68,7 +68,7 @@ def padded_batch(prompts: list[list[int]], device: torch.device) -> tuple[torch.
 def hf_generate(bm: BenchModel, prompts: list[list[int]], max_new: int, n: int = 1,
                 temperature: float = 0.0, **extra) -> PeerRun:
     ids, mask = padded_batch(prompts, bm.device)
-    clock = StepClock(bm.device)
+    clock = TokenClock(bm.device)
     cfg = generation_config(bm, max_new, n, temperature, **extra)
     sync(bm.device)
     t0 = time.perf_counter()

@@ -7,7 +7,8 @@ two steps.
 The engine is a facade over collaborators, each owning its state and told what it may call (each file's
 docstring says): the request table and outbox (requests.py), the scheduler, the decode loop (decode_loop.py:
 plain and overlapped steps), the token recorder (recorder.py: tokens, stops, forks), fault isolation
-(isolation.py), the weight refresh (refresh.py: the policy version), the sleeper and the episode runner.
+(isolation.py), the weight swap (weight_swap.py: the policy version), the sleeper and the episode runner
+(episode_runner.py).
 
 A request is checked again when it is added and the sequence keeps a copy of its sampling params, so a
 caller changing the request afterwards cannot reach a step. A step that raises anyway loses no request:
@@ -27,15 +28,15 @@ import torch
 
 from rollout_service.api.checks import check_request_ids, engine_device
 from rollout_service.config import EngineConfig
-from rollout_service.engine.episodes import EpisodeGroup, EpisodeRunner
+from rollout_service.engine.episode_runner import EpisodeGroup, EpisodeRunner
 from rollout_service.engine.decode_loop import DecodeLoop
 from rollout_service.engine.isolation import FaultIsolation
 from rollout_service.engine.kv_cache import pages_for, sized_kv_cache
 from rollout_service.engine.model_runner import ModelRunner
 from rollout_service.engine.recorder import StopRules, TokenRecorder
-from rollout_service.engine.refresh import WeightRefresh
+from rollout_service.engine.weight_swap import WeightSwap
 from rollout_service.engine.requests import RequestTable
-from rollout_service.engine.routing import check_routing_request, keep_routing, result_routing
+from rollout_service.engine.routed_experts import check_routing_request, keep_routing, result_routing
 from rollout_service.engine.sampler import Sampler
 from rollout_service.engine.scheduler import Scheduler
 from rollout_service.engine.sequence import Sequence
@@ -105,9 +106,9 @@ class Engine:
         self.recorder = TokenRecorder(self.model, self.sampler, self.scheduler, self.kv.blocks, self.requests,
                                       self.counters, StopRules(self.eos_ids, self.prompts, self.max_model_len))
         self.loop = DecodeLoop(config.overlap_decode, self.scheduler, self.runner, self.sampler, self.recorder,
-                               self.counters, lambda: self.refresh.version)
+                               self.counters, lambda: self.swap.version)
         self.isolation = FaultIsolation(self.scheduler, self.requests, self.loop)
-        self.refresh = WeightRefresh(self.model, self.device, config, self.kv, self.scheduler, self.sleeper,
+        self.swap = WeightSwap(self.model, self.device, config, self.kv, self.scheduler, self.sleeper,
                                      self.counters, self._lock, self.isolation.flush,
                                      lambda: self.requests.post(self.abort(self.requests.ids())))
         self.episodes = EpisodeRunner(self)  # multi-turn episode requests (rollout_service/episodes.py)
@@ -118,7 +119,7 @@ class Engine:
     @property
     def policy_version(self) -> int:
         """The version of the weights served now (the last refresh's)."""
-        return self.refresh.version
+        return self.swap.version
 
     # ---- requests -----------------------------------------------------------------------------------
     def prepare(self, req: RolloutRequest) -> Sequence | EpisodeGroup:
@@ -247,20 +248,20 @@ class Engine:
             result.receipt = receipt_of(result, self.weights_digest(), self.config.receipt_key)
         return result
 
-    # ---- weights (engine/refresh.py) -----------------------------------------------------------------
+    # ---- weights (engine/weight_swap.py) -----------------------------------------------------------------
     def validate_manifest(self, manifest: Any, partial: bool = False) -> None:
-        self.refresh.validate_manifest(manifest, partial)
+        self.swap.validate_manifest(manifest, partial)
 
     def check_version(self, version: Any) -> None:
-        self.refresh.check_version(version)
+        self.swap.check_version(version)
 
     def update_weights(self, named_tensors: Any, version: int, partial: bool = False,
                        check_finite: bool = True) -> None:
-        """Swap the weights at a step boundary after checking every tensor (engine/refresh.py)."""
-        self.refresh.update_weights(named_tensors, version, partial, check_finite)
+        """Swap the weights at a step boundary after checking every tensor (engine/weight_swap.py)."""
+        self.swap.update_weights(named_tensors, version, partial, check_finite)
 
     def weights_digest(self) -> str:
-        return self.refresh.weights_digest()
+        return self.swap.weights_digest()
 
     # ---- sleep / wake (engine/sleep.py) --------------------------------------------------------------
     @property

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from rollout_service.engine.routing import RoutingStore
+from rollout_service.engine.routed_experts import RoutingStore
 
 log = logging.getLogger(__name__)
 
@@ -232,7 +232,7 @@ def pages_for(num_tokens: int, page_size: int) -> int:
 
 class KVCache:
     """The block manager plus one K/V tensor per layer, and for a mixture-of-experts model the routing store
-    (engine/routing.py), whose slots follow the pages: copied, released and reallocated with them."""
+    (engine/routed_experts.py), whose slots follow the pages: copied, released and reallocated with them."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, page_size: int, num_pages: int,
                  dtype: torch.dtype, device: torch.device | str, enable_prefix_cache: bool = True,

@@ -47,7 +47,7 @@ class Sequence:
         self.page_keys: list[int] = []  # prefix-cache keys of the leading full pages (kv_cache.BlockManager)
         self.kv_version = 0             # the oldest policy version among its pages' KV (kv_cache.BlockManager)
         self.num_computed = 0
-        # routing of positions [0, len) kept when a preemption freed its pages (engine/routing.py)
+        # routing of positions [0, len) kept when a preemption freed its pages (engine/routed_experts.py)
         self.routing_prefix = None
         self.status = SeqStatus.WAITING
         self.finish_reason: str | None = None

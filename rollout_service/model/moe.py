@@ -6,7 +6,7 @@ its up rows) and `mlp.experts.down_proj` [E, H, I]. Per-expert checkpoint names 
 (model/expert_names.py).
 
 Routing is computed in one place, `route`, and each block knows its place among the model's MoE layers
-(`moe_index`). An engine gives each block its view of a routing store (`routed`, engine/routing.py): the forward
+(`moe_index`). An engine gives each block its view of a routing store (`routed`, engine/routed_experts.py): the forward
 then writes each row's expert ids at the step's KV slots, as attention writes the rows' K/V.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Mixture-of-experts on the cuda backend: ops/moe.py's semantics with no host round trip, so a decode step with
+"""Mixture-of-experts on the cuda backend: ops/moe_experts.py's semantics with no host round trip, so a decode step with
 MoE layers runs inside a CUDA graph.
 
 route: the router product (cuBLAS, or the gemv kernel for one row), then one kernel (csrc/moe.cu): float32

@@ -74,7 +74,7 @@ class Ops(Protocol):
                   scale: float) -> torch.Tensor:
         """Causal attention of q over the paged KV that `meta` describes (prefill or decode)."""
 
-    # ---- mixture of experts (ops/moe.py) -----------------------------------------------------------------
+    # ---- mixture of experts (ops/moe_experts.py) -----------------------------------------------------------------
     def moe_route(self, x: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: bool,
                   record: torch.Tensor | None = None,
                   slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,7 +18,7 @@ batch padded to its longest sequence reduces over a length that the batch mates 
 The sampler's normaliser is a row-tile product too (logsumexp: torch splits a lone row's sum across threads).
 Mixture-of-experts layers put the router's and each expert's products on row tiles (an expert's GEMM has as
 many rows as the batch routes to it); the softmax over the experts, the top-k and the weighted sum (explicit
-adds in slot order, ops/moe.py) are row-local. On the CPU in float32, attention is the C kernel's
+adds in slot order, ops/moe_experts.py) are row-local. On the CPU in float32, attention is the C kernel's
 (ops/cpu_attention.py): each query token is a row of its own there, summed over key blocks in key order. Norms
 (rows of at most a few thousand), RoPE and SiLU are row-local already (tests/test_batch_invariant.py and
 tests/test_moe_invariant.py check the whole engine).
@@ -33,7 +33,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from rollout_service.ops import attention as attention_ref
-from rollout_service.ops import cpu_attention, cpu_ext, cpu_linear, moe
+from rollout_service.ops import cpu_attention, cpu_ext, cpu_linear, moe_experts
 from rollout_service.ops.cpu_ops import CpuOps
 
 ROW_TILE = 16
@@ -345,14 +345,14 @@ class InvariantOps(CpuOps):
                   record: torch.Tensor | None = None,
                   slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The router's logits on row tiles; softmax and top-k are row-local."""
-        ids, weights = moe.route(x, weight, top_k, renormalize, product=linear)
-        moe.record(record, slots, ids)
+        ids, weights = moe_experts.route(x, weight, top_k, renormalize, product=linear)
+        moe_experts.record(record, slots, ids)
         return ids, weights
 
     def moe_experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
                     down: torch.Tensor) -> torch.Tensor:
         """Each expert's rows on row tiles: a row's bits do not depend on how many rows its expert got."""
-        return moe.experts(x, ids, weights, gate_up, down, product=linear)
+        return moe_experts.experts(x, ids, weights, gate_up, down, product=linear)
 
     def attention(
         self, q: torch.Tensor, kv_layer: torch.Tensor, meta: attention_ref.AttentionMetadata, scale: float

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from rollout_service.ops import attention as attention_ref, cuda_moe, moe
+from rollout_service.ops import attention as attention_ref, cuda_moe, moe_experts
 from rollout_service.ops.cuda_ops import _HALF, HEAD_DIMS, MAX_DECODE_GROUP, MAX_ROWS, PAGE_SIZE, CudaOps
 from rollout_service.ops.torch_ops import TorchOps
 
@@ -153,9 +153,9 @@ class CudaInvariantOps(CudaOps):
                   record: torch.Tensor | None = None,
                   slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The reference's routing over the fixed-shape router product: softmax and top-k are row-local, and the
-        learner's replay (moe.route_weights) gathers the very same softmax."""
-        ids, weights = moe.route(x, weight, top_k, renormalize, product=self.linear)
-        moe.record(record, slots, ids)
+        learner's replay (moe_experts.route_weights) gathers the very same softmax."""
+        ids, weights = moe_experts.route(x, weight, top_k, renormalize, product=self.linear)
+        moe_experts.record(record, slots, ids)
         return ids, weights
 
     def moe_experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from rollout_service.ops import attention, fp8, moe, norm, rope, sampling
+from rollout_service.ops import attention, fp8, moe_experts, norm, rope, sampling
 
 
 def _capturing(t: torch.Tensor) -> bool:
@@ -62,23 +62,23 @@ class TorchOps:
     def moe_route(self, x: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: bool,
                   record: torch.Tensor | None = None,
                   slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(expert ids int32 [T, k], weights float32 [T, k]) of x [T, H] under router weight [E, H] (ops/moe.py);
+        """(expert ids int32 [T, k], weights float32 [T, k]) of x [T, H] under router weight [E, H] (ops/moe_experts.py);
         with a routing table `record` [num_slots, k], the ids are also written at the rows' KV `slots`."""
-        ids, weights = moe.route(x, weight, top_k, renormalize)
-        moe.record(record, slots, ids)
+        ids, weights = moe_experts.route(x, weight, top_k, renormalize)
+        moe_experts.record(record, slots, ids)
         return ids, weights
 
     def moe_graph_blocker(self, dtype: torch.dtype, device: torch.device) -> str | None:
         """Why a decode step with MoE layers cannot be captured in a CUDA graph with these ops (None: it can).
-        Here moe_experts reads each expert's row count on the host (ops/moe.py)."""
+        Here moe_experts reads each expert's row count on the host (ops/moe_experts.py)."""
         return (f"the {self.name} ops' mixture-of-experts layers read the tokens per expert on the host, which a "
                 "CUDA graph cannot capture")
 
     def moe_experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
                     down: torch.Tensor) -> torch.Tensor:
         """[T, H]: each token's k experts (stacked gate_up [E, 2I, H], down [E, H, I]) mixed by its weights
-        (ops/moe.py)."""
-        return moe.experts(x, ids, weights, gate_up, down)
+        (ops/moe_experts.py)."""
+        return moe_experts.experts(x, ids, weights, gate_up, down)
 
     def rope(
         self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor

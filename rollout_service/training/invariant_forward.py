@@ -30,7 +30,7 @@ from torch import nn
 
 from rollout_service.model.moe import check_moe_backend
 from rollout_service.model.registry import arch_flags, moe_spec
-from rollout_service.ops import moe, norm
+from rollout_service.ops import moe_experts, norm
 from rollout_service.ops.backend import resolve_backend, select_ops
 from rollout_service.ops.rope import apply_rope, build_cos_sin_cache, rope_head_dim
 from rollout_service.results.receipts import receipt_of, weights_digest
@@ -205,12 +205,12 @@ class InvariantForward:
             ids, chosen = self.ops.moe_route(x.detach(), router.detach(), top_k, renormalize)
             if recorded is not None:
                 ids = torch.where(recorded[1].to(x.device)[:, None], recorded[0].to(ids.device, ids.dtype), ids)
-                chosen = moe.route_weights(x.detach(), router.detach(), ids, renormalize,
+                chosen = moe_experts.route_weights(x.detach(), router.detach(), ids, renormalize,
                                            product=lambda a, w: self.ops.linear(a, w))
-        weights = exact(lambda x, r: chosen.clone(), lambda x, r: moe.route_weights(x, r, ids, renormalize),
+        weights = exact(lambda x, r: chosen.clone(), lambda x, r: moe_experts.route_weights(x, r, ids, renormalize),
                         x, router)
         return exact(lambda x, w, gu, d: self.ops.moe_experts(x, ids, w, gu, d),
-                     lambda x, w, gu, d: moe.experts(x, ids, w, gu, d), x, weights, gate_up, down)
+                     lambda x, w, gu, d: moe_experts.experts(x, ids, w, gu, d), x, weights, gate_up, down)
 
     def _attention(self, attn: nn.Module, x: torch.Tensor, lens: list[int], cos_sin: torch.Tensor) -> torch.Tensor:
         cfg, d, tokens = self.config, self.head_dim, x.shape[0]

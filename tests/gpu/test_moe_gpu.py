@@ -1,4 +1,4 @@
-"""Mixture-of-experts on the cuda backend (ops/cuda_moe.py, csrc/moe.cu) against the torch reference (ops/moe.py):
+"""Mixture-of-experts on the cuda backend (ops/cuda_moe.py, csrc/moe.cu) against the torch reference (ops/moe_experts.py):
 the routing kernel, the permutation, both expert paths, the combine's bits, CUDA-graph replay, the engine with
 graphs and routed experts, and batch-invariant mode (alone == in a batch == the learner's recompute, bitwise)."""
 import copy
@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from engine_waves import serve_in_waves
 from kv_utils import rel_err, requires_cuda
 
-from rollout_service.ops import cuda_moe, moe
+from rollout_service.ops import cuda_moe, moe_experts
 from rollout_service.api.types import SamplingParams
 
 pytestmark = pytest.mark.skipif(**requires_cuda)
@@ -63,7 +63,7 @@ def test_route_kernel_is_the_reference_routing(kernels, experts, k, renormalize)
     x, (_, _, router) = rows(300, 256), layer(experts, 256, 16)
     logits = F.linear(x, router)
     ids, weights = kernels.moe_route(logits, k, renormalize, None, None)
-    ref_ids, ref_weights = moe.route(x, router, k, renormalize)
+    ref_ids, ref_weights = moe_experts.route(x, router, k, renormalize)
     # bf16 logits tie often among many experts: the chosen probabilities must be the same, slot by slot, and the
     # ids too wherever the top k + 1 has no tie (a tie is broken by the lower id here, as torch.topk may not)
     probs = torch.softmax(logits.float(), -1)
@@ -97,7 +97,7 @@ def test_permutation_is_the_reference_stable_grouping(kernels, tokens, experts, 
     x = rows(tokens, 200 - 200 % 8)
     ids, _ = random_ids(tokens, experts, k)
     grouped, offsets, position = kernels.moe_permute(x, ids, experts)
-    order, counts = moe.group_by_expert(ids, experts)
+    order, counts = moe_experts.group_by_expert(ids, experts)
     assert torch.equal(offsets.long(), counts.cumsum(0))
     assert torch.equal(position.long()[order], torch.arange(tokens * k, device="cuda"))
     assert torch.equal(grouped, x[order // k])
@@ -107,7 +107,7 @@ def test_combine_has_the_references_bits(kernels):
     tokens, k, hidden = 300, 8, 1024
     per_slot = rows(tokens * k, hidden).view(tokens, k, hidden)
     _, weights = random_ids(tokens, 64, k)
-    want = moe.mix(per_slot, weights)
+    want = moe_experts.mix(per_slot, weights)
     assert torch.equal(kernels.moe_combine(per_slot.reshape(tokens * k, hidden), None, weights), want)
     perm = torch.randperm(tokens * k, device="cuda")
     shuffled = torch.empty_like(per_slot.reshape(tokens * k, hidden))
@@ -190,7 +190,7 @@ def test_graph_replay_equals_eager(cuda_ops):
 def test_invariant_experts_give_a_row_the_same_bits_in_any_batch(cuda_ops, experts, k):
     gate_up, down, router = layer(experts, 1024, 256)
     x = rows(3000, 1024)
-    ids, weights = moe.route(x, router, k, True)
+    ids, weights = moe_experts.route(x, router, k, True)
     batch = cuda_moe.invariant_experts(cuda_ops.kernels, x, ids, weights, gate_up, down)
     for part in (slice(0, 1), slice(17, 19), slice(100, 357), slice(0, 3000, 7)):
         alone = cuda_moe.invariant_experts(cuda_ops.kernels, x[part].contiguous(), ids[part].contiguous(),

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from rollout_service.engine.kv_cache import pages_for
-from rollout_service.engine.routing import extend_episode_routing, routing_fields
+from rollout_service.engine.routed_experts import extend_episode_routing, routing_fields
 from rollout_service.episodes import Observation
 from rollout_service.api.types import EpisodeParams, RolloutRequest, RolloutResult, SamplingParams
 from rollout_service.api.values import is_int, is_number
@@ -77,7 +77,7 @@ class _Episode:
     mask: list[int] = field(default_factory=list)
     top: list[dict] = field(default_factory=list)
     turns: list[dict] = field(default_factory=list)
-    routing: list[np.ndarray] | None = field(default_factory=list)  # positions [0, n) in pieces (engine/routing.py)
+    routing: list[np.ndarray] | None = field(default_factory=list)  # positions [0, n) in pieces (engine/routed_experts.py)
     reward: float | None = None
     turn_id: str | None = None  # the engine request of the turn now running
     t_start: float = field(default_factory=time.time)

@@ -34,7 +34,7 @@ from rollout_service.weights.buckets import named_items, reject_nonfinite
 from rollout_service.weights.canary import reject_overflowing
 
 
-class WeightRefresh:
+class WeightSwap:
     def __init__(self, model: torch.nn.Module, device: torch.device, config: EngineConfig, kv: KVCache,
                  scheduler: Scheduler, sleeper: Sleeper, counters: Any,
                  lock: threading.RLock, flush: Callable[[], None], abort_all: Callable[[], None]):

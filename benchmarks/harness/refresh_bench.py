@@ -15,7 +15,7 @@ from benchmarks.harness.context import BenchContext
 from benchmarks.harness.engine_side import engine_generate, open_engine
 from benchmarks.harness.models import random_prompts
 from benchmarks.harness.peers import hf_generate
-from benchmarks.harness.refresh_service import b_weights, w3_service_rows
+from benchmarks.harness.refresh_service_bench import b_weights, w3_service_rows
 from benchmarks.harness.report import Cell, Row
 from benchmarks.harness.workloads import prefix_agreement
 
