@@ -2,6 +2,7 @@
 
     rollout-service run --config cluster_configs/local-cpu.yaml   # local Ray, roll out prompts, summary
     rollout-service serve --config cluster_configs/local-cpu.yaml # a named service that outlives the command
+    rollout-service serve --config ... --openai                   # ... and an OpenAI endpoint in front of it
     rollout-service stats [--name N] [--wide | --json]            # per-worker stats of a running service
     rollout-service scale --num-workers N [--name N]              # add or remove workers of a running service
     rollout-service stop [--name N]                               # shut a running service down
@@ -96,7 +97,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # the cluster started by hand on this machine (`ray start --head`) unless one is named
     address = config.address or os.environ.get("RAY_ADDRESS") or "auto"
     console.print(f"starting {_workers_text(config)} of {config.engine.model!s} ...", soft_wrap=True)
-    RayBackend.start_service(config, address=address)
+    backend = RayBackend.start_service(config, address=address)
     gcs = ray.get_runtime_context().gcs_address
     flags, kwargs = "", ""
     if config.name != DEFAULT_NAME:
@@ -110,6 +111,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
                   f"  stats:    rollout-service stats{flags}\n"
                   f"  connect:  RolloutClient.connect({config.name!r}{kwargs})   # from a learner\n"
                   f"  stop:     rollout-service stop{flags}", soft_wrap=True, highlight=False)
+    if args.openai:
+        return _serve_openai(args, config, backend)
+    return 0
+
+
+def _serve_openai(args: argparse.Namespace, config: ServiceConfig, backend) -> int:
+    """The OpenAI endpoint in front of the service just started, in the foreground until Ctrl-C (the service
+    keeps running after it, as without --openai)."""
+    from rollout_service.client import RolloutClient
+    from rollout_service.openai import serve_openai
+    from rollout_service.openai.auth import default_token_file
+    from rollout_service.openai.server import tokenizer_for
+
+    token_file = Path(args.openai_token_file).expanduser() if args.openai_token_file else default_token_file()
+    console.print(f"OpenAI endpoint: http://{args.openai_host}:{args.openai_port}/v1 (bearer token in "
+                  f"{token_file}); Ctrl-C stops it, not the service", soft_wrap=True, highlight=False)
+    serve_openai(RolloutClient(backend), host=args.openai_host, port=args.openai_port, token_file=token_file,
+                 tokenizer=tokenizer_for(config.engine.model), model_name=str(config.engine.model), block=True)
     return 0
 
 
@@ -244,6 +263,12 @@ def parser() -> argparse.ArgumentParser:
     sv.add_argument("--num-workers", type=int, help="rollout workers (default: the config's `num_workers`)")
     sv.add_argument("--address", help="Ray cluster (default: the config's, else $RAY_ADDRESS, else the one "
                                       "`ray start --head` runs on this machine)")
+    sv.add_argument("--openai", action="store_true",
+                    help="then serve an OpenAI-compatible endpoint in front of it, in the foreground (docs/openai.md)")
+    sv.add_argument("--openai-host", default="127.0.0.1", help="the endpoint's address (default: %(default)s)")
+    sv.add_argument("--openai-port", type=int, default=8000, help="the endpoint's port (default: %(default)s)")
+    sv.add_argument("--openai-token-file", help="where the endpoint's new bearer token is written, mode 0600 "
+                                                "(default: ~/.rollout_service/openai_token)")
     st = sub.add_parser("stats", help="per-worker stats of a running service")
     add_service_args(st)
     shape = st.add_mutually_exclusive_group()

@@ -30,7 +30,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                  "rollout_service.backends.ray_cluster", "rollout_service.backends.ray_auth")),
     ("actors", ("actors",)),
     ("backends", ("rollout_service.backends", "rollout_service.results.stream")),
-    ("client", ("rollout_service.client", "rollout_service.dynamic_sampling")),
+    ("client", ("rollout_service.client", "rollout_service.dynamic_sampling", "rollout_service.openai")),
     ("training", ("rollout_service.training", "actors.learner", "actors.grpo",
                   "actors.grpo_config",
                   "rollout_service.__init__")),

@@ -1,0 +1,10 @@
+"""An OpenAI-compatible endpoint in front of the rollout service, recording token-exact trajectories
+(docs/openai.md): app.py the FastAPI app, schemas.py request checking, templates.py chat templates,
+sessions.py the session store, calls.py one call's work, responses.py the response shapes,
+trajectories.py the learner's view, auth.py the bearer token, server.py uvicorn."""
+from rollout_service.openai.app import openai_app
+from rollout_service.openai.schemas import Limits
+from rollout_service.openai.server import OpenAIServer, serve_openai
+from rollout_service.openai.trajectories import release, set_reward, trajectories
+
+__all__ = ["Limits", "OpenAIServer", "openai_app", "release", "serve_openai", "set_reward", "trajectories"]

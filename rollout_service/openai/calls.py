@@ -1,0 +1,117 @@
+"""One endpoint call's work against the client, synchronous (the app runs it on its threads): the prompt
+(rendered, or continued from a session's recorded tokens), the RolloutRequest, the results, the session's
+record. Requests go through `client.generate` / `client.stream`, so over Ray the router's rules (exactly
+once, staleness, refresh, recovery) hold for them as for any learner's.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+from rollout_service.api.types import RolloutRequest, RolloutResult
+from rollout_service.openai.schemas import ApiError, ChatCall, CompletionCall, Limits
+from rollout_service.openai.sessions import Session, SessionStore, prompt_for, record
+from rollout_service.openai.templates import ChatRenderer
+
+
+@dataclass
+class Service:
+    """What an app serves: the client, its model's renderer, the sessions and the bounds."""
+
+    client: Any
+    renderer: ChatRenderer
+    sessions: SessionStore
+    limits: Limits
+    model: str
+
+
+@dataclass
+class Prepared:
+    """A call ready to run. While `session` is set, the call holds it: `done()` must follow."""
+
+    request: RolloutRequest
+    param: str  # the body field a refusal of the prompt names
+    session: Session | None = None
+    drifted: bool = False
+    n_messages: int = 0
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.request.prompt
+
+
+def prepare_chat(svc: Service, call: ChatCall) -> Prepared:
+    session = svc.sessions.begin(call.session_id) if call.session_id is not None else None
+    try:
+        if session is None:
+            ids, drifted = svc.renderer.render(call.messages, call.tools, call.tool_choice), False
+        else:
+            ids, drifted = prompt_for(session, call.messages, svc.renderer, call.tools, call.tool_choice)
+        return Prepared(_request(ids, call.sampling, "messages"), "messages", session, drifted, len(call.messages))
+    except BaseException:
+        if session is not None:
+            svc.sessions.end(session)
+        raise
+
+
+def prepare_completion(svc: Service, call: CompletionCall) -> Prepared:
+    r = svc.renderer
+    ids = r.encode_text(call.prompt) if isinstance(call.prompt, str) else r.check_ids(call.prompt)
+    return Prepared(_request(ids, call.sampling, "prompt"), "prompt")
+
+
+def _request(ids: list[int], sampling: Any, param: str) -> RolloutRequest:
+    try:
+        return RolloutRequest(prompt=ids, sampling=sampling, apply_chat_template=False)
+    except ValueError as e:
+        raise ApiError(400, f"{param}: {e}", param) from None
+
+
+def _refused(e: Exception, param: str) -> ApiError:
+    """The client's refusal as an HTTP error: bad input (a prompt longer than the model's context, ...) is
+    the caller's 400; a service that cannot take requests now (paused, asleep, closed) a 503."""
+    if isinstance(e, ValueError):
+        return ApiError(400, f"{param}: the service refused the request: {e}", param, "refused")
+    return ApiError(503, f"the rollout service cannot take requests now: {e}", None, "unavailable", "server_error",
+                    {"Retry-After": "1"})
+
+
+def open_stream(svc: Service, p: Prepared) -> Iterator[RolloutResult]:
+    try:
+        return svc.client.stream(p.request)
+    except (ValueError, RuntimeError) as e:
+        raise _refused(e, p.param) from None
+
+
+def next_result(it: Iterator[RolloutResult], p: Prepared) -> RolloutResult | None:
+    """The next finished sample (None after the last); an aborted one is a 503."""
+    try:
+        r = next(it, None)
+    except (ValueError, RuntimeError) as e:
+        raise _refused(e, p.param) from None
+    if r is not None and r.finish_reason == "abort":
+        raise ApiError(503, f"the service aborted the request ({r.error or 'no reason given'})", None, "aborted", "server_error",
+                       {"Retry-After": "1"})
+    return r
+
+
+def generate(svc: Service, p: Prepared) -> list[RolloutResult]:
+    """Every sample of the call, by index."""
+    it, out = open_stream(svc, p), []
+    while (r := next_result(it, p)) is not None:
+        out.append(r)
+    return sorted(out, key=lambda r: r.sample_index)
+
+
+def settle(svc: Service, p: Prepared, results: list[RolloutResult]) -> None:
+    """Record the call's sample in its session (a session call has n = 1)."""
+    if p.session is not None:
+        with svc.sessions.lock:  # a learner reading the trajectory meanwhile sees it before or after, not half
+            record(p.session, p.prompt_ids, p.drifted, results[0], p.n_messages, svc.renderer)
+
+
+def done(svc: Service, p: Prepared) -> None:
+    """Release the call's hold on its session (recorded by settle(), or not: a failed call leaves it as it was)."""
+    if p.session is not None:
+        svc.sessions.end(p.session)
+        p.session = None

@@ -1,0 +1,97 @@
+"""RolloutResults -> OpenAI response bodies and stream chunks.
+
+Each choice carries two extra fields beside OpenAI's: `token_ids` (the tokens sampled, exactly) and
+`policy_versions` (the policy version that produced each). A chat response also carries `prompt_token_ids`
+(what the model saw: the rendered history, or for a drifted session call the recorded tokens plus the new
+messages) and, with a session, `session_id` and `drift` (whether this call's history was continued from
+the recorded tokens). OpenAI SDKs keep unknown fields (`choice.token_ids`, or `model_extra`).
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any
+
+from rollout_service.api.types import RolloutResult
+from rollout_service.openai.templates import ChatRenderer
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def finish_reason(r: RolloutResult) -> str:
+    return "length" if r.finish_reason == "length" else "stop"
+
+
+def usage(prompt_len: int, results: list[RolloutResult]) -> dict:
+    made = sum(len(r.token_ids) for r in results)
+    return {"prompt_tokens": prompt_len, "completion_tokens": made, "total_tokens": prompt_len + made}
+
+
+def _entry(renderer: ChatRenderer, token_id: int, logprob: float) -> dict:
+    text = renderer.token_text(token_id)
+    return {"token": text, "logprob": float(logprob), "bytes": list(text.encode("utf-8"))}
+
+
+def chat_logprobs(r: RolloutResult, renderer: ChatRenderer) -> dict:
+    content = []
+    for i, (t, lp) in enumerate(zip(r.token_ids, r.logprobs.tolist())):
+        top = (r.top_logprobs or [{}] * len(r.token_ids))[i]
+        content.append({**_entry(renderer, t, lp),
+                        "top_logprobs": [_entry(renderer, k, v) for k, v in sorted(top.items(), key=lambda kv: -kv[1])]})
+    return {"content": content}
+
+
+def completion_logprobs(r: RolloutResult, renderer: ChatRenderer) -> dict:
+    tokens = [renderer.token_text(t) for t in r.token_ids]
+    offsets, at = [], 0
+    for s in tokens:
+        offsets.append(at)
+        at += len(s)
+    tops = [{renderer.token_text(k): float(v) for k, v in sorted(top.items(), key=lambda kv: -kv[1])}
+            for top in (r.top_logprobs or [{}] * len(tokens))]
+    return {"tokens": tokens, "token_logprobs": r.logprobs.tolist(), "top_logprobs": tops, "text_offset": offsets}
+
+
+def _extras(r: RolloutResult) -> dict:
+    return {"token_ids": list(r.token_ids), "policy_versions": list(r.token_versions)}
+
+
+def chat_choice(r: RolloutResult, renderer: ChatRenderer, logprobs: bool) -> dict:
+    return {"index": r.sample_index, "message": {"role": "assistant", "content": r.text},
+            "finish_reason": finish_reason(r), "logprobs": chat_logprobs(r, renderer) if logprobs else None,
+            **_extras(r)}
+
+
+def completion_choice(r: RolloutResult, renderer: ChatRenderer, logprobs: bool) -> dict:
+    return {"index": r.sample_index, "text": r.text, "finish_reason": finish_reason(r),
+            "logprobs": completion_logprobs(r, renderer) if logprobs else None, **_extras(r)}
+
+
+def envelope(kind: str, rid: str, model: str, **fields: Any) -> dict:
+    return {"id": rid, "object": kind, "created": int(time.time()), "model": model, **fields}
+
+
+def sse(data: Any) -> bytes:
+    """One server-sent event; `data: [DONE]` ends an OpenAI stream."""
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n".encode()
+
+
+def chat_role_chunk(index: int, rid: str, model: str) -> dict:
+    """A choice's first chunk, sent at once: the role (its text follows when the sample is done)."""
+    choice = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+    return envelope("chat.completion.chunk", rid, model, choices=[choice])
+
+
+def chat_chunk(r: RolloutResult, renderer: ChatRenderer, logprobs: bool, rid: str, model: str) -> dict:
+    """A finished choice's text, with its logprobs, token ids, versions and finish reason. The service hands
+    back whole samples, so a choice's text is one delta."""
+    choice = {"index": r.sample_index, "delta": {"content": r.text}, "finish_reason": finish_reason(r),
+              "logprobs": chat_logprobs(r, renderer) if logprobs else None, **_extras(r)}
+    return envelope("chat.completion.chunk", rid, model, choices=[choice])
+
+
+def completion_chunk(r: RolloutResult, renderer: ChatRenderer, logprobs: bool, rid: str, model: str) -> dict:
+    return envelope("text_completion", rid, model, choices=[completion_choice(r, renderer, logprobs)])
