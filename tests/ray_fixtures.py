@@ -159,7 +159,9 @@ def tiny_service_config(model_dir: str, **overrides) -> dict:
         "resources": {"num_cpus": 1, "num_gpus": 0},
         "engine": {"model": model_dir, "backend": "torch", "dtype": "float32", "device": "cpu",
                    "num_pages": 256, "max_num_seqs": 32, "enable_cuda_graphs": False},
-        "placement": {"strategy": "SPREAD", "timeout_s": 60},
+        # a worker's start (a Python process importing torch and building its engine) takes seconds on a quiet
+        # machine and minutes on an oversubscribed one: the tests must not fail for a busy box's sake
+        "placement": {"strategy": "SPREAD", "timeout_s": 600},
     }
     cfg.update(overrides)
     return cfg

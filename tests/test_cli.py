@@ -267,8 +267,11 @@ def test_bench_help_answers_before_torch_is_imported():
 @pytest.mark.slow
 def test_local_cpu_yaml_with_the_embedded_model(tmp_path, ray_tmp):
     """The README command: a fresh process starts its own local Ray with 2 workers of SmolLM2-135M."""
-    proc = _cli(["run", "--config", str(REPO / "cluster_configs" / "local-cpu.yaml"), "--num-prompts", "2",
-                 "--max-tokens", "8"], tmp_path, ray_tmp, timeout=300)
+    config = yaml.safe_load((REPO / "cluster_configs" / "local-cpu.yaml").read_text())
+    config.setdefault("placement", {})["timeout_s"] = 600  # its workers start in seconds, or minutes on a busy box
+    (tmp_path / "local-cpu.yaml").write_text(yaml.safe_dump(config))
+    proc = _cli(["run", "--config", str(tmp_path / "local-cpu.yaml"), "--num-prompts", "2",
+                 "--max-tokens", "8"], tmp_path, ray_tmp, timeout=800)
     out = tmp_path / "rollout_results.msgpack"  # the default: in the current directory, printed absolute
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     assert "rollout metrics" in proc.stdout and f"results: {out}" in proc.stdout
