@@ -17,6 +17,9 @@ current weight exists only with the learner (a broadcast since the last full ref
 transport, IPC buckets the learner has refilled, released buffers) there is no log, and a restarted
 worker waits for the learner's next FULL refresh; a partial one does not let it serve. After a full
 broadcast the learner can resend it (`heal`), which is accepted while nothing has been refreshed since.
+A delta (rollout_service/weights/delta.py) patches the weights of its base version: it is refused before any
+worker prepares unless the service runs that version, and in the log it keeps every entry before it, until its
+deltas outweigh the weights (then there is no log; the learner's next push reaches a restarted worker dense).
 """
 from __future__ import annotations
 
@@ -28,9 +31,15 @@ from typing import Any, Awaitable, Callable
 import ray
 
 from rollout_service.backends.remote_errors import error_text, is_down
-from actors.workers import WorkerTable
+from actors.workers import Stalled, WorkerTable
 from rollout_service.api.checks import check_policy_version
+from rollout_service.weights.delta import NO_BASE
 from rollout_service.weights.transport import REGROUP
+
+
+# A refresh call (prepare, receive, apply, discard) that a worker has not answered in this long fails the refresh
+# and restarts the worker: far above any model's copy time, and never the learner's wait forever.
+STALL_S = 300.0
 
 
 @dataclass(frozen=True)
@@ -55,6 +64,7 @@ class RefreshCoordinator:
         self.group: dict | None = None         # {"id": str, "members": {worker index: incarnation}}
         self._busy_until: float | None = None
         self._pending: dict | None = None      # a broadcast between begin and finish
+        self.stall_s = STALL_S                 # a worker's refresh call unanswered this long: it is stalled
 
     # -- helpers ----------------------------------------------------------------------------------
     def targets(self) -> list[int]:
@@ -70,11 +80,16 @@ class RefreshCoordinator:
         while self.busy:
             await asyncio.sleep(0.05)
 
-    def _start(self, version: Any, resend: bool = False, stale_after: float = 300.0) -> str | None:
+    def _start(self, version: Any, resend: bool = False, stale_after: float = 300.0, payload: dict | None = None
+               ) -> str | None:
         try:
             check_policy_version(version, self.version, resend)
         except ValueError as e:
             return str(e)
+        delta = (payload or {}).get("delta")
+        if delta is not None and getattr(delta, "base_version", None) != self.version:  # (the learner pushes dense)
+            return (f"update_weights: {NO_BASE}: the service runs version {self.version}, the delta applies to "
+                    f"version {getattr(delta, 'base_version', None)}")
         if self.busy:
             return "update_weights: another refresh is in flight; wait for it to finish"
         if not self.targets():
@@ -85,28 +100,48 @@ class RefreshCoordinator:
     def _done(self) -> None:
         self._busy_until, self._pending = None, None
 
-    async def _each(self, targets: list[int], method: str, *args: Any) -> list[tuple[int, Any]]:
-        return await self.workers.each(targets, method, *args)
+    async def _each(self, targets: list[int], method: str, *args: Any, timeout: float | None = None
+                    ) -> list[tuple[int, Any]]:
+        """Every refresh call has a deadline (`stall_s` unless given): a worker that stops answering (stopped, not
+        dead) fails the refresh with a Stalled instead of holding it, and the learner, forever."""
+        return await self.workers.each(targets, method, *args, timeout=timeout or self.stall_s)
+
+    def _restart(self, i: int, why: str) -> None:
+        """Kill worker i; Ray restarts it and the recovery (actors/recovery.py) brings it to the current weights."""
+        self._log(why)
+        self.workers.killed[i] = self.workers.incarnation[i]
+        ray.kill(self.workers.handles[i], no_restart=False)
+
+    async def _abandon(self, outcomes: list[tuple[int, Any]]) -> None:
+        """A refresh refused before any swap: the workers that answered drop what they prepared; a stalled one is
+        restarted (it would answer nothing, the discard included)."""
+        stalled = [i for i, out in outcomes if isinstance(out, Stalled)]
+        await self._each([i for i, _ in outcomes if i not in stalled], "weights_discard")
+        for i in stalled:
+            self._restart(i, f"worker {i} stalled during a refresh (no answer within {self.stall_s:g} s); "
+                             f"restarting it, every worker keeps version {self.version}")
 
     async def _prepare(self, targets: list[int], payload: dict, partial: bool) -> str | None:
-        for i, out in await self._each(targets, "weights_prepare", payload, partial):
-            if isinstance(out, BaseException) and not is_down(out):  # a dead one catches up when it restarts
-                await self._each(targets, "weights_discard")
-                return f"worker {i} rejected the refresh: {error_text(out)}"
-        return None
+        outcomes = await self._each(targets, "weights_prepare", payload, partial)
+        refused = [(i, out) for i, out in outcomes if isinstance(out, BaseException) and not is_down(out)]
+        if not refused:  # (a dead one catches up when it restarts)
+            return None
+        await self._abandon(outcomes)
+        i, out = next(((i, out) for i, out in refused if isinstance(out, Stalled)), refused[0])
+        if isinstance(out, Stalled):
+            return f"update_weights: {out}; it is restarted and every worker keeps version {self.version}"
+        return f"worker {i} rejected the refresh: {error_text(out)}"
 
     async def _apply(self, targets: list[int], payload: dict, version: int, partial: bool) -> str | None:
         outcomes = await self._each(targets, "weights_apply", payload, version, partial)
         failed = [(i, out) for i, out in outcomes if isinstance(out, BaseException) and not is_down(out)]
         errors = [f"worker {i} failed to apply the refresh: {error_text(out)}" for i, out in failed]
-        if failed and len(failed) == len(outcomes):  # nobody swapped (a check of the values): nothing changed
-            return "; ".join(errors)
+        if failed and not any(isinstance(out, Stalled) for _, out in failed) and len(failed) == len(outcomes):
+            return "; ".join(errors)  # nobody swapped (a check of the values): nothing changed
         self.version = version
         self._record(payload, version, partial)
         for i, _ in failed:  # its peers swapped: restart it, and the replay log brings it to their weights
-            self._log(f"worker {i} failed to apply version {version}; restarting it to replay the refreshes")
-            self.workers.killed[i] = self.workers.incarnation[i]
-            ray.kill(self.workers.handles[i], no_restart=False)
+            self._restart(i, f"worker {i} failed to apply version {version}; restarting it to replay the refreshes")
         for i, out in outcomes:
             if isinstance(out, BaseException):
                 continue
@@ -125,12 +160,33 @@ class RefreshCoordinator:
             self.replay = None
             return
         names = frozenset(payload["manifest"].names())
-        kept = [e for e in self.replay if not e.names <= names] if partial else []
-        self.replay = kept + [Logged(dict(payload), version, partial, names)]
+        entry = Logged(dict(payload), version, partial, names)
+        if payload.get("delta") is not None:
+            self.replay = self._with_delta(entry)
+            return
+        if partial and any(e.payload.get("delta") is not None for e in self.replay):
+            kept = self.replay  # a delta patches what every entry before it left: none may go
+        else:
+            kept = [e for e in self.replay if not e.names <= names] if partial else []
+        self.replay = kept + [entry]
+
+    def _with_delta(self, entry: Logged) -> list[Logged] | None:
+        """The log with a delta after every entry it builds on, or None (a restarted worker then waits for the
+        next push, which reaches it dense) once its deltas hold more bytes than the weights: the object store
+        keeps every logged push's buckets."""
+        if self.replay is None:
+            return None
+        log = self.replay + [entry]
+        held = sum(e.payload["delta"].nbytes for e in log if e.payload.get("delta") is not None)
+        if held > entry.payload["manifest"].nbytes:
+            self._log(f"the replay log's deltas passed the weights' size ({held} bytes); a worker restarted from now "
+                      "on waits for the learner's next push")
+            return None
+        return log
 
     # -- object store and CUDA IPC: one call --------------------------------------------------------
     async def update(self, payload: dict, version: int, partial: bool = False) -> str | None:
-        err = self._start(version)
+        err = self._start(version, payload=payload)
         if err:
             return err
         try:
@@ -151,7 +207,7 @@ class RefreshCoordinator:
             return (f"update_weights: a restarted worker needs every current weight (version {self.version}); the "
                     "learner's last broadcast was partial, or another refresh came after it, so resending it cannot "
                     "restore them: push the full weights with update_weights")
-        err = self._start(version, resend, stale_after=timeout_s)
+        err = self._start(version, resend, stale_after=timeout_s + self.stall_s, payload=payload)
         if err:
             return err
         targets = self.targets()
@@ -162,7 +218,8 @@ class RefreshCoordinator:
         if err:
             self._done()
             return err
-        self._pending = {"payload": payload, "version": version, "partial": partial, "targets": targets}
+        self._pending = {"payload": payload, "version": version, "partial": partial, "targets": targets,
+                         "timeout_s": timeout_s}
         return None
 
     async def broadcast_finish(self) -> str | None:
@@ -171,14 +228,17 @@ class RefreshCoordinator:
             return "update_weights: no broadcast was begun (or it was given up after the group timeout)"
         try:
             targets, payload = p["targets"], p["payload"]
-            failed = [(i, out) for i, out in await self._each(targets, "weights_receive", payload)
-                      if isinstance(out, BaseException)]
+            # a live member's receive ends within the group's timeout (bytes in, or the error): one silent
+            # `stall_s` past it is stalled (its peers, whose receives that stall may have timed out, are not)
+            outcomes = await self._each(targets, "weights_receive", payload, timeout=p["timeout_s"] + self.stall_s)
+            failed = [(i, out) for i, out in outcomes if isinstance(out, BaseException)]
             if failed:
-                await self._each(targets, "weights_discard")
+                await self._abandon(outcomes)
                 self.group = None  # a member failed: the group is formed again before the next broadcast
-                i, out = failed[0]
-                return f"update_weights: the broadcast failed on worker {i} ({error_text(out)}); every worker " \
-                       f"keeps version {self.version}"
+                i, out = next(((i, out) for i, out in failed if isinstance(out, Stalled)), failed[0])
+                why = str(out) if isinstance(out, Stalled) else error_text(out)
+                return f"update_weights: the broadcast failed on worker {i} ({why}); every worker keeps version " \
+                       f"{self.version}"
             return await self._apply(targets, payload, p["version"], p["partial"])
         finally:
             self._done()

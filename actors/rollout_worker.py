@@ -26,6 +26,7 @@ from actors.quarantine import UserCodeWatch, announce_exits
 from rollout_service.backends.remote_errors import error_text
 from actors.reward_pool import RewardPool
 from rollout_service.host import EngineHost
+from rollout_service.model.weight_update import model_dtype
 from rollout_service.results.payloads import Header, pack
 from rollout_service.api.types import RolloutRequest, RolloutResult
 from rollout_service.weights.cuda_ipc import visible_gpus
@@ -153,7 +154,8 @@ class RolloutWorker:
         ValueError naming what is wrong."""
         t0 = time.perf_counter()
         self.engine.validate_manifest(payload["manifest"], partial)
-        self.receiver.prepare(payload)
+        readable = payload.get("delta") is not None and not self.engine.is_sleeping  # a delta's base may come from it
+        self.receiver.prepare(payload, self.engine.policy_version, self.engine.model if readable else None)
         self.last_refresh = {"transport": payload["transport"], "prepare_s": time.perf_counter() - t0}
 
     def weights_receive(self, payload: dict) -> None:
@@ -169,8 +171,9 @@ class RolloutWorker:
         with self.host.at_step_boundary() as engine:
             t1 = time.perf_counter()
             if version != engine.policy_version:
-                # finite values were checked on the learner, before anything was sent
+                # finite values were checked on the learner, before anything was sent (a delta's again, on prepare)
                 engine.update_weights(self.receiver.views(payload), version, partial, check_finite=False)
+                self.receiver.applied(payload, version)
             self.receiver.discard()
             self.last_refresh.update(lock_wait_s=t1 - t0, apply_s=time.perf_counter() - t1)
             return engine.policy_version
@@ -221,7 +224,7 @@ class RolloutWorker:
         if self.startup_error is not None:
             return h
         return {**h, "alive": self.host.alive, "error": self.host.error, "device": str(self.engine.device),
-                "gpus": visible_gpus(),
+                "gpus": visible_gpus(), **_weights_kind(self.engine),
                 "policy_version": self.engine.policy_version, "weight_group": self.receiver.group_id()}
 
     def shutdown(self) -> None:
@@ -231,6 +234,14 @@ class RolloutWorker:
         self._watch.close()
         self.host.close()
         self.receiver.leave()
+
+
+def _weights_kind(engine: Any) -> dict:
+    """The dtype the engine holds its weights in and its quantization: what a learner casts a delta push to (or
+    why it sends dense). None for an engine with no model (the control-plane benchmark's)."""
+    model = getattr(engine, "model", None)
+    return {"weights_dtype": model_dtype(model) if model is not None else None,
+            "quantization": getattr(getattr(engine, "config", None), "quantization", None)}
 
 
 def _build_engine(engine_config: dict, model_source: Any) -> Any:

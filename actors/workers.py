@@ -26,7 +26,7 @@ class WorkerTable:
         self.draining: list[bool] = []             # being removed: no new requests, its own ones finish
         self.incarnation: list[str | None] = []
         self.killed: list[str | None] = []         # the incarnation the router itself ended
-        self.places: list[dict] = []               # node_id and device, from health()
+        self.places: list[dict] = []               # node_id, device, weights' dtype, from health()
         self.slots: list[Any] = []                 # its placement-group bundle (actors/slots.py)
         self.generation: list[int] = []            # bumped when the index gets a new worker or is removed
         for _ in range(num_workers):
@@ -72,7 +72,8 @@ class WorkerTable:
 
     def on_health(self, i: int, h: dict) -> None:
         self.incarnation[i] = h["incarnation"]
-        self.places[i] = {"node_id": h.get("node_id"), "device": h.get("device", "cpu"), "gpus": h.get("gpus", [])}
+        self.places[i] = {"node_id": h.get("node_id"), "device": h.get("device", "cpu"), "gpus": h.get("gpus", []),
+                          "weights_dtype": h.get("weights_dtype"), "quantization": h.get("quantization")}
 
     def mark_down(self, i: int) -> bool:
         """Worker i went down; whether it was up (a death to count)."""
@@ -99,7 +100,21 @@ class WorkerTable:
         s.update(awaiting_weights=self.awaiting[i], draining=self.draining[i], gone_reason=self.why_gone[i])
         return s
 
-    async def each(self, targets: list[int], method: str, *args: Any) -> list[tuple[int, Any]]:
-        """(worker, outcome or exception) of one call on each of `targets`, at once."""
-        calls = [getattr(self.handles[i], method).remote(*args) for i in targets]
-        return list(zip(targets, await asyncio.gather(*calls, return_exceptions=True)))
+    async def each(self, targets: list[int], method: str, *args: Any, timeout: float | None = None
+                   ) -> list[tuple[int, Any]]:
+        """(worker, outcome or exception) of one call on each of `targets`, at once; a call still unanswered after
+        `timeout` s gives a Stalled (the call itself is left to the worker)."""
+        async def call(i: int) -> Any:
+            ref = getattr(self.handles[i], method).remote(*args)
+            if timeout is None:
+                return await ref
+            try:
+                return await asyncio.wait_for(asyncio.wrap_future(ref.future()), timeout)
+            except asyncio.TimeoutError:
+                raise Stalled(f"worker {i} did not answer {method} within {timeout:g} s: it is alive but stalled "
+                              "(stopped, or stuck in a call that does not return)") from None
+        return list(zip(targets, await asyncio.gather(*(call(i) for i in targets), return_exceptions=True)))
+
+
+class Stalled(Exception):
+    """A worker that did not answer a call within its deadline, though Ray does not report it down."""

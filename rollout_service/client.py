@@ -19,6 +19,7 @@ from rollout_service.score_requests import score_requests
 from rollout_service.api.types import EpisodeParams, Prompt, RolloutRequest, RolloutResult, SamplingParams
 from rollout_service.api.values import is_int, is_number
 from rollout_service.weights.buckets import named_items
+from rollout_service.weights.delta_sender import check_delta
 from rollout_service.weights.transport import TRANSPORTS
 
 if TYPE_CHECKING:
@@ -211,7 +212,7 @@ class RolloutClient:
         return self._in_order(reqs)
 
     def update_weights(self, named_tensors: Any, version: int, transport: str = "auto", *, partial: bool = False,
-                       check_finite: bool = True) -> str:
+                       check_finite: bool = True, delta: bool | str = "auto") -> str:
         """Push a new policy: a dict or (name, tensor) pairs with the transformers model's parameter names.
 
         Every name, shape and dtype is checked on every worker before any worker swaps; the swap lands
@@ -220,14 +221,19 @@ class RolloutClient:
         "cuda_ipc" or "broadcast". `partial=True` allows a subset of the weights. Before anything moves, every
         tensor must be finite and pass the canary (each weight on a fixed unit-RMS input gives outputs within
         1e6: a finite 3e38 would turn every later token NaN; rollout_service/weights/canary.py);
-        `check_finite=False` skips both. Returns the transport used."""
+        `check_finite=False` skips both. `delta`: "auto" (the object store and a broadcast send, in the engine's
+        dtype, only the elements that changed since the learner's last push, bit for bit the same weights; the
+        learner keeps a copy of that push: rollout_service/weights/delta_sender.py), True (refused where a delta
+        can never go: partial, CUDA IPC, FP8 engines) or False (dense, as given; frees that copy). In-process the
+        weights are copied in place whatever `delta` says. Returns the transport used."""
         backend = self._open
         if not isinstance(transport, str) or transport not in TRANSPORTS:
             raise ValueError(f"update_weights: transport={transport!r}; choose one of {TRANSPORTS}")
         for name, flag in (("partial", partial), ("check_finite", check_finite)):
             if not isinstance(flag, bool):
                 raise ValueError(f"update_weights: {name}={flag!r} must be a bool")
-        return backend.update_weights(named_items(named_tensors), version, transport, partial, check_finite)
+        check_delta(delta)
+        return backend.update_weights(named_items(named_tensors), version, transport, partial, check_finite, delta)
 
     def init_weight_group(self, master_address: str | None = None, backend: str = "auto",
                           timeout_s: float = 300.0) -> None:

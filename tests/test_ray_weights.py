@@ -53,12 +53,13 @@ def tokens(client) -> list:
 def test_object_store_refresh_is_bitwise_and_reuses_its_buckets(svc, reference, make_tiny_llama):
     digest, want_tokens = reference
     a, b = make_tiny_llama(seed=1).state_dict(), make_tiny_llama(seed=2).state_dict()
-    assert svc.update_weights(a, 1) == "object_store"  # auto, CPU tensors, no weight group
+    # dense pushes (delta=False): their buckets are what is reused (deltas: tests/test_ray_delta.py)
+    assert svc.update_weights(a, 1, delta=False) == "object_store"  # auto, CPU tensors, no weight group
     pusher = svc._backend.weights
     buckets = pusher.object_store.buckets
     assert svc.weights_digests() == [digest(a)] * 2 and tokens(svc) == want_tokens(a)
-    assert svc.update_weights(b, 2, transport="object_store") == "object_store"
-    assert pusher.object_store.buckets is buckets, "the learner's buckets were re-allocated"
+    assert svc.update_weights(b, 2, transport="object_store", delta=False) == "object_store"
+    assert buckets is not None and pusher.object_store.buckets is buckets, "the learner's buckets were re-allocated"
     assert svc.weights_digests() == [digest(b)] * 2 and versions(svc) == [2, 2]
     assert all(r.token_versions == [2] * 6 for r in svc.generate([[1, 2]], GREEDY))
 

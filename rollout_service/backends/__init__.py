@@ -16,8 +16,9 @@ class Backend(Protocol):
         """Finish these requests now: their "abort" results (tokens so far), which also end their streams."""
 
     def update_weights(self, named_tensors: list[tuple[str, Any]], version: int, transport: str, partial: bool,
-                       check_finite: bool) -> str:
-        """A new policy version, every weight checked before any is applied; returns the transport used."""
+                       check_finite: bool, delta: bool | str = "auto") -> str:
+        """A new policy version, every weight checked before any is applied; returns the transport used. `delta`:
+        whether only the changed elements may be sent (rollout_service/weights/delta_sender.py)."""
 
     def init_weight_group(self, master_address: str | None, backend: str, timeout_s: float) -> None:
         """Form the broadcast group of this process and the workers (ValueError where there is none to form)."""

@@ -16,6 +16,7 @@ from rollout_service.fidelity import FidelityLog
 from rollout_service.host import EngineHost
 from rollout_service.ops import omp_pool
 from rollout_service.api.types import RolloutRequest, RolloutResult
+from rollout_service.weights.delta_sender import check_delta, delta_refusal
 
 WAIT_S = 0.05  # a stream's reader looks at the host this often while it waits (to see close() or a failure)
 
@@ -100,12 +101,17 @@ class LocalBackend:
 
     # -- weights ----------------------------------------------------------------------------------
     def update_weights(self, named_tensors: Any, version: int, transport: str = "auto", partial: bool = False,
-                       check_finite: bool = True) -> str:
+                       check_finite: bool = True, delta: bool | str = "auto") -> str:
         """The engine is in this process: every transport is an in-place copy, except a broadcast, which needs a
-        weight group (there is none in-process)."""
+        weight group (there is none in-process). No bytes move, so a delta would save nothing: the weights are
+        copied whole, but delta=True is refused where it is over Ray (partial, CUDA IPC, an FP8 engine)."""
         if transport == "broadcast":
             raise ValueError("update_weights: transport 'broadcast' needs a weight group; an in-process engine "
                              "has none (use transport='auto')")
+        check_delta(delta)
+        why = delta_refusal(transport, partial, getattr(self.engine.config, "quantization", None))
+        if delta is True and why is not None:
+            raise ValueError(why)
         self.host.update_weights(named_tensors, version, partial, check_finite)
         return "in_process"
 

@@ -102,9 +102,9 @@ class RayBackend:
         return ResultStream(self.router, reply["stream"], reply["lease_s"], self.weights.heal, owner=self)
 
     def update_weights(self, named_tensors, version: int, transport: str = "auto", partial: bool = False,
-                       check_finite: bool = True) -> str:
+                       check_finite: bool = True, delta: bool | str = "auto") -> str:
         """Validated on every worker before any swaps (rollout_service/weights/push.py)."""
-        return self.weights.update_weights(named_tensors, version, transport, partial, check_finite)
+        return self.weights.update_weights(named_tensors, version, transport, partial, check_finite, delta)
 
     def init_weight_group(self, master_address: str | None = None, backend: str = "auto",
                           timeout_s: float = 300.0) -> None:

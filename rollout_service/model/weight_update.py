@@ -135,6 +135,32 @@ def validate_manifest(model: nn.Module, entries: Iterable, partial: bool = False
         _check_complete(_missing(model, covered))
 
 
+def current_weights(model: nn.Module, entries: Iterable) -> list[tuple[str, torch.Tensor]]:
+    """What the model holds now under each manifest entry's name (live views: a parameter or an expert's slice of
+    one), the base a delta refresh patches. ValueError for a weight held in another dtype than the entry's, or as
+    FP8 (quantized: its bf16 values are gone)."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    out = []
+    for e in entries:
+        dtype = getattr(torch, e.dtype, None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"weight {e.name!r} has unknown dtype {e.dtype!r}")
+        target = _target(params, e.name, e.shape, dtype)
+        if hasattr(target.param, "fp8_scale"):
+            raise ValueError(f"weight {e.name!r} is held as FP8: a delta cannot patch it")
+        if target.dest.dtype != dtype:
+            raise ValueError(f"weight {e.name!r} is held as {str(target.dest.dtype).removeprefix('torch.')}, the "
+                             f"delta's as {e.dtype}: a delta must come in the engine's dtype")
+        out.append((e.name, target.dest))
+    return out
+
+
+def model_dtype(model: nn.Module) -> str | None:
+    """The dtype the model's weights are held in (its FP8-quantized ones aside), e.g. "bfloat16"."""
+    dtype = next((p.dtype for p in model.parameters() if not hasattr(p, "fp8_scale")), None)
+    return None if dtype is None else str(dtype).removeprefix("torch.")
+
+
 @torch.no_grad()
 def apply_named_tensors(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     """Copy validated values in place (cast to the model's dtype and device; quantized into an FP8 parameter:

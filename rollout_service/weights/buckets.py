@@ -55,10 +55,6 @@ def _aligned(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
 def named_items(named_tensors: NamedTensors) -> list[tuple[str, torch.Tensor]]:
     """Normalise a dict / iterable of pairs, rejecting anything that is not (str, Tensor)."""
     if isinstance(named_tensors, PackedWeights):
@@ -101,17 +97,20 @@ def reject_nonfinite(items: Sequence[tuple[str, torch.Tensor]]) -> None:
                          "(pass check_finite=False to send it anyway)")
 
 
-def plan(items: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Manifest:
-    """Lay tensors out in buckets of about `bucket_bytes` (a larger tensor gets a bucket of its own)."""
+def plan(items: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+         dtype: torch.dtype | None = None) -> Manifest:
+    """Lay tensors out in buckets of about `bucket_bytes` (a larger tensor gets a bucket of its own). `dtype`:
+    lay the floating-point tensors out in it (the engine's; filling the buckets casts them)."""
     if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
         raise ValueError(f"bucket_bytes={bucket_bytes!r} must be an int >= 1")
     entries, sizes, size = [], [], 0
     for name, t in items:
-        n = _nbytes(t)
+        as_dtype = dtype if dtype is not None and t.is_floating_point() else t.dtype
+        n = t.numel() * as_dtype.itemsize
         if not sizes or (size and size + n > bucket_bytes):
             sizes.append(0)
             size = 0
-        entries.append(TensorEntry(name, str(t.dtype).removeprefix("torch."), tuple(t.shape),
+        entries.append(TensorEntry(name, str(as_dtype).removeprefix("torch."), tuple(t.shape),
                                    len(sizes) - 1, size, n))
         size += _aligned(n)
         sizes[-1] = max(size, 1)
@@ -123,13 +122,14 @@ def views(manifest: Manifest, buffers: Sequence) -> Iterator[tuple[str, torch.Te
     Object-store buffers are read-only: consumers copy, as Engine.update_weights does."""
     if len(buffers) != len(manifest.bucket_sizes):
         raise ValueError(f"update_weights: {len(buffers)} buffers for {len(manifest.bucket_sizes)} buckets")
-    flats = [_as_bytes(b) for b in buffers]
+    flats = [as_bytes(b) for b in buffers]
     for e in manifest.entries:
         raw = flats[e.bucket][e.offset:e.offset + e.nbytes]
         yield e.name, raw.view(e.torch_dtype()).reshape(e.shape)
 
 
-def _as_bytes(buf) -> torch.Tensor:
+def as_bytes(buf) -> torch.Tensor:
+    """A buffer (a tensor of any dtype, or an object-store array) as a flat uint8 tensor, without a copy."""
     if isinstance(buf, torch.Tensor):
         return buf.view(torch.uint8).reshape(-1)
     with warnings.catch_warnings():  # object-store buffers are read-only; nothing here writes to them

@@ -16,7 +16,7 @@ from typing import Any, Sequence
 
 import torch
 
-from rollout_service.weights.buckets import Buckets, Manifest, reuse_or_allocate, views
+from rollout_service.weights.buckets import Buckets, Manifest, as_bytes, reuse_or_allocate, views
 
 
 class ObjectStoreSender:
@@ -51,6 +51,15 @@ class ObjectStoreSender:
                 futures.append(pool.submit(put, bucket.numpy(), _copies_done(group)))
             return [f.result() for f in futures]
 
+    def put(self, buffers: Sequence[torch.Tensor]) -> list[Any]:
+        """Put buffers already filled (a delta push's: weights/delta_sender.py), GPU ones through host memory.
+        The host buckets of dense pushes are freed: a learner that pushes deltas keeps its base instead."""
+        import ray
+
+        self.buckets = None
+        with ThreadPoolExecutor(max_workers=4) as pool:
+            return list(pool.map(lambda b: ray.put(b.detach().to("cpu").numpy()), buffers))
+
     def release(self) -> None:
         self.buckets = None
 
@@ -74,6 +83,13 @@ def fetch(manifest: Manifest, refs: Sequence[Any]) -> list[tuple[str, torch.Tens
     import ray
 
     return list(views(manifest, ray.get(list(refs))))
+
+
+def fetch_buffers(refs: Sequence[Any]) -> list[torch.Tensor]:
+    """Worker side: the published buckets as flat uint8 tensors (zero-copy, read-only shared memory)."""
+    import ray
+
+    return [as_bytes(a) for a in ray.get(list(refs))]
 
 
 def fetch_pinned(manifest: Manifest, refs: Sequence[Any], staging: Buckets | None) -> Buckets:

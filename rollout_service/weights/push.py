@@ -4,7 +4,9 @@ refreshes (the router's side: actors/refresh.py; a worker's: receiver.py).
 update_weights: reject non-finite values (unless told otherwise), pick the transport (transport.py), lay the
 tensors out in buckets, hand the router the payload (the manifest first: every worker validates it before any
 bytes move; the router alone checks the version), and, for a broadcast, send the bytes while the workers
-receive them. init_group forms the broadcast group: this process is rank 0.
+receive them. init_group forms the broadcast group: this process is rank 0. A full push through the object store
+or a broadcast goes in the engine's dtype and, once this learner holds the base the workers run, as a delta
+(delta_sender.py: when; delta.py: the encoding).
 """
 from __future__ import annotations
 
@@ -19,6 +21,8 @@ from rollout_service.weights.buckets import (DEFAULT_BUCKET_BYTES, Buckets, Mani
                                              reuse_or_allocate)
 from rollout_service.weights.canary import reject_overflowing
 from rollout_service.weights.cuda_ipc import IpcSender, device_uuid
+from rollout_service.weights.delta import NO_BASE
+from rollout_service.weights.delta_sender import DeltaSender, Wire, delta_dtype
 from rollout_service.weights.group import COLLECTIVES, GroupSpec, WeightGroup, free_port
 from rollout_service.weights.object_store import ObjectStoreSender
 from rollout_service.weights.transport import REGROUP, WorkerPlace, choose_transport
@@ -38,20 +42,28 @@ class WeightPusher:
         self.broadcast_buckets: Buckets | None = None
         self.committed: int | None = None           # version the broadcast buckets hold, once every worker took it
         self.last_timings: dict[str, float | str] = {}  # seconds of the learner's phases of the last refresh
+        self.deltas = DeltaSender()                 # the base of delta pushes (delta_sender.py)
+        self.last_push: dict[str, Any] = {}         # the last push: a delta or not, bytes sent, dense bytes
 
     # -- refresh ----------------------------------------------------------------------------------
     def update_weights(self, items: Items, version: int, transport: str = "auto", partial: bool = False,
-                       check_finite: bool = True) -> str:
+                       check_finite: bool = True, delta: Any = "auto") -> str:
         """Push a new policy to every worker (all or none); returns the transport used. `items`: (name, tensor)
-        pairs, as the client normalised them."""
+        pairs, as the client normalised them. `delta`: delta_sender.py."""
         t0 = time.perf_counter()
+        targets = ray.get(self.router.weight_targets.remote())
         places = [WorkerPlace(t["index"], t.get("node_id"), t.get("device", "cpu"), tuple(t.get("gpus") or ()))
-                  for t in ray.get(self.router.weight_targets.remote())]
+                  for t in targets]
+        # a group once formed counts even while dropped after a fault: the broadcast forms it again
         kind = choose_transport(transport, items, ray.get_runtime_context().get_node_id(), places,
-                                self.group is not None, _learner_gpu(items))
+                                self.group_args is not None, _learner_gpu(items))
+        dtype = delta_dtype(delta, kind, partial, targets)
         if check_finite:
             reject_nonfinite(items)
             reject_overflowing(items)
+        if dtype is not None:
+            return self._push_wire(kind, plan(items, self.bucket_bytes, dtype), items, version, t0, check_finite)
+        self.deltas.release()
         manifest = self.plan(items)
         t1 = time.perf_counter()
         if kind == "broadcast":
@@ -65,7 +77,39 @@ class WeightPusher:
                 raise ValueError(err)
         t3 = time.perf_counter()
         self.last_timings = {"transport": kind, "check_s": t1 - t0, "pack_s": t2 - t1, "service_s": t3 - t2}
+        self.last_push = {"delta": False, "wire_bytes": manifest.nbytes, "dense_bytes": manifest.nbytes}
         return kind
+
+    def _push_wire(self, kind: str, manifest: Manifest, items: Items, version: int, t0: float,
+                   checked: bool = True) -> str:
+        """A full push in the engine's dtype: a delta against the base when the learner holds one, else dense. A
+        delta that some worker (or the service) cannot take, lacking its base, goes again dense to every worker."""
+        t1 = time.perf_counter()
+        wire = self.deltas.wire(manifest, items, checked=checked)
+        t2 = time.perf_counter()
+        try:
+            self._send_wire(kind, manifest, wire, version)
+        except ValueError as e:
+            if wire.plan is None or NO_BASE not in str(e):
+                raise
+            wire = self.deltas.wire(manifest, items, delta=False)
+            self._send_wire(kind, manifest, wire, version)
+        self.deltas.commit(wire, version)
+        t3 = time.perf_counter()
+        self.last_timings = {"transport": kind, "check_s": t1 - t0, "pack_s": t2 - t1, "service_s": t3 - t2}
+        self.last_push = {"delta": wire.plan is not None, "wire_bytes": wire.nbytes, "dense_bytes": manifest.nbytes}
+        return kind
+
+    def _send_wire(self, kind: str, manifest: Manifest, wire: Wire, version: int) -> None:
+        if kind == "broadcast":
+            return self._broadcast(manifest, version, False, wire=wire)
+        payload = {"transport": kind, "manifest": manifest, "refresh_id": uuid.uuid4().hex,
+                   "refs": self.object_store.put(wire.buffers)}
+        if wire.plan is not None:
+            payload["delta"] = wire.plan
+        err = ray.get(self.router.update_weights.remote(payload, version, False))
+        if err is not None:
+            raise ValueError(err)
 
     def _payload(self, transport: str, manifest: Manifest, items: Items) -> dict:
         """Object store or CUDA IPC: what the workers need to take this refresh (refs or handles, never tensor
@@ -81,15 +125,30 @@ class WeightPusher:
     def plan(self, items: Items) -> Manifest:
         return plan(items, self.bucket_bytes)
 
-    def broadcast_payload(self, manifest: Manifest) -> dict:
-        return {"transport": "broadcast", "manifest": manifest, "refresh_id": uuid.uuid4().hex,
-                "group_id": self.group.spec.group_id}
+    def broadcast_payload(self, manifest: Manifest, wire: Wire | None = None) -> dict:
+        out = {"transport": "broadcast", "manifest": manifest, "refresh_id": uuid.uuid4().hex,
+               "group_id": self.group.spec.group_id}
+        if wire is not None and wire.plan is not None:
+            out["delta"] = wire.plan
+        return out
 
     def fill_broadcast(self, manifest: Manifest, items: Items) -> None:
         self.committed = None  # the buckets are about to hold a version no worker has yet
         self.broadcast_buckets = reuse_or_allocate(self.broadcast_buckets, manifest, self._group_device(),
                                                    pin_memory=True)
         self.broadcast_buckets.fill(items)
+
+    def fill_wire(self, manifest: Manifest, wire: Wire) -> None:
+        """The broadcast buckets, laid out as sent (a delta's: its plan's sizes), filled from a push's buffers."""
+        self.committed = None
+        layout = manifest if wire.plan is None else wire.plan.wire_manifest()
+        self.broadcast_buckets = reuse_or_allocate(self.broadcast_buckets, layout, self._group_device(),
+                                                   pin_memory=True)
+        for dst, src in zip(self.broadcast_buckets.buffers, wire.buffers):
+            dst.copy_(src, non_blocking=True)
+        for dev in {self.broadcast_buckets.device} | {b.device for b in wire.buffers}:
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
 
     def send(self) -> None:
         """Broadcast the filled buckets to the group (this process is rank 0)."""
@@ -102,14 +161,14 @@ class WeightPusher:
         return torch.device("cpu")
 
     def _broadcast(self, manifest: Manifest, version: int, partial: bool, resend: bool = False,
-                   items: Items | None = None) -> None:
+                   items: Items | None = None, wire: Wire | None = None) -> None:
         """Begin on the router (every worker checks the manifest and the version), fill the buckets with `items`
-        (none: resend what they hold), then send them while the workers receive."""
+        or a push's `wire` (neither: resend what they hold), then send them while the workers receive."""
         if self.group is None or self.group.broken:
             self._form_group()
         for attempt in range(2):
-            err = ray.get(self.router.broadcast_begin.remote(self.broadcast_payload(manifest), version, partial, resend,
-                                                             self.group.spec.timeout_s))
+            err = ray.get(self.router.broadcast_begin.remote(self.broadcast_payload(manifest, wire), version, partial,
+                                                             resend, self.group.spec.timeout_s))
             if err == REGROUP and attempt == 0:  # a worker restarted or died since the group was formed
                 self._form_group()
                 continue
@@ -120,6 +179,8 @@ class WeightPusher:
             try:
                 if items is not None:
                     self.fill_broadcast(manifest, items)
+                elif wire is not None:
+                    self.fill_wire(manifest, wire)
                 self.send()
             except Exception as e:
                 sent = e
@@ -136,8 +197,12 @@ class WeightPusher:
         and send them. False when this learner holds no such weights."""
         if self.committed is None or self.group_args is None:
             return False
+        committed, base = self.committed, self.deltas.full(self.committed)
+        if base is not None:  # the last broadcast was pushed through the base (maybe a delta): send it whole
+            self.fill_wire(base.manifest, Wire(base.buffers))
+            self.committed = committed
         self._form_group()
-        self._broadcast(self.broadcast_buckets.manifest, self.committed, False, resend=True)
+        self._broadcast(self.broadcast_buckets.manifest, committed, False, resend=True)
         return True
 
     # -- the weight group -------------------------------------------------------------------------
@@ -151,7 +216,11 @@ class WeightPusher:
             gpus = torch.cuda.is_available() and all(str(t.get("device")).startswith("cuda") for t in targets)
             backend = "nccl" if gpus else "gloo"
         self.group_args = {"master_address": master_address, "backend": backend, "timeout_s": float(timeout_s)}
-        self._form_group()
+        try:
+            self._form_group()
+        except BaseException:
+            self.group_args = None  # never formed: pushes go on as without a group
+            raise
 
     def _form_group(self) -> None:
         args = self.group_args
@@ -190,6 +259,7 @@ class WeightPusher:
     def _free(self) -> None:
         self.object_store.release()
         self.ipc.release()
+        self.deltas.release()
         self.broadcast_buckets, self.committed = None, None
 
     def close(self) -> None:

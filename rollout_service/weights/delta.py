@@ -1,0 +1,305 @@
+"""A delta refresh's encoding: only the elements that changed since the version the workers hold.
+
+Between two RL steps most weights do not change at all in the engine's dtype: an fp32 update far below half a
+bf16 ulp rounds back to the same bf16. The sender compares each new tensor, cast to the engine's dtype, bit for
+bit with the one it pushed last (the base) and sends, per bucket of the dense layout (buckets.py), whichever is
+smaller: the bucket's dense bytes, or per tensor the positions that changed and their new values. New values,
+not differences: applying them is a copy, so the weights are bit for bit those a dense push of the same tensors
+gives (equal weights_digest), however long the chain of deltas.
+
+Positions are sorted flat indices sent as gaps, one code of 1 or 2 bytes each (whichever is smaller for that
+tensor): code g > 0 says "the next changed element is g past the previous one" (the first counts from -1), code
+0 says "skip SKIP elements and read on" (a gap larger than a code holds). At 1% changed elements a gap averages
+100: about one byte per position instead of an int64's eight. A tensor whose positions would cost more than its
+dense bytes is sent whole inside a sparse bucket (width 0, no codes). The values come raw or, mostly, as one-byte
+steps from the base value (delta_values.py).
+
+Decoding checks everything before anything is written (`decode` returns the writes, `apply` does them): the
+layout against the manifest, each tensor's count and positions, every value finite and within the canary's bound
+(canary.py). A corrupt delta is a ValueError naming the weight.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from rollout_service.api.values import is_int
+from rollout_service.weights.buckets import Buckets, Manifest, TensorEntry, as_bytes
+from rollout_service.weights.canary import LIMIT
+from rollout_service.weights.delta_values import decode_values, encode_values, values_nbytes
+
+NO_BASE = "the delta's base is missing"  # in a refusal that makes the learner push dense instead
+WIDTHS = (1, 2)
+SKIP = {1: 255, 2: 65535}  # elements an escape code (0) skips, per code width
+_CODES = {1: torch.uint8, 2: torch.int16}
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_ALIGN = 8  # codes and values start 8-byte aligned: zero-copy views for any dtype
+
+
+@dataclass(frozen=True)
+class SparseTensor:
+    """One tensor's changed elements inside a sparse bucket."""
+    entry: int      # the tensor's index in manifest.entries
+    count: int      # changed elements (width 0: all of them)
+    width: int      # bytes per position code: 1 or 2; 0: the tensor whole, no codes
+    codes: int      # position codes (count + escapes)
+    codes_at: int   # byte offset of the codes in the bucket
+    values_at: int  # byte offset of the values: raw (engine dtype), or steps from the base (delta_values.py)
+    steps: bool = False
+    raws: int = 0   # steps only: the values sent raw after them (escapes)
+
+
+@dataclass(frozen=True)
+class BucketCode:
+    nbytes: int                                 # the bucket's bytes as sent
+    sparse: tuple[SparseTensor, ...] | None = None  # None: the dense bytes; tensors not listed are unchanged
+
+
+@dataclass(frozen=True)
+class DeltaPlan:
+    """What a delta payload adds to the dense manifest: its base version and how each bucket is sent."""
+    base_version: int
+    buckets: tuple[BucketCode, ...]
+    checked: bool = True  # the receiver checks every value (False: the learner pushed with check_finite=False)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.buckets)
+
+    @property
+    def all_dense(self) -> bool:
+        return all(b.sparse is None for b in self.buckets)
+
+    def wire_manifest(self) -> Manifest:
+        """The buckets as sent (no entries): how a receiver sizes the buffers the bytes arrive in."""
+        return Manifest((), tuple(b.nbytes for b in self.buckets))
+
+
+@dataclass(frozen=True)
+class Write:
+    """A validated write into one weight: `values` at flat `index` (None: the whole tensor)."""
+    name: str
+    index: torch.Tensor | None
+    values: torch.Tensor
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+# -- positions ----------------------------------------------------------------------------------------
+
+def changed(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    """Flat positions (int64, increasing) whose bits differ: -0.0 vs 0.0 or two NaNs count as they are stored."""
+    bits = _BITS[new.element_size()]
+    return torch.nonzero(new.reshape(-1).view(bits) != old.reshape(-1).view(bits)).reshape(-1)
+
+
+def _steps(index: torch.Tensor) -> torch.Tensor:
+    return torch.diff(index, prepend=index.new_full((1,), -1))  # each >= 1: the positions increase
+
+
+def code_count(index: torch.Tensor, width: int) -> int:
+    """Codes that `index` takes at `width` bytes each: one per position plus the escapes of long gaps."""
+    return index.numel() + int(((_steps(index) - 1) // SKIP[width]).sum()) if index.numel() else 0
+
+
+def encode_positions(index: torch.Tensor, width: int) -> torch.Tensor:
+    """The gap codes of increasing positions, as bytes (little-endian for width 2)."""
+    steps = _steps(index)
+    skips = (steps - 1) // SKIP[width]
+    at = torch.cumsum(skips + 1, 0) - 1  # each position's own code comes after its escapes
+    codes = torch.zeros(int(at[-1]) + 1 if index.numel() else 0, dtype=torch.int32, device=index.device)
+    codes[at] = (steps - skips * SKIP[width]).to(torch.int32)  # 1..SKIP
+    return codes.to(_CODES[width]).view(torch.uint8)  # (65535 as int16 keeps its bits)
+
+
+def decode_positions(codes: torch.Tensor, width: int, count: int, numel: int, name: str) -> torch.Tensor:
+    """Positions from gap codes (bytes); ValueError unless they are `count` positions within `numel`."""
+    raw = codes.view(_CODES[width]).to(torch.int64) & (1 << 8 * width) - 1
+    real = raw != 0
+    index = (torch.cumsum(torch.where(real, raw, SKIP[width]), 0) - 1)[real]
+    if index.numel() != count:
+        raise ValueError(_corrupt(name, f"it counts {count} changed elements but its position codes hold "
+                                        f"{index.numel()}"))
+    if count and int(index[-1]) >= numel:
+        raise ValueError(_corrupt(name, f"a position ({int(index[-1])}) lies past its {numel} elements"))
+    return index
+
+
+# -- encoding (the sender) --------------------------------------------------------------------------
+
+def encode(manifest: Manifest, items: Sequence[tuple[str, torch.Tensor]], base: Buckets,
+           base_version: int, checked: bool = True) -> tuple[DeltaPlan, list[torch.Tensor]]:
+    """The delta from `base` (the dense buckets of `base_version`, laid out by `manifest`) to `items` (the same
+    names in manifest order, any dtype: cast to the manifest's), and the buckets to send (uint8, on base's
+    device): per bucket the dense bytes or the changed elements, whichever is smaller."""
+    olds = base.views()
+    members: list[list[tuple[TensorEntry, torch.Tensor, torch.Tensor]]] = [[] for _ in manifest.bucket_sizes]
+    for e, (_, t), (_, old) in zip(manifest.entries, items, olds):
+        members[e.bucket].append((e, t, old))
+    position = {e.name: k for k, e in enumerate(manifest.entries)}
+    codes, buffers = [], []
+    for b, size in enumerate(manifest.bucket_sizes):
+        parts = _changes(members[b], size, base.device)
+        if parts is None:
+            codes.append(BucketCode(size))
+            buffers.append(_dense_bucket(members[b], size, base.device))
+        else:
+            code, buf = _sparse_bucket(parts, position, base.device)
+            codes.append(code)
+            buffers.append(buf)
+    return DeltaPlan(base_version, tuple(codes), checked), buffers
+
+
+def _changes(members, size: int, device: torch.device) -> list[tuple] | None:
+    """Per changed tensor of a bucket (entry, encoded values, positions or None for all, width, codes, steps,
+    escapes, count); None when the bucket is smaller sent dense (the scan stops there)."""
+    parts, total = [], 0
+    for e, t, old in members:
+        new, old = t.detach().to(device=device, dtype=old.dtype).reshape(-1), old.reshape(-1)
+        index = changed(new, old) if new.numel() else new.new_empty(0, dtype=torch.int64)
+        if not index.numel():
+            continue
+        width = min(WIDTHS, key=lambda w: code_count(index, w) * w)
+        n = code_count(index, width)
+        values, steps, raws = encode_values(new[index], old[index])
+        part = (e, values, index, width, n, steps, raws, index.numel())
+        cost = _aligned(n * width) + _aligned(values.numel())
+        if cost >= _aligned(new.numel()):  # sent whole (steps: 1 byte an element) may be smaller
+            values, steps, raws = encode_values(new, old)
+            if _aligned(values.numel()) < cost:
+                part, cost = (e, values, None, 0, 0, steps, raws, new.numel()), _aligned(values.numel())
+        parts.append(part)
+        total += cost
+        if total >= size:
+            return None
+    return parts
+
+
+def _dense_bucket(members, size: int, device: torch.device) -> torch.Tensor:
+    buf = torch.zeros(size, dtype=torch.uint8, device=device)
+    for e, t, old in members:
+        if e.nbytes:
+            buf[e.offset:e.offset + e.nbytes].view(old.dtype).copy_(t.detach().reshape(-1))
+    return buf
+
+
+def _sparse_bucket(parts, position: dict[str, int], device: torch.device) -> tuple[BucketCode, torch.Tensor]:
+    size = sum((_aligned(n * w) if index is not None else 0) + _aligned(v.numel())
+               for _, v, index, w, n, *_ in parts)
+    buf = torch.zeros(max(size, _ALIGN), dtype=torch.uint8, device=device)  # (a bucket with nothing changed: 8 bytes)
+    at, out = 0, []
+    for e, values, index, width, n, steps, raws, count in parts:
+        codes_at = at
+        if index is not None:
+            codes = encode_positions(index, width)
+            buf[at:at + codes.numel()] = codes
+            at += _aligned(codes.numel())
+        buf[at:at + values.numel()] = values
+        out.append(SparseTensor(position[e.name], count, width, n, codes_at, at, steps, raws))
+        at += _aligned(values.numel())
+    return BucketCode(buf.numel(), tuple(out)), buf
+
+
+# -- decoding (the receiver, and the sender's own base) ----------------------------------------------
+
+def _corrupt(name: str, what: str) -> str:
+    return f"update_weights: the delta for {name!r} is corrupt: {what}; nothing was changed"
+
+
+def decode(manifest: Manifest, plan: DeltaPlan, buffers: Sequence, base: dict[str, torch.Tensor]) -> list[Write]:
+    """Every write a delta makes, each checked (ValueError naming the weight); nothing is written. `base`: the
+    weights of the base version by name (values sent as steps start from them)."""
+    if not isinstance(plan, DeltaPlan) or not is_int(plan.base_version):
+        raise ValueError(f"update_weights: a delta's plan must be a DeltaPlan, got {type(plan).__name__}")
+    if not len(plan.buckets) == len(manifest.bucket_sizes) == len(buffers):
+        raise ValueError(f"update_weights: the delta has {len(plan.buckets)} bucket codes and {len(buffers)} "
+                         f"buffers for {len(manifest.bucket_sizes)} buckets; nothing was changed")
+    return [w for b, (code, buf) in enumerate(zip(plan.buckets, buffers))
+            for w in decode_bucket(manifest, b, code, as_bytes(buf), base, plan.checked is not False)]
+
+
+def decode_bucket(manifest: Manifest, b: int, code: BucketCode, buf: torch.Tensor,
+                  base: dict[str, torch.Tensor], check: bool = True) -> list[Write]:
+    if not isinstance(code, BucketCode) or buf.numel() != code.nbytes:
+        raise ValueError(f"update_weights: the delta's bucket {b} holds {buf.numel()} bytes, its code says "
+                         f"{getattr(code, 'nbytes', None)}; nothing was changed")
+    if code.sparse is None:
+        if code.nbytes != manifest.bucket_sizes[b]:
+            raise ValueError(f"update_weights: the delta's dense bucket {b} holds {code.nbytes} bytes, the "
+                             f"manifest's {manifest.bucket_sizes[b]}; nothing was changed")
+        writes = [Write(e.name, None, buf[e.offset:e.offset + e.nbytes].view(e.torch_dtype()))
+                  for e in manifest.entries if e.bucket == b]
+    else:
+        seen: set[int] = set()
+        writes = [_sparse_write(manifest, b, s, buf, seen, base) for s in code.sparse]
+    for w in writes if check else ():
+        _check_values(w.values, w.name)
+    return writes
+
+
+def _sparse_write(manifest: Manifest, b: int, s: SparseTensor, buf: torch.Tensor, seen: set[int],
+                  base: dict[str, torch.Tensor]) -> Write:
+    fields = (s.entry, s.count, s.width, s.codes, s.codes_at, s.values_at, s.raws) \
+        if isinstance(s, SparseTensor) and isinstance(s.steps, bool) else ()
+    if not fields or not all(is_int(f) and f >= 0 for f in fields) or s.entry >= len(manifest.entries):
+        raise ValueError(f"update_weights: the delta's bucket {b} lists a malformed tensor; nothing was changed")
+    e = manifest.entries[s.entry]
+    dtype = e.torch_dtype()
+    numel, size = math.prod(e.shape), dtype.itemsize
+    why = None
+    if e.bucket != b or s.entry in seen:
+        why = f"it is listed in bucket {b}" + (" twice" if s.entry in seen else f", the manifest puts it in {e.bucket}")
+    elif s.width not in (0, *WIDTHS):
+        why = f"its position codes are {s.width} bytes wide (1 or 2, or 0 for the whole tensor)"
+    elif s.width == 0 and (s.count != numel or s.codes):
+        why = f"it is sent whole with {s.count} of its {numel} elements"
+    elif s.width and not 0 < s.count <= min(s.codes, numel):
+        why = f"it counts {s.count} changed elements of {numel} in {s.codes} position codes"
+    elif s.values_at % (1 if s.steps else size) or (s.width and s.codes_at % s.width):
+        why = "its codes or values are misaligned"
+    elif s.values_at + values_nbytes(s.count, size, s.steps, s.raws) > buf.numel() or \
+            s.codes_at + s.codes * s.width > buf.numel():
+        why = f"its codes or values run past the bucket's {buf.numel()} bytes"
+    elif s.raws > s.count or (s.raws and not s.steps):
+        why = f"it sends {s.raws} raw values after {s.count} {'steps' if s.steps else 'values'}"
+    if why:
+        raise ValueError(_corrupt(e.name, why))
+    seen.add(s.entry)
+    index = None if s.width == 0 else \
+        decode_positions(buf[s.codes_at:s.codes_at + s.codes * s.width], s.width, s.count, numel, e.name)
+    old = None
+    if s.steps:
+        flat = base[e.name].reshape(-1)
+        old = (flat if index is None else flat[index.to(flat.device)]).to(buf.device)
+    values = decode_values(buf[s.values_at:s.values_at + values_nbytes(s.count, size, s.steps, s.raws)], s.count,
+                           dtype, s.steps, s.raws, old)
+    if isinstance(values, str):
+        raise ValueError(_corrupt(e.name, values))
+    return Write(e.name, index, values)
+
+
+def _check_values(values: torch.Tensor, name: str) -> None:
+    """Every value finite and within the canary's bound (a larger element fails the canary the learner ran on the
+    whole tensor: weights/canary.py), so a corrupt delta cannot bring what a dense push would have been refused."""
+    if not values.numel():
+        return
+    top = float(values.abs().max())  # NaN and inf survive the max
+    if not top <= LIMIT:
+        what = "a value is NaN or inf" if not math.isfinite(top) else \
+            f"a value is {top:.3g}, beyond the canary's bound {LIMIT:.0e}"
+        raise ValueError(_corrupt(name, what))
+
+
+def apply(writes: Sequence[Write], weights: dict[str, torch.Tensor]) -> None:
+    """Do checked writes into contiguous tensors by name (the dense buckets of a base)."""
+    for w in writes:
+        flat = weights[w.name].view(-1)
+        if w.index is None:
+            flat.copy_(w.values)
+        else:
+            flat[w.index.to(flat.device)] = w.values.to(flat.device)
