@@ -235,6 +235,32 @@ class RolloutClient:
         check_delta(delta)
         return backend.update_weights(named_items(named_tensors), version, transport, partial, check_finite, delta)
 
+    # -- OpenAI-compatible endpoint (rollout_service/openai, docs/openai.md) -----------------------------
+    def openai_app(self, **options: Any) -> Any:
+        """An OpenAI-compatible FastAPI app in front of this client (rollout_service/openai/app.py)."""
+        from rollout_service.openai import openai_app
+        return openai_app(self, **options)
+
+    def serve_openai(self, host: str = "127.0.0.1", port: int = 8000, **options: Any) -> Any:
+        """openai_app() under uvicorn (rollout_service/openai/server.py; blocks unless block=False)."""
+        from rollout_service.openai import serve_openai
+        return serve_openai(self, host=host, port=port, **options)
+
+    def trajectories(self, session_ids: Any) -> list[RolloutResult]:
+        """The OpenAI sessions' token-exact trajectories, one RolloutResult each (docs/openai.md)."""
+        from rollout_service.openai import trajectories
+        return trajectories(self, session_ids)
+
+    def set_reward(self, session_id: str, value: float | None) -> None:
+        """The reward of an OpenAI session's trajectory, returned by trajectories()."""
+        from rollout_service.openai import set_reward
+        set_reward(self, session_id, value)
+
+    def release_sessions(self, session_ids: Any) -> int:
+        """Forget finished OpenAI sessions (they also expire when idle); returns how many were held."""
+        from rollout_service.openai import release
+        return release(self, session_ids)
+
     def init_weight_group(self, master_address: str | None = None, backend: str = "auto",
                           timeout_s: float = 300.0) -> None:
         """Form the broadcast group: this process (rank 0) and every worker. `master_address`: this host's

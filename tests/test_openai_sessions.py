@@ -111,13 +111,13 @@ def test_a_session_must_resend_its_history(http):
 def test_rewards_save_and_release(http, app, client, tmp_path):
     chat(http, [Q1], "r1")
     chat(http, [Q2], "r2")
-    set_reward(client, "r1", 1.0)  # through the client the app was built on
+    client.set_reward("r1", 1.0)  # through the client the app was built on (RolloutClient's methods)
     set_reward(app, "r2", -0.5)
-    got = trajectories(client, ["r1", "r2"])
+    got = client.trajectories(["r1", "r2"])
     assert [t.reward for t in got] == [1.0, -0.5]
     assert save_results(tmp_path / "t.msgpack", got) == 2
     assert load_results(tmp_path / "t.msgpack") == got
-    assert release(app, ["r1", "r2", "never"]) == 2
+    assert client.release_sessions(["r1", "never"]) == 1 and release(app, ["r2"]) == 1
     with pytest.raises(ValueError, match="no session 'r1'"):
         trajectories(app, ["r1"])
     with pytest.raises(ValueError, match="finite number"):
