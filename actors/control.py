@@ -11,7 +11,7 @@ import asyncio
 import time
 from typing import Callable
 
-from rollout_service.backends.remote_errors import ACTOR_DOWN, error_text, is_down
+from rollout_service.connections.remote_errors import ACTOR_DOWN, error_text, is_down
 from actors.workers import WorkerTable
 
 

@@ -9,7 +9,7 @@ from typing import Callable, Coroutine
 
 from actors.affinity import Affinity
 from actors.ledger import Ledger, Tracked, decode_request
-from rollout_service.backends.remote_errors import ACTOR_DOWN, error_text, is_down
+from rollout_service.connections.remote_errors import ACTOR_DOWN, error_text, is_down
 from actors.workers import WorkerTable
 from rollout_service.results.payloads import Header, oldest_version
 from rollout_service.api.types import RolloutRequest, RolloutResult

@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from rollout_service.backends.capacity import worker_bundle
+from rollout_service.connections.capacity import worker_bundle
 from actors.slots import Slot
 from rollout_service.config import ServiceConfig
 

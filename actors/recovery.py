@@ -21,7 +21,7 @@ from actors.dispatch import Dispatcher
 from actors.nodes import node_dead, until_node_dead
 from actors.quarantine import Quarantine
 from actors.refresh import RefreshCoordinator
-from rollout_service.backends.remote_errors import ACTOR_DOWN, error_text, is_down
+from rollout_service.connections.remote_errors import ACTOR_DOWN, error_text, is_down
 from actors.workers import WorkerTable
 
 RESTART_TIMEOUT_S = 900.0  # a worker that Ray has not brought back by then is given up (a model load fits)

@@ -30,7 +30,7 @@ from typing import Any, Awaitable, Callable
 
 import ray
 
-from rollout_service.backends.remote_errors import error_text, is_down
+from rollout_service.connections.remote_errors import error_text, is_down
 from actors.workers import Stalled, WorkerTable
 from rollout_service.api.checks import check_policy_version
 from rollout_service.weights.delta import NO_BASE

@@ -13,7 +13,7 @@ from concurrent.futures import Future
 
 import ray
 
-from rollout_service.backends.remote_errors import error_text, is_down
+from rollout_service.connections.remote_errors import error_text, is_down
 from rollout_service.config import ServiceConfig
 from rollout_service.rewards.functions import score_all
 from rollout_service.api.types import RolloutResult

@@ -23,7 +23,7 @@ from typing import Any, Callable
 import ray
 
 from actors.quarantine import UserCodeWatch, announce_exits
-from rollout_service.backends.remote_errors import error_text
+from rollout_service.connections.remote_errors import error_text
 from actors.reward_pool import RewardPool
 from rollout_service.host import EngineHost
 from rollout_service.model.weight_update import model_dtype

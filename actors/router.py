@@ -1,4 +1,4 @@
-"""Router: the service's front door, a Ray actor. The clients (backends/ray.py) call it; it spreads requests over
+"""Router: the service's front door, a Ray actor. The clients (connections/ray.py) call it; it spreads requests over
 the rollout workers and streams their results back. Each concern has its own file:
 
 - actors/dispatch.py: requests accepted all or none, sent to the least-loaded live worker, results delivered
@@ -26,7 +26,7 @@ from actors.placement import learner_options
 from actors.quarantine import Quarantine
 from actors.recovery import Recovery
 from actors.refresh import RefreshCoordinator
-from rollout_service.backends.remote_errors import error_text
+from rollout_service.connections.remote_errors import error_text
 from actors.reward_pool import create_reward_actors, kill_reward_actors
 from actors.scaling import Scaler
 from actors.slots import Slots

@@ -22,14 +22,14 @@ from typing import Any, Callable
 
 import ray
 
-from rollout_service.backends.capacity import check_resources
+from rollout_service.connections.capacity import check_resources
 from actors.control import Control
 from actors.dispatch import Dispatcher
-from rollout_service.backends.capacity import worker_bundle
+from rollout_service.connections.capacity import worker_bundle
 from actors.placement import start_worker
 from actors.quarantine import Quarantine
 from actors.recovery import Recovery
-from rollout_service.backends.remote_errors import error_text
+from rollout_service.connections.remote_errors import error_text
 from actors.slots import Slots
 from actors.workers import WorkerTable
 from rollout_service.config import ServiceConfig

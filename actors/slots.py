@@ -21,7 +21,7 @@ from typing import Any
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 
-from rollout_service.backends.capacity import resources_text
+from rollout_service.connections.capacity import resources_text
 from rollout_service.config import ServiceConfig
 
 

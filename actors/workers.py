@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from rollout_service.backends.remote_errors import ACTOR_DOWN
+from rollout_service.connections.remote_errors import ACTOR_DOWN
 
 STATS_TIMEOUT_S = 2.0  # a worker that does not answer stats() by then is reported without its counters
 

@@ -92,12 +92,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     check_source_here(config.engine.model, local=False)                   # config is one line at once
     import ray
 
-    from rollout_service.backends.ray import RayBackend
+    from rollout_service.connections.ray import RayConnection
 
     # the cluster started by hand on this machine (`ray start --head`) unless one is named
     address = config.address or os.environ.get("RAY_ADDRESS") or "auto"
     console.print(f"starting {_workers_text(config)} of {config.engine.model!s} ...", soft_wrap=True)
-    backend = RayBackend.start_service(config, address=address)
+    backend = RayConnection.start_service(config, address=address)
     gcs = ray.get_runtime_context().gcs_address
     flags, kwargs = "", ""
     if config.name != DEFAULT_NAME:
@@ -174,8 +174,8 @@ def _cell(v) -> str:
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
-    from rollout_service.backends.ray import RayBackend
-    backend = RayBackend.connect(args.name, namespace=args.namespace, address=args.address)
+    from rollout_service.connections.ray import RayConnection
+    backend = RayConnection.connect(args.name, namespace=args.namespace, address=args.address)
     stats, info = backend.stats(), backend.info()
     if args.json:
         # plain print: rich would highlight and wrap it, and a pipe wants the bytes as they are
@@ -201,9 +201,9 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
 
 def cmd_scale(args: argparse.Namespace) -> int:
-    from rollout_service.backends.ray import RayBackend
+    from rollout_service.connections.ray import RayConnection
     from rollout_service.client import RolloutClient
-    client = RolloutClient(RayBackend.connect(args.name, namespace=args.namespace, address=args.address))
+    client = RolloutClient(RayConnection.connect(args.name, namespace=args.namespace, address=args.address))
     before = client.info()["num_workers"]
     client.scale(args.num_workers, drain_s=args.drain_s, timeout_s=args.timeout_s)
     info = client.info()
@@ -213,8 +213,8 @@ def cmd_scale(args: argparse.Namespace) -> int:
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
-    from rollout_service.backends.ray import RayBackend
-    RayBackend.connect(args.name, namespace=args.namespace, address=args.address).shutdown()
+    from rollout_service.connections.ray import RayConnection
+    RayConnection.connect(args.name, namespace=args.namespace, address=args.address).shutdown()
     console.print(f"stopped rollout service {args.name!r}")
     return 0
 

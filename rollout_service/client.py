@@ -1,15 +1,15 @@
 """RolloutClient: the one object a learner talks to, in-process (`local`) or over Ray (`launch`/`connect`).
 
-Both modes share this class; only the backend differs (rollout_service/backends: the `Backend` protocol, an
-in-process engine, a Ray service). This facade checks every argument in the caller's process and builds the
-requests; the backend runs them.
+Both modes share this class; only the connection differs (rollout_service/connections: the `Connection` protocol,
+an in-process engine, a Ray service). This facade checks every argument in the caller's process and builds the
+requests; the connection runs them.
 """
 from __future__ import annotations
 
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence as Seq
 
-from rollout_service.backends import Backend
+from rollout_service.connections import Connection
 from rollout_service.api.checks import check_metadata, check_request_ids
 from rollout_service.config import EngineConfig
 from rollout_service.fidelity import check_fidelity
@@ -49,14 +49,14 @@ def _check_seconds(what: str, v: Any, least: float) -> None:
 class RolloutClient:
     """Every argument is checked here, in the caller's process: bad input is a ValueError naming it."""
 
-    def __init__(self, backend: Backend):
-        self._backend: Backend | None = backend
+    def __init__(self, connection: Connection):
+        self._connection: Connection | None = connection
 
     @property
-    def _open(self) -> Backend:
-        if self._backend is None:
+    def _open(self) -> Connection:
+        if self._connection is None:
             raise ValueError("the rollout client is closed")
-        return self._backend
+        return self._connection
 
     @classmethod
     def local(cls, model: Any = "smollm2-135m", backend: str = "auto", dtype: str | None = None,
@@ -64,31 +64,31 @@ class RolloutClient:
         """An in-process engine, no Ray. `model`: "smollm2-135m", a HF folder, a .gguf file or a live
         transformers CausalLM (pass `tokenizer=` for text prompts). `reward`: the default reward function
         ("module:function") for requests that name none, as ServiceConfig.reward."""
-        from rollout_service.backends.local import LocalBackend
+        from rollout_service.connections.local import LocalConnection
         from rollout_service.engine.engine import Engine
         if reward is not None:
             resolve(reward)
         config = EngineConfig(model=model, backend=backend, dtype=dtype, **engine_options)
-        return cls(LocalBackend(Engine(config, tokenizer=tokenizer), reward=reward))
+        return cls(LocalConnection(Engine(config, tokenizer=tokenizer), reward=reward))
 
     @classmethod
     def launch(cls, config: Any, **overrides: Any) -> "RolloutClient":
         """Start a Ray rollout service (YAML path, dict or ServiceConfig) on the current Ray cluster, or on a
         local Ray instance if there is none."""
-        from rollout_service.backends.ray import RayBackend
-        return cls(RayBackend.start_service(config, **overrides))
+        from rollout_service.connections.ray import RayConnection
+        return cls(RayConnection.start_service(config, **overrides))
 
     @classmethod
     def connect(cls, name: str = "rollout_service", namespace: str = "rollout_service",
                 address: str | None = None) -> "RolloutClient":
         """Attach to a running, named service."""
-        from rollout_service.backends.ray import RayBackend
-        return cls(RayBackend.connect(name, namespace=namespace, address=address))
+        from rollout_service.connections.ray import RayConnection
+        return cls(RayConnection.connect(name, namespace=namespace, address=address))
 
     @property
     def engine(self) -> Any:
         """The in-process engine (local mode only)."""
-        return getattr(self._backend, "engine", None)
+        return getattr(self._connection, "engine", None)
 
     def requests(self, prompts: Prompt | Seq[Prompt | RolloutRequest], sampling: SamplingParams | None = None,
                  apply_chat_template: bool = True, metadata: Seq[Any] | None = None,
@@ -226,14 +226,14 @@ class RolloutClient:
         learner keeps a copy of that push: rollout_service/weights/delta_sender.py), True (refused where a delta
         can never go: partial, CUDA IPC, FP8 engines) or False (dense, as given; frees that copy). In-process the
         weights are copied in place whatever `delta` says. Returns the transport used."""
-        backend = self._open
+        connection = self._open
         if not isinstance(transport, str) or transport not in TRANSPORTS:
             raise ValueError(f"update_weights: transport={transport!r}; choose one of {TRANSPORTS}")
         for name, flag in (("partial", partial), ("check_finite", check_finite)):
             if not isinstance(flag, bool):
                 raise ValueError(f"update_weights: {name}={flag!r} must be a bool")
         check_delta(delta)
-        return backend.update_weights(named_items(named_tensors), version, transport, partial, check_finite, delta)
+        return connection.update_weights(named_items(named_tensors), version, transport, partial, check_finite, delta)
 
     # -- OpenAI-compatible endpoint (rollout_service/openai, docs/openai.md) -----------------------------
     def openai_app(self, **options: Any) -> Any:
@@ -345,9 +345,9 @@ class RolloutClient:
         self._open.report_fidelity(version, report)
 
     def close(self) -> None:
-        if self._backend is not None:
-            self._backend.close()
-            self._backend = None
+        if self._connection is not None:
+            self._connection.close()
+            self._connection = None
 
     def __enter__(self) -> "RolloutClient":
         return self

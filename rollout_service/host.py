@@ -1,5 +1,5 @@
-"""EngineHost: one engine and the thread that steps it, the one driver of an engine. The in-process backend
-(backends/local.py) and the Ray rollout worker (actors/rollout_worker.py) both run their engine through one.
+"""EngineHost: one engine and the thread that steps it, the one driver of an engine. The in-process connection
+(connections/local.py) and the Ray rollout worker (actors/rollout_worker.py) both run their engine through one.
 
 One lock guards the engine, so every call (submit, abort, a weight swap, sleep) lands between two steps. The
 stepping thread runs while there is work and the host is neither paused nor asleep. Finished results go to

@@ -112,11 +112,11 @@ def run(config: ServiceConfig, on_result: Callable[[RolloutResult], None] | None
     reqs, output = prepared or prepare(config)
     import ray
 
-    from rollout_service.backends.ray import RayBackend
+    from rollout_service.connections.ray import RayConnection
 
     started_ray = not ray.is_initialized()
     t0 = time.perf_counter()
-    backend = RayBackend.start_service(config)
+    backend = RayConnection.start_service(config)
     t_ready = time.perf_counter()
     results: list[RolloutResult] = []
     try:

@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from ray.cluster_utils import Cluster
 
-    from rollout_service.backends.ray_auth import use_token_auth
+    from rollout_service.connections.ray_auth import use_token_auth
 
     use_token_auth("local")
     store = args.store_mb * 2**20

@@ -45,13 +45,13 @@ def cpu_engine(model_dir: str, num_pages: int = 64):
 def _refresh_mid_generation(service, named_tensors, version: int, timeout: float = 60.0) -> None:
     """Push a refresh while the requests just submitted are mid-generation, however fast this machine
     decodes: wait for a new token somewhere, then hold the workers between two steps (pause) so that
-    none can finish before the new weights land. `service`: a RolloutClient or a RayBackend."""
+    none can finish before the new weights land. `service`: a RolloutClient or a RayConnection."""
     def generated() -> int:
         return sum(s.get("generated_tokens") or 0 for s in service.stats() if s.get("alive", True))
     before, deadline = generated(), time.time() + timeout
     while generated() == before and time.time() < deadline:
         time.sleep(0.01)
-    if isinstance(named_tensors, dict):  # (a RayBackend takes the pairs a RolloutClient makes of a dict)
+    if isinstance(named_tensors, dict):  # (a RayConnection takes the pairs a RolloutClient makes of a dict)
         named_tensors = list(named_tensors.items())
     service.pause()
     try:
@@ -68,8 +68,8 @@ def wait_for(cond, what: str, timeout: float = 60.0) -> None:
 
 
 def workers(service) -> list:
-    """The worker actor handles of a service (a RolloutClient or a RayBackend)."""
-    router = getattr(service, "_backend", service).router
+    """The worker actor handles of a service (a RolloutClient or a RayConnection)."""
+    router = getattr(service, "_connection", service).router
     return ray.get(router.__ray_call__.remote(lambda router: router.workers))
 
 

@@ -81,8 +81,8 @@ def test_run_rolls_out_writes_msgpack_and_prints_metrics(ray_cluster, tiny_yaml,
 
 @pytest.mark.ray
 def test_stats_of_a_running_service(ray_cluster, service_config, capsys):
-    from rollout_service.backends.ray import RayBackend
-    b = RayBackend.start_service(service_config(name="svc-stats"))
+    from rollout_service.connections.ray import RayConnection
+    b = RayConnection.start_service(service_config(name="svc-stats"))
     try:
         assert cli.main(["stats", "--name", "svc-stats"]) == 0
         out = capsys.readouterr().out

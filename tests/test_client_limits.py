@@ -73,7 +73,7 @@ def test_fidelity_reports_are_bounded_locally(local):
 @pytest.mark.ray
 def test_fidelity_reports_are_bounded_through_ray(service):
     _check_fidelity_bounds(service)
-    router = service._backend.router
+    router = service._connection.router
     err = ray.get(router.report_fidelity.remote(3, {"per_token": [0.0] * 100_000}))  # the router checks too
     assert err is not None and f"past {FIDELITY_MAX_VALUES} values" in err
     assert service.info()["fidelity"][-1]["version"] == 7
@@ -126,7 +126,7 @@ def test_metadata_is_checked_locally(local):
 def test_metadata_is_checked_through_ray(service):
     _check_metadata(service)
     # the router refuses what a client did not check (a request dict sent straight to it), keeping nothing
-    router = service._backend.router
+    router = service._connection.router
     reply = ray.get(router.submit.remote([{"prompt": [1, 2], "metadata": "z" * (2 * MAX_METADATA_BYTES)}]))
     assert "errors" in reply and f"over {MAX_METADATA_BYTES} bytes" in reply["errors"][0][1]
     assert service.info()["in_flight"] == 0 and len(service.generate([[1, 2]], SP)) == 2

@@ -48,13 +48,13 @@ def _actors_imported_at_import_time(mods) -> dict[str, list[str]]:
 
 
 def test_rollout_service_never_imports_actors_when_imported():
-    """actors/ depends on rollout_service, not the reverse: the only way in is the Ray backend starting the
+    """actors/ depends on rollout_service, not the reverse: the only way in is the Ray connection starting the
     router, inside the function that starts it."""
     mods = scan()
     assert _actors_imported_at_import_time(mods) == {}
     lazy = {m.name for m in mods.values() if m.name.startswith("rollout_service.")
             and any(t.split(".")[0] == "actors" for t in m.imports)}
-    assert lazy == {"rollout_service.backends.ray"}
+    assert lazy == {"rollout_service.connections.ray"}
 
 
 def test_the_import_time_scan_sees_a_top_level_import(tmp_path):

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 JOIN = """
 import json, sys
 import ray
-from rollout_service.backends.ray_cluster import ensure_ray
+from rollout_service.connections.ray_cluster import ensure_ray
 ensure_ray(sys.argv[1])
 print(json.dumps(sorted(n["Resources"].get("rollout_node", 0) for n in ray.nodes() if n["Alive"])))
 """

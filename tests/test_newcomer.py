@@ -110,16 +110,16 @@ def test_a_config_asking_for_a_resource_the_cluster_lacks_fails_at_once(ray_clus
 
 @pytest.mark.ray
 def test_a_custom_resource_or_a_strategy_the_nodes_cannot_meet_fails_at_once(ray_cluster, tiny_model_dir):
-    from rollout_service.backends.ray import RayBackend
+    from rollout_service.connections.ray import RayConnection
     base = dict(engine={"model": tiny_model_dir}, placement={"timeout_s": 600})  # what waiting would cost
     t0 = time.monotonic()
     with pytest.raises(ValueError, match=r"the Ray cluster has no gpu_node .*ray start .*--resources="):
-        RayBackend.start_service(str(REPO / "cluster_configs" / "multi-node.yaml"), name="svc-nocustom",
+        RayConnection.start_service(str(REPO / "cluster_configs" / "multi-node.yaml"), name="svc-nocustom",
                           resources={"custom": {"gpu_node": 1}}, **base)
     # two nodes have rollout_node, one each: STRICT_PACK (all on one node) can never be placed
     with pytest.raises(ValueError, match=r"STRICT_PACK puts every worker on one node, and the most any node "
                                          r"holds is 1"):
-        RayBackend.start_service(str(REPO / "cluster_configs" / "multi-node.yaml"), name="svc-pack",
+        RayConnection.start_service(str(REPO / "cluster_configs" / "multi-node.yaml"), name="svc-pack",
                           placement={"strategy": "STRICT_PACK", "timeout_s": 600}, engine={"model": tiny_model_dir})
     assert time.monotonic() - t0 < 120  # (a few seconds on a quiet machine)
 
@@ -137,7 +137,7 @@ def _config_file(base: Path, out: Path, **overrides) -> Path:
 PROBE = r"""
 import json, os, socket, sys, time
 import psutil, ray
-from rollout_service.backends.ray_cluster import ensure_ray
+from rollout_service.connections.ray_cluster import ensure_ray
 
 ensure_ray()
 node = ray._private.worker.global_worker.node

@@ -10,14 +10,14 @@ import time
 import pytest
 import ray
 
-from rollout_service.backends.capacity import worker_bundle
+from rollout_service.connections.capacity import worker_bundle
 from actors.placement import colocated_share
 from actors.router import RouterActor
 from ray_fixtures import cpu_engine, kill_worker, wait_for, workers
 from rollout_service.client import RolloutClient
 from rollout_service.fidelity import fidelity_line
 from rollout_service.config import ServiceConfig
-from rollout_service.backends.ray import RayBackend
+from rollout_service.connections.ray import RayConnection
 from rollout_service.api.types import SamplingParams
 
 pytest_plugins = ["ray_fixtures"]
@@ -116,7 +116,7 @@ def test_colocated_options_need_a_colocated_service(ray_cluster, service_config,
     router = RouterActor.options(num_cpus=0).remote(cfg)  # (not started: no workers needed to refuse)
     try:
         with pytest.raises(ValueError, match="'svc-not-colocated' was not started with colocate: true"):
-            RolloutClient(RayBackend(router, cfg.name, owner=False)).colocated_options(0)
+            RolloutClient(RayConnection(router, cfg.name, owner=False)).colocated_options(0)
     finally:
         ray.kill(router)
     with pytest.raises(ValueError, match="an in-process engine shares the caller's process already"):
@@ -159,7 +159,7 @@ def test_an_orphaned_level2_sleep_waits_for_a_full_refresh_and_then_wakes(svc, l
     ray.kill(client)
     wait_for(lambda: svc.info()["sleep_expired"] == expired + 1, "the sleep lease running out", LEASE_S + 5)
     assert sleep_levels(svc) == [2, 2], "the weights were dropped: waking cannot bring them back"
-    tasks = ray.get(svc._backend.router.__ray_call__.remote(lambda r: [t.done() for t in r._tasks]))
+    tasks = ray.get(svc._connection.router.__ray_call__.remote(lambda r: [t.done() for t in r._tasks]))
     assert tasks == [False] * 3, "the poll loops and the lease loop run on"
     state = make_tiny_llama(seed=8).state_dict()
     svc.update_weights(state, version + 1)
@@ -216,7 +216,7 @@ def test_fidelity_reports_round_trip_and_bad_ones_are_named(svc, local):
                 client.report_fidelity(*args)
         assert len(client.info()["fidelity"]) == 2
     # the router checks what it is sent, whoever sends it
-    assert "version=-1" in ray.get(svc._backend.router.report_fidelity.remote(-1, {}))
+    assert "version=-1" in ray.get(svc._connection.router.report_fidelity.remote(-1, {}))
     for v in range(300):
         local.report_fidelity(v, {"kl": 0.0})
     kept = local.info()["fidelity"]

@@ -35,7 +35,7 @@ def svc(ray_cluster, service_config, tiny_model_dir):
     cfg = service_config(name=NAME, max_restarts=8)  # (worker 0 is restarted four times here)
     cfg["engine"].update(BF16)
     with RolloutClient.launch(cfg) as c:
-        c._backend.weights.bucket_bytes = 64 << 10  # several buckets: some go sparse, some may go dense
+        c._connection.weights.bucket_bytes = 64 << 10  # several buckets: some go sparse, some may go dense
         yield c
 
 
@@ -74,19 +74,19 @@ def learner(make_tiny_llama):
 def push(svc, state, **kw) -> dict:
     version = svc.info()["policy_version"] + 1
     svc.update_weights(state, version, **kw)
-    return dict(svc._backend.weights.last_push)
+    return dict(svc._connection.weights.last_push)
 
 
 def test_ten_adam_steps_as_deltas_equal_a_dense_push_bit_for_bit(svc, digest, learner):
     first = push(svc, next(learner))
     assert not first["delta"] and first["wire_bytes"] == first["dense_bytes"]  # no base yet
     assert first["dense_bytes"] < 300_000  # sent in bf16, not the learner's fp32
-    base = svc._backend.weights.deltas.base
+    base = svc._connection.weights.deltas.base
     for _ in range(10):
         state = next(learner)
         sent = push(svc, state)
         assert sent["delta"] and sent["wire_bytes"] * 10 < sent["dense_bytes"], sent
-    assert svc._backend.weights.deltas.base is base  # patched in place, not re-allocated
+    assert svc._connection.weights.deltas.base is base  # patched in place, not re-allocated
     assert svc.weights_digests() == [digest(state)] * 2
     assert [s["policy_version"] for s in svc.stats()] == [11, 11]
 
@@ -132,7 +132,7 @@ def test_a_delta_whose_base_is_missing_goes_dense_to_every_worker(svc, digest, l
     ("huge", "a value is 1e\\+30, beyond the canary's bound"),
 ])
 def test_a_corrupt_delta_is_refused_on_every_worker_before_any_swaps(svc, corrupt, message):
-    pusher = svc._backend.weights
+    pusher = svc._connection.weights
     base, version = pusher.deltas.base, pusher.deltas.version
     assert version == svc.info()["policy_version"]
     before = svc.weights_digests()
@@ -174,7 +174,7 @@ def test_deltas_over_the_gloo_broadcast(svc, digest, learner):
     for _ in range(2):
         state = next(learner)
         sent = push(svc, state)  # auto: the weight group
-        assert svc._backend.weights.last_timings["transport"] == "broadcast"
+        assert svc._connection.weights.last_timings["transport"] == "broadcast"
         assert sent["delta"] and sent["wire_bytes"] * 10 < sent["dense_bytes"], sent
     assert svc.weights_digests() == [digest(state)] * 2
     state = next(learner)
@@ -200,7 +200,7 @@ def stopped(svc, i: int):
 
 
 def deadline(svc, seconds: float) -> None:
-    router = svc._backend.router
+    router = svc._connection.router
     ray.get(router.__ray_call__.remote(lambda r: setattr(r.refresh, "stall_s", seconds)))
 
 
@@ -228,7 +228,7 @@ def test_a_worker_stopped_during_an_object_store_refresh_fails_it_in_time(svc, d
 
 
 def test_a_worker_stopped_mid_broadcast_fails_it_in_time_and_the_next_push_succeeds(svc, digest, learner):
-    pusher, router = svc._backend.weights, svc._backend.router
+    pusher, router = svc._connection.weights, svc._connection.router
     deadline(svc, STALL_S)
     svc.init_weight_group(backend="gloo", timeout_s=STALL_S)
     before, version, deaths = svc.weights_digests(), svc.info()["policy_version"], svc.info()["worker_deaths"]

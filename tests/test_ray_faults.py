@@ -13,7 +13,7 @@ import ray
 
 from ray_fixtures import cpu_engine, kill_worker, wait_for, workers
 from rollout_service.client import RolloutClient
-from rollout_service.backends.ray import RayBackend
+from rollout_service.connections.ray import RayConnection
 from rollout_service.api.types import RolloutRequest, SamplingParams
 
 pytest_plugins = ["ray_fixtures"]
@@ -59,7 +59,7 @@ def reference(model_dir):
         yield c
 
 
-def idle(backend: RayBackend) -> bool:
+def idle(backend: RayConnection) -> bool:
     info = backend.info()
     busy = sum((s["queued"] or 0) + (s["running"] or 0) for s in backend.stats())
     return info["in_flight"] == 0 and info["streams"] == 0 and busy == 0
@@ -70,7 +70,7 @@ def long_requests(k: int, prefix: str, max_tokens: int = 400) -> list[RolloutReq
                            request_id=f"{prefix}{i}") for i in range(k)]
 
 
-def running(backend: RayBackend, k: int) -> bool:
+def running(backend: RayConnection, k: int) -> bool:
     return sum(s["running"] or 0 for s in backend.stats()) >= k
 
 
@@ -96,7 +96,7 @@ def test_refreshes_faster_than_a_request_cannot_starve_it(ray_cluster, service_c
         info = client.info()
         assert PIN_AFTER_REGENERATIONS <= info["stale_regenerated"] < MAX_STALE_REGENERATIONS
         assert info["stale_pinned"] == 1 and info["refresh_held_s"] > 0, info
-        wait_for(lambda: idle(client._backend), "the request's superseded jobs aborted on its worker")
+        wait_for(lambda: idle(client._connection), "the request's superseded jobs aborted on its worker")
     finally:
         client.close()
 
@@ -104,7 +104,7 @@ def test_refreshes_faster_than_a_request_cannot_starve_it(ray_cluster, service_c
 # -- stats -------------------------------------------------------------------------------------------
 
 def test_stats_answer_while_a_step_holds_the_engine(svc):
-    backend = svc._backend
+    backend = svc._connection
     w0 = workers(backend)[0]
     ray.get(w0.__ray_call__.remote(lambda w: w.host._lock.acquire()))  # as a long engine step does
     try:
@@ -117,7 +117,7 @@ def test_stats_answer_while_a_step_holds_the_engine(svc):
 # -- bad requests ------------------------------------------------------------------------------------
 
 def test_a_bad_request_is_refused_at_submit_and_leaves_nothing_behind(svc):
-    backend = svc._backend
+    backend = svc._connection
     good = [RolloutRequest([1, 2, 3 + i], SamplingParams(max_tokens=300, ignore_eos=True), request_id=f"g{i}")
             for i in range(6)]
     # the tokenizer (its chat template) rejects it: found on the worker, before anything is queued
@@ -148,7 +148,7 @@ def test_a_bad_request_is_refused_at_submit_and_leaves_nothing_behind(svc):
 # -- streams whose consumer is gone ---------------------------------------------------------------------
 
 def test_streams_whose_consumer_is_gone_are_cancelled(svc):
-    backend = svc._backend
+    backend = svc._connection
     it = backend.submit(long_requests(4, "unread"))  # dropped without being read
     wait_for(lambda: running(backend, 4), "the requests running")
     del it
@@ -160,7 +160,7 @@ def test_streams_whose_consumer_is_gone_are_cancelled(svc):
     it.close()
     assert idle(backend), backend.info()
 
-    other = RayBackend.connect(NAME)  # a second client of the same service closes with a stream open
+    other = RayConnection.connect(NAME)  # a second client of the same service closes with a stream open
     kept = backend.submit(long_requests(1, "kept"))
     dropped = other.submit(long_requests(3, "other"))
     wait_for(lambda: running(backend, 4), "the requests running")
@@ -172,7 +172,7 @@ def test_streams_whose_consumer_is_gone_are_cancelled(svc):
 
 
 def test_a_stream_is_cancelled_when_its_client_stops_renewing_it(svc):
-    backend = svc._backend
+    backend = svc._connection
     router = backend.router
     ray.get(router.__ray_call__.remote(lambda r: setattr(r, "stream_lease_s", 2.0)))
     try:
@@ -201,7 +201,7 @@ def test_a_worker_whose_engine_cannot_be_built_reports_it_once(ray_cluster, serv
     cfg = service_config(name="svc-no-weights", num_workers=1)
     cfg["engine"]["model"] = str(tmp_path)
     with pytest.raises(ValueError) as e:
-        RayBackend.start_service(cfg)
+        RayConnection.start_service(cfg)
     assert "\n" not in str(e.value) and "rollout worker 0 failed to start" in str(e.value)
     assert "has no *.safetensors weights" in str(e.value)
     # the worker itself stays up (no crash, no restart) and says why
@@ -218,7 +218,7 @@ def test_a_worker_whose_engine_cannot_be_built_reports_it_once(ray_cluster, serv
 def test_requests_of_a_killed_worker_are_resubmitted_one_by_one(svc):
     """Workers may differ (a GPU's KV cache is sized from its free memory): a request that worker 0 took may
     not fit worker 1. When worker 0 dies, that request fails alone, with its error; the rest run on."""
-    backend = svc._backend
+    backend = svc._connection
     w1 = workers(backend)[1]
     ray.get(w1.__ray_call__.remote(lambda w: setattr(w.engine, "max_model_len", 256)))
     try:
@@ -248,7 +248,7 @@ def test_requests_of_a_killed_worker_are_resubmitted_one_by_one(svc):
 
 def test_a_restarted_worker_serves_exactly_its_peers_weights_after_partial_refreshes(svc, reference,
                                                                                    make_tiny_llama):
-    backend = svc._backend
+    backend = svc._connection
     v = backend.info()["policy_version"]
     states = [make_tiny_llama(seed=s).state_dict() for s in (21, 22, 23, 24, 25)]
     pushes = [(states[0], False), ({k: t for k, t in states[1].items() if "self_attn" in k}, True),
@@ -282,7 +282,7 @@ def test_a_restarted_worker_serves_exactly_its_peers_weights_after_partial_refre
 
 
 def test_the_router_survives_a_result_it_cannot_handle_and_brings_a_killed_worker_back(svc):
-    backend = svc._backend
+    backend = svc._connection
     w1 = workers(backend)[1]  # (worker 0 has used up its restarts above)
     ray.get(w1.__ray_call__.remote(lambda w: w._deliver(["not a result"])))
     kill_worker(backend, 1)

@@ -7,7 +7,7 @@ import pytest
 import ray
 
 from actors.learner import LearnerActor, group_advantages
-from rollout_service.backends.ray import RayBackend
+from rollout_service.connections.ray import RayConnection
 
 pytest_plugins = ["ray_fixtures"]
 pytestmark = pytest.mark.ray
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.ray
 
 @pytest.fixture(scope="module")
 def service(ray_cluster, service_config):
-    b = RayBackend.start_service(service_config(name="svc-learn", namespace="rollout_service"))
+    b = RayConnection.start_service(service_config(name="svc-learn", namespace="rollout_service"))
     yield b
     b.close()
 

@@ -9,7 +9,7 @@ import pytest
 import ray
 
 from rollout_service.config import ServiceConfig
-from rollout_service.backends.ray import RayBackend
+from rollout_service.connections.ray import RayConnection
 from rollout_service.api.types import RolloutRequest, SamplingParams
 
 pytest_plugins = ["ray_fixtures"]
@@ -21,7 +21,7 @@ MULTI_NODE = str(Path(__file__).resolve().parents[1] / "cluster_configs" / "mult
 def backend(ray_cluster, tiny_model_dir):
     cfg = ServiceConfig.load(MULTI_NODE, name="svc-multi", max_restarts=0, max_staleness=0,
                              engine={"model": tiny_model_dir, "num_pages": 256, "kv_cache_memory_gb": 0.05})
-    b = RayBackend.start_service(cfg)
+    b = RayConnection.start_service(cfg)
     yield b
     b.close()
 
@@ -40,7 +40,7 @@ def test_workers_land_one_per_rollout_node(ray_cluster, backend):
 def test_placement_that_cannot_fit_fails_clearly(ray_cluster, tiny_model_dir):
     # three STRICT_SPREAD workers need three rollout nodes; the cluster has two
     with pytest.raises(ValueError, match="cannot place 3 rollout worker.*STRICT_SPREAD"):
-        RayBackend.start_service(MULTI_NODE, name="svc-too-big", num_workers=3,
+        RayConnection.start_service(MULTI_NODE, name="svc-too-big", num_workers=3,
                           placement={"timeout_s": 3}, engine={"model": tiny_model_dir})
 
 

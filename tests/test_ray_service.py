@@ -147,20 +147,20 @@ def test_fuzzed_bad_requests_get_clear_errors_and_good_ones_return(client):
     good_streams = []
     for i, rec in enumerate(bad):
         with pytest.raises(ValueError) as e:
-            client._backend.submit([rec])
+            client._connection.submit([rec])
         assert str(e.value).startswith("request 0: ") and len(str(e.value)) > 15, str(e.value)
         if i % 100 == 0:  # good requests interleaved with the bad ones, still in flight meanwhile
             req = RolloutRequest([1 + i % 200, 2, 3], SamplingParams(n=2, max_tokens=8, ignore_eos=True),
                                  request_id=f"good{i}")
-            good_streams.append(client._backend.submit([req.to_msgpack()]))
+            good_streams.append(client._connection.submit([req.to_msgpack()]))
     results = [r for s in good_streams for r in s]
     assert sorted((r.request_id, r.sample_index) for r in results) == \
         sorted((f"good{i}", j) for i in range(0, 1000, 100) for j in range(2))
     assert all(len(r.token_ids) == 8 and r.finish_reason == "length" for r in results)
     # a batch with one bad request is refused as a whole, naming it
     with pytest.raises(ValueError, match="request 1: .*temperature"):
-        client._backend.submit([{"prompt": [1, 2]}, {"prompt": [1], "sampling": {"temperature": -2}}])
-    info = client._backend.info()
+        client._connection.submit([{"prompt": [1, 2]}, {"prompt": [1], "sampling": {"temperature": -2}}])
+    info = client._connection.info()
     assert info["in_flight"] == 0 and info["streams"] == 0, info
 
 
@@ -197,7 +197,7 @@ def test_refresh_bad_is_refused_everywhere_good_one_switches_version(client, loc
 
 
 def test_worker_killed_mid_batch_all_results_once_and_restarted_worker_catches_up(client, make_tiny_llama):
-    backend = client._backend
+    backend = client._connection
     version = backend.info()["policy_version"] + 1
     client.update_weights(make_tiny_llama(seed=2).state_dict(), version)  # the restarted worker must catch up
     workers = ray.get(backend.router.__ray_call__.remote(lambda router: router.workers))
@@ -223,10 +223,10 @@ def test_worker_killed_mid_batch_all_results_once_and_restarted_worker_catches_u
 
 
 def test_on_refresh_abort_ends_in_flight_requests(ray_cluster, service_config, make_tiny_llama, refresh_mid_generation):
-    from rollout_service.backends.ray import RayBackend
+    from rollout_service.connections.ray import RayConnection
     cfg = service_config(name="svc-abort-on-refresh", num_workers=1)
     cfg["engine"] = {**cfg["engine"], "on_refresh": "abort"}
-    backend = RayBackend.start_service(cfg)
+    backend = RayConnection.start_service(cfg)
     try:
         it = backend.submit([RolloutRequest([4, 5, 6], SamplingParams(n=2, max_tokens=400, ignore_eos=True),
                                             request_id="r")])

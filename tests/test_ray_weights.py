@@ -55,7 +55,7 @@ def test_object_store_refresh_is_bitwise_and_reuses_its_buckets(svc, reference, 
     a, b = make_tiny_llama(seed=1).state_dict(), make_tiny_llama(seed=2).state_dict()
     # dense pushes (delta=False): their buckets are what is reused (deltas: tests/test_ray_delta.py)
     assert svc.update_weights(a, 1, delta=False) == "object_store"  # auto, CPU tensors, no weight group
-    pusher = svc._backend.weights
+    pusher = svc._connection.weights
     buckets = pusher.object_store.buckets
     assert svc.weights_digests() == [digest(a)] * 2 and tokens(svc) == want_tokens(a)
     assert svc.update_weights(b, 2, transport="object_store", delta=False) == "object_store"
@@ -98,7 +98,7 @@ def make_learner():
             import os
 
             import torch.distributed as dist
-            pusher = self.client._backend.weights
+            pusher = self.client._connection.weights
             pusher.bucket_bytes = 4096
             items = named_items(state)
             manifest = pusher.plan(items)
@@ -186,7 +186,7 @@ def test_learner_dies_mid_broadcast_every_worker_keeps_serving_the_old_version(s
 
 
 def test_second_refresh_while_one_is_in_flight_is_refused(svc, make_tiny_llama):
-    pusher = svc._backend.weights
+    pusher = svc._connection.weights
     svc.init_weight_group(backend="gloo", timeout_s=30)
     items = named_items(make_tiny_llama(seed=9).state_dict())
     manifest = pusher.plan(items)
@@ -201,7 +201,7 @@ def test_second_refresh_while_one_is_in_flight_is_refused(svc, make_tiny_llama):
 
 def test_worker_dies_mid_broadcast_then_rejoins_the_reformed_group(svc, reference, make_tiny_llama):
     digest, want_tokens = reference
-    backend, pusher = svc._backend, svc._backend.weights
+    backend, pusher = svc._connection, svc._connection.weights
     workers = ray.get(backend.router.__ray_call__.remote(lambda router: router.workers))
     old = ray.get(workers[0].health.remote())["incarnation"]
     items = named_items(make_tiny_llama(seed=11).state_dict())
@@ -223,15 +223,15 @@ def test_worker_dies_mid_broadcast_then_rejoins_the_reformed_group(svc, referenc
     assert "broadcast failed" in ray.get(finish)
     before = svc.stats()[1]
     assert before["policy_version"] == 7 and before["alive"]
-    while not svc._backend.info()["awaiting_weights"][0] and time.time() < deadline:
+    while not svc._connection.info()["awaiting_weights"][0] and time.time() < deadline:
         time.sleep(0.2)
-    info = svc._backend.info()
+    info = svc._connection.info()
     assert info["awaiting_weights"] == [True, False], info  # restarted after a broadcast: waits for the learner
     assert all(r.token_versions == [7] * 6 for r in svc.generate([[4, 4]] * 3, GREEDY))  # worker 1 serves
     g = make_tiny_llama(seed=12).state_dict()
     assert svc.update_weights(g, 8, transport="broadcast") == "broadcast"  # the group is formed again
     assert svc.weights_digests() == [digest(g)] * 2 and versions(svc) == [8, 8]
-    assert svc._backend.info()["alive"] == [True, True] and tokens(svc) == want_tokens(g)
+    assert svc._connection.info()["alive"] == [True, True] and tokens(svc) == want_tokens(g)
 
 
 def test_a_lone_worker_restarted_after_a_broadcast_is_healed_by_the_learner(ray_cluster, service_config, reference,
@@ -242,12 +242,12 @@ def test_a_lone_worker_restarted_after_a_broadcast_is_healed_by_the_learner(ray_
         client.init_weight_group(backend="gloo", timeout_s=30)
         h = make_tiny_llama(seed=13).state_dict()
         client.update_weights(h, 1)
-        (worker,) = ray.get(client._backend.router.__ray_call__.remote(lambda router: router.workers))
+        (worker,) = ray.get(client._connection.router.__ray_call__.remote(lambda router: router.workers))
         ray.kill(worker, no_restart=False)
         # no worker can serve until the learner re-sends: generate's result loop does it
         results = client.generate([[1, 2, 3], [4, 5]], GREEDY)
         assert [r.token_versions for r in results] == [[1] * 6] * 2
-        assert client.weights_digests() == [digest(h)] and client._backend.info()["worker_deaths"] == 1
+        assert client.weights_digests() == [digest(h)] and client._connection.info()["worker_deaths"] == 1
         # after a partial broadcast the learner holds only part of the current weights: no resend can heal
         # a restarted worker, which serves again once the learner pushes every weight
         client.update_weights({k: t for k, t in make_tiny_llama(seed=14).state_dict().items() if "mlp" in k}, 2,

@@ -196,7 +196,7 @@ def test_ray_worker_answers_an_unimportable_reward_with_a_request_error(service)
     bad = {"prompt": [1, 2], "request_id": "bad-reward", "reward": "rollout_service.no_such_module:f"}
     with pytest.raises(ValueError, match=r"request 0: request 'bad-reward': reward='rollout_service.no_such_"
                                          r"module:f': cannot import module"):
-        service._backend.submit([bad])
+        service._connection.submit([bad])
     assert [r.reward for r in service.generate([[1, 2]], SP)] == [6.0, 6.0]
     assert all(s["alive"] for s in service.stats())
 
@@ -208,7 +208,7 @@ def test_ray_worker_refuses_a_name_that_is_not_a_reward_before_importing_it(serv
     from ray_fixtures import workers
     bad = {"prompt": [1, 2], "request_id": "zen", "reward": "this:s"}
     with pytest.raises(ValueError, match=r"request 'zen': reward='this:s': module 'this' has no attribute 's'"):
-        service._backend.submit([bad])
+        service._connection.submit([bad])
     assert not any(ray.get([w.__ray_call__.remote(lambda w: "this" in __import__("sys").modules)
                             for w in workers(service)]))
     assert [r.reward for r in service.generate([[1, 2]], SP)] == [6.0, 6.0]
@@ -237,7 +237,7 @@ def test_ray_reward_actors(ray_cluster, service_config):
         assert all(r.reward == _parity(r) and r.reward_error is None for r in got)
         got = c.generate([[1, 2, 3], [4, 5]], SP, reward=f"{EX}:failing_reward", metadata=[{"fail": True}, {}])
         assert [r.reward for r in got] == [None, None, 6.0, 6.0] and got[0].reward_error.startswith("RuntimeError")
-        (actor,) = ray.get(c._backend.router.__ray_call__.remote(lambda router: router.reward_actors))
+        (actor,) = ray.get(c._connection.router.__ray_call__.remote(lambda router: router.reward_actors))
         pid = ray.get(actor.__ray_call__.remote(lambda a: __import__("os").getpid()))
         got = c.generate([[1, 2]], SamplingParams(max_tokens=3, ignore_eos=True), reward=f"{EX}:exiting_reward",
                          metadata=[{"exit": True}])

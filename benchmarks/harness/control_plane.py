@@ -33,13 +33,13 @@ def cpu_seconds(pid: int) -> float:
 
 
 def start(workers: int, fabricate: Fabricate, name: str, custom: dict | None = None) -> tuple[Any, int, list[int]]:
-    """A service of fabricating workers: (its RayBackend, the router's pid, the workers' pids). `custom`: the
+    """A service of fabricating workers: (its RayConnection, the router's pid, the workers' pids). `custom`: the
     custom resource each worker reserves (the benchmark's own Ray instance has `bench_worker`); the workers
     take no CPU of Ray's, so 64 of them fit a 2-core machine."""
     import ray
 
     from actors.router import RouterActor
-    from rollout_service.backends.ray import RayBackend
+    from rollout_service.connections.ray import RayConnection
     from rollout_service.config import ServiceConfig
 
     cfg = ServiceConfig(name=name, namespace="rollout_service_bench", num_workers=workers,
@@ -55,7 +55,7 @@ def start(workers: int, fabricate: Fabricate, name: str, custom: dict | None = N
     pid = ray.get(router.__ray_call__.remote(lambda r: os.getpid()))
     pids = ray.get([w.__ray_call__.remote(lambda w: os.getpid()) for w in ray.get(
         router.__ray_call__.remote(lambda r: r.workers))])
-    return RayBackend(router, name, owner=True, namespace=cfg.namespace), pid, pids
+    return RayConnection(router, name, owner=True, namespace=cfg.namespace), pid, pids
 
 
 def drive(backend: Any, requests: list, batch: int) -> tuple[int, int]:

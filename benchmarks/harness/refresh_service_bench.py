@@ -111,7 +111,7 @@ def _push_pair(ctx, client, row: Row, label: str, transport: str, a_sd: dict, b_
         equal.append(_tokens(client, prompts, new) == reference[want])
     row.details.update(transport=used, pushes_s=[round(t, 4) for t in times], tokens_equal_in_process=equal,
                        GBps=round(nbytes / times[-1] / 1e9, 2))
-    learner = getattr(getattr(client, "_backend", None), "weights", None)
+    learner = getattr(getattr(client, "_connection", None), "weights", None)
     if learner is not None:  # where the steady push spent its time, learner side and worker side
         row.details["learner_s"] = {k: round(v, 4) for k, v in learner.last_timings.items() if k != "transport"}
     row.details["worker_s"] = {k: v for k, v in client.stats()[0].get("last_refresh", {}).items() if k != "transport"}

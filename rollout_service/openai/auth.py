@@ -1,5 +1,5 @@
 """The endpoint's bearer token: given, or generated into a file only this user can read (0600), as
-backends/ray_auth.py makes Ray's. Agents in other processes read the file (or are handed the token)."""
+connections/ray_auth.py makes Ray's. Agents in other processes read the file (or are handed the token)."""
 from __future__ import annotations
 
 import hmac

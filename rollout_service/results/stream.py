@@ -1,4 +1,4 @@
-"""ResultStream: what RayBackend.submit returns, an iterator over one stream of results in the router.
+"""ResultStream: what RayConnection.submit returns, an iterator over one stream of results in the router.
 
 Each read gets the results the router holds whole and, for the others, where their payload is: this process
 fetches it from the worker's node (rollout_service/results/payloads.py) and reports on its next read what was lost

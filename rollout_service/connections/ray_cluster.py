@@ -12,7 +12,7 @@ from typing import Iterator
 
 import ray
 
-from rollout_service.backends.ray_auth import (NO_TOKEN_ADVICE, auth_failure, check_token_accepted,
+from rollout_service.connections.ray_auth import (NO_TOKEN_ADVICE, auth_failure, check_token_accepted,
                                                use_token_auth)
 from rollout_service.config import local_ray_wanted
 

@@ -1,7 +1,7 @@
-"""RayBackend: the Backend (backends/__init__.py) that talks to a Ray rollout service (router + workers).
+"""RayConnection: the Connection (connections/__init__.py) that talks to a Ray rollout service (router + workers).
 
 `RolloutClient.launch(config)` starts a service on the current Ray cluster (or a new local Ray instance) and
-`RolloutClient.connect(name)` attaches to a running one; both wrap a RayBackend.
+`RolloutClient.connect(name)` attaches to a running one; both wrap a RayConnection.
 """
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from typing import Any, Iterator
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from rollout_service.backends.ray_cluster import ensure_ray, starts_local_ray
-from rollout_service.backends.capacity import resolve_auto
-from rollout_service.backends.remote_errors import error_text
+from rollout_service.connections.ray_cluster import ensure_ray, starts_local_ray
+from rollout_service.connections.capacity import resolve_auto
+from rollout_service.connections.remote_errors import error_text
 from rollout_service.config import ServiceConfig
 from rollout_service.results.stream import ResultStream, close_streams, hold_sleep, release_sleep, send_closes
 from rollout_service.api.types import RolloutResult
@@ -29,8 +29,8 @@ def _check_model_here(cfg: ServiceConfig) -> None:
     check_source_here(cfg.engine.model, local=starts_local_ray(cfg.address))
 
 
-class RayBackend:
-    """The client backend interface: submit, update_weights, pause, resume, abort, stats, close (plus weight
+class RayConnection:
+    """The client connection interface: submit, update_weights, pause, resume, abort, stats, close (plus weight
     groups, sleep/wake, colocated learners and fidelity reports)."""
 
     def __init__(self, router: Any, name: str, owner: bool, namespace: str = "rollout_service"):
@@ -42,7 +42,7 @@ class RayBackend:
         self._holder = uuid.uuid4().hex      # who this client is to a sleep lease
 
     @classmethod
-    def start_service(cls, config: str | dict | ServiceConfig | None = None, **overrides: Any) -> "RayBackend":
+    def start_service(cls, config: str | dict | ServiceConfig | None = None, **overrides: Any) -> "RayConnection":
         from actors.router import RouterActor
 
         cfg = ServiceConfig.load(config, **overrides)
@@ -79,7 +79,7 @@ class RayBackend:
 
     @classmethod
     def connect(cls, name: str = "rollout_service", namespace: str = "rollout_service",
-                address: str | None = None) -> "RayBackend":
+                address: str | None = None) -> "RayConnection":
         ensure_ray(address or os.environ.get("RAY_ADDRESS") or "auto", namespace)
         try:
             router = ray.get_actor(name, namespace=namespace)
@@ -88,7 +88,7 @@ class RayBackend:
                              f"(start one with `rollout-service serve --config ...`)") from None
         return cls(router, name, owner=False, namespace=namespace)
 
-    # -- the backend interface --------------------------------------------------------------------
+    # -- the connection interface --------------------------------------------------------------------
     def submit(self, requests: list) -> Iterator[RolloutResult]:
         """Validate and dispatch now (ValueError naming the bad requests); then yield results as they
         finish, each (request_id, sample_index) exactly once. `requests` may hold RolloutRequests,

@@ -1,5 +1,6 @@
-"""What a RolloutClient talks to: the `Backend` protocol, implemented by an in-process engine (local.py) and
-by a Ray rollout service (ray.py). Every argument reaches a backend already checked by the client."""
+"""What a RolloutClient talks to: the `Connection` protocol, implemented by an in-process engine (local.py) and
+by a Ray rollout service (ray.py). Every argument reaches a connection already checked by the client.
+("backend" means one thing in this project: the kernels an engine runs, EngineConfig.backend.)"""
 from __future__ import annotations
 
 from typing import Any, Iterator, Protocol
@@ -7,7 +8,7 @@ from typing import Any, Iterator, Protocol
 from rollout_service.api.types import RolloutRequest, RolloutResult
 
 
-class Backend(Protocol):
+class Connection(Protocol):
     def submit(self, requests: list[RolloutRequest]) -> Iterator[RolloutResult]:
         """Queue the requests, all or none (ValueError naming a bad one); then yield each sample's result as it
         finishes, each (request_id, sample_index) once. A stream dropped unread stops its requests."""

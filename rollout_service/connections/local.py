@@ -1,4 +1,4 @@
-"""LocalBackend: the Backend (backends/__init__.py) of an in-process engine, run by an EngineHost in this process.
+"""LocalConnection: the Connection (connections/__init__.py) of an in-process engine, run by an EngineHost in this process.
 
 Each submission is a stream that reads its requests' results as the host finishes them; a stream dropped unread
 stops collecting (its results are discarded). pause() holds the engine at the next step boundary until
@@ -21,7 +21,7 @@ from rollout_service.weights.delta_sender import check_delta, delta_refusal
 WAIT_S = 0.05  # a stream's reader looks at the host this often while it waits (to see close() or a failure)
 
 
-class LocalBackend:
+class LocalConnection:
     def __init__(self, engine: Any, reward: str | None = None):
         self.host = EngineHost(engine, self._post, reward, name="engine")
         self.engine = engine
