@@ -4,6 +4,7 @@ no mass), so that token-exactness checks compare varied log-probs and a resent h
 sampled tokens."""
 from __future__ import annotations
 
+import pytest
 import torch
 from tiny_models import tiny_hf_model
 
@@ -53,3 +54,15 @@ def auth(token: str) -> dict:
 
 
 TOKEN = "test-token-0123456789abcdef"
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return word_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def client(tok):
+    """A local client on the word model (test modules load these fixtures with pytest_plugins)."""
+    with local_client(tok) as c:
+        yield c

@@ -8,23 +8,14 @@ import time
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
-from openai_setup import TOKEN, auth, local_client, word_tokenizer
+from openai_setup import TOKEN, auth
 
 from rollout_service import SamplingParams
 from rollout_service.openai import openai_app
 
+pytest_plugins = ["openai_setup"]  # the tok and client fixtures
+
 USER = [{"role": "user", "content": "yes or no ?"}]
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return word_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def client(tok):
-    with local_client(tok) as c:
-        yield c
 
 
 @pytest.fixture(scope="module")

@@ -8,26 +8,17 @@ import logging
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
-from openai_setup import TOKEN, auth, local_client, word_tokenizer
+from openai_setup import TOKEN, auth
 
 from rollout_service.openai import openai_app, release, set_reward, trajectories
 from rollout_service.openai.schemas import ApiError
 from rollout_service.openai.sessions import SessionStore
 from rollout_service.results import load_results, save_results
 
+pytest_plugins = ["openai_setup"]  # the tok and client fixtures
+
 Q1 = {"role": "user", "content": "yes or no ?"}
 Q2 = {"role": "user", "content": "1 2 3 ?"}
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return word_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def client(tok):
-    with local_client(tok) as c:
-        yield c
 
 
 @pytest.fixture(scope="module")
