@@ -53,7 +53,7 @@ class Logged:
 
 class RefreshCoordinator:
     def __init__(self, workers: WorkerTable, log: Callable[[str], None],
-                 back_in_service: Callable[[int], Awaitable[None]]):
+                 back_in_service: Callable[[int], Awaitable[None]], stall_s: float = STALL_S):
         """`back_in_service(i)`: put a restarted worker that waited for the learner's weights back to work."""
         self.workers = workers
         self._log = log
@@ -64,7 +64,7 @@ class RefreshCoordinator:
         self.group: dict | None = None         # {"id": str, "members": {worker index: incarnation}}
         self._busy_until: float | None = None
         self._pending: dict | None = None      # a broadcast between begin and finish
-        self.stall_s = STALL_S                 # a worker's refresh call unanswered this long: it is stalled
+        self.stall_s = stall_s                 # a worker's refresh call unanswered this long: it is stalled
 
     # -- helpers ----------------------------------------------------------------------------------
     def targets(self) -> list[int]:

@@ -59,7 +59,8 @@ class Router:
                                      self.counters, self._spawn, self._log,
                                      Affinity(config.engine.page_size, enabled=config.routing == "prefix"))
         self.control = Control(self.table, float(config.client_lease_s), self.counters, self._log)
-        self.refresh = RefreshCoordinator(self.table, self._log, lambda i: self.recovery.back_in_service(i))
+        self.refresh = RefreshCoordinator(self.table, self._log, lambda i: self.recovery.back_in_service(i),
+                                          float(config.refresh_stall_s))
         quarantine = Quarantine()
         self.recovery = Recovery(self.table, self.dispatcher, self.refresh, self.control, quarantine,
                                  float(config.user_code_timeout_s), config.max_restarts, self.counters,

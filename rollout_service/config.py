@@ -258,6 +258,9 @@ class ServiceConfig:
     user_code_timeout_s: a reward function or environment call that runs longer than this in a rollout worker
         has wedged it: the worker is restarted and that request finishes with the error, never run again
         (actors/quarantine.py). Rewards computed in reward actors are not timed.
+    refresh_stall_s: a worker that leaves a refresh call unanswered this long (stopped, not dead) fails that
+        refresh, naming it: the others keep their version and it is restarted (a broadcast's receive gets the
+        group's timeout on top).
     routing: "prefix" (default): a request goes to the worker whose prefix cache most likely holds the start
         of its prompt, unless that worker is overloaded, else by load (actors/affinity.py); "load": by load only
         (the fewest outstanding tokens).
@@ -284,6 +287,7 @@ class ServiceConfig:
     reward: str | None = None
     reward_workers: int = 0
     user_code_timeout_s: float = 300.0
+    refresh_stall_s: float = 300.0
     routing: str = "prefix"
 
     def __post_init__(self) -> None:
@@ -310,7 +314,7 @@ class ServiceConfig:
         for name in ("detached", "apply_chat_template", "colocate"):
             if not isinstance(getattr(self, name), bool):
                 _fail(c, name, getattr(self, name), "must be true or false")
-        for name in ("client_lease_s", "user_code_timeout_s"):
+        for name in ("client_lease_s", "user_code_timeout_s", "refresh_stall_s"):
             if not is_number(getattr(self, name)) or not getattr(self, name) > 0:
                 _fail(c, name, getattr(self, name), "must be a number > 0")
         for name in ("address", "prompts", "output"):

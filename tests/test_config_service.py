@@ -64,6 +64,8 @@ def test_the_cluster_file_listens_on_loopback_and_authenticates_everywhere():
     ({"client_lease_s": -5.0}, r"client_lease_s=-5.0"),
     ({"client_lease_s": "1m"}, r"client_lease_s='1m'"),
     ({"client_lease_s": True}, r"client_lease_s=True"),
+    ({"refresh_stall_s": 0}, r"ServiceConfig.refresh_stall_s=0: must be a number > 0"),
+    ({"refresh_stall_s": "5m"}, r"refresh_stall_s='5m'"),
     ({"engine": {"page_size": 7}}, r"EngineConfig.page_size=7"),
     ({"name": ""}, r"ServiceConfig.name=''"),
     ({"engine": 3}, r"ServiceConfig.engine=3"),

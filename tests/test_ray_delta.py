@@ -32,12 +32,19 @@ BF16 = {"backend": "torch", "dtype": "bfloat16", "device": "cpu", "num_pages": 6
 
 @pytest.fixture(scope="module")
 def svc(ray_cluster, service_config, tiny_model_dir):
-    cfg = service_config(name=NAME, max_restarts=8)  # (worker 0 is restarted four times here)
+    # (worker 0 is restarted four times here; the stall tests shorten the refresh deadline while they run)
+    cfg = service_config(name=NAME, max_restarts=8, refresh_stall_s=240)
     cfg["engine"].update(BF16)
     with RolloutClient.launch(cfg) as c:
         c._connection.weights.bucket_bytes = 64 << 10  # several buckets: some go sparse, some may go dense
         yield c
 
+
+
+def test_the_refresh_deadline_is_the_configs(svc):
+    """ServiceConfig.refresh_stall_s reaches the router (the stall tests below shorten it for themselves)."""
+    router = svc._connection.router
+    assert ray.get(router.__ray_call__.remote(lambda r: r.refresh.stall_s)) == 240
 
 @pytest.fixture(scope="module")
 def digest(tiny_model_dir):
@@ -199,9 +206,14 @@ def stopped(svc, i: int):
             os.kill(pid, signal.SIGCONT)
 
 
-def deadline(svc, seconds: float) -> None:
+def deadline(svc, seconds: float) -> float:
+    """Set the router's refresh deadline (ServiceConfig.refresh_stall_s); returns what it was."""
     router = svc._connection.router
-    ray.get(router.__ray_call__.remote(lambda r: setattr(r.refresh, "stall_s", seconds)))
+
+    def swap(r):
+        was, r.refresh.stall_s = r.refresh.stall_s, seconds
+        return was
+    return ray.get(router.__ray_call__.remote(swap))
 
 
 def back(svc, deaths: int) -> bool:
