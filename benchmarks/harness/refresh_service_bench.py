@@ -4,9 +4,10 @@ then puts it to sleep and wakes it (benchmarks/README.md, W3).
 The worker starts with random weights (load_format="dummy") on the model's config. For every transport
 the learner pushes full state dicts B, A, B (A = the refreshed weights of "W3 local", B = A with one norm
 scaled, so each push changes the tokens): the first push is cold (buffers allocated, pinned, mapped), the
-third is the steady one a training loop sees, and the engine cell. After each push the
-worker's greedy tokens are checked against the in-process engine's on the same weights. Without Ray (or a
-GPU, for CUDA IPC) a row says why it could not run.
+third is the steady one a training loop sees, and the engine cell. Every push is dense (delta=False): B and A
+differ in one norm, which the default delta="auto" would send alone (WD, delta_bench.py, measures deltas after
+real optimizer steps). After each push the worker's greedy tokens are checked against the in-process engine's on
+the same weights. Without Ray (or a GPU, for CUDA IPC) a row says why it could not run.
 """
 from __future__ import annotations
 
@@ -25,8 +26,11 @@ TRANSPORT_ROWS = (("object_store", "object_store"), ("cuda_ipc", "cuda_ipc"),
 
 
 @contextmanager
-def one_worker_service(ctx: BenchContext, num_prompts: int, max_len: int):
-    """A private local Ray instance with one rollout worker on this device, started from the config only."""
+def one_worker_service(ctx: BenchContext, num_prompts: int, max_len: int, name: str = "w3-bench",
+                       **engine_overrides):
+    """A private local Ray instance (the caller's when one runs) with one rollout worker on this device, started
+    from the config only (random weights); `engine_overrides` replace any engine option (WD's: dtype="bfloat16",
+    and for the embedded model model="smollm2-135m", load_format="auto")."""
     import ray
 
     from rollout_service import RolloutClient
@@ -42,7 +46,8 @@ def one_worker_service(ctx: BenchContext, num_prompts: int, max_len: int):
     engine = dict(model=folder, load_format="dummy", backend=ctx.backend, dtype=str(bm.dtype).removeprefix("torch."),
                   device=bm.device.type, num_pages=num_prompts * -(-max_len // PAGE_SIZE) + 8,
                   max_model_len=max_len, **ctx.engine_extra)
-    client = RolloutClient.launch({"name": "w3-bench", "num_workers": 1, "engine": engine,
+    engine.update(engine_overrides)
+    client = RolloutClient.launch({"name": name, "num_workers": 1, "engine": engine,
                                    "resources": {"num_cpus": 1, "num_gpus": 1 if gpus else 0}})
     try:
         yield client
@@ -106,7 +111,7 @@ def _push_pair(ctx, client, row: Row, label: str, transport: str, a_sd: dict, b_
     # last refresh's objects for restarted workers while the next one is being put)
     for sd, want in ((b_sd, "after_b"), (a_sd, "after"), (b_sd, "after_b")):
         t0 = time.perf_counter()
-        used = client.update_weights(sd, next(version), transport=transport)
+        used = client.update_weights(sd, next(version), transport=transport, delta=False)
         times.append(time.perf_counter() - t0)
         equal.append(_tokens(client, prompts, new) == reference[want])
     row.details.update(transport=used, pushes_s=[round(t, 4) for t in times], tokens_equal_in_process=equal,
@@ -139,7 +144,7 @@ def _sleep_wake(ctx, client, row: Row, a_sd: dict, prompts, reference: dict, ver
     asleep2 = stats()
     t0 = time.perf_counter()
     transport = "cuda_ipc" if ctx.device.type == "cuda" else "object_store"
-    client.update_weights(a_sd, next(version), transport=transport)
+    client.update_weights(a_sd, next(version), transport=transport, delta=False)
     t1 = time.perf_counter()
     client.wake_up()
     t2 = time.perf_counter()

@@ -31,6 +31,7 @@ from benchmarks.harness.report import Cell, Row
 # the activations of a micro-batch of 8 x 768 tokens to a few GB.
 LEARNER = {"llama3-8b": dict(optimizer="adafactor", micro_batch=8, gradient_checkpointing=True)}
 LEARNER_DEFAULT = dict(optimizer="adamw", micro_batch=16, gradient_checkpointing=False)
+LR = 1e-6  # the learner's learning rate (WD's random-weight models take it too)
 FP32_REFERENCE_SEQS = 16
 
 
@@ -157,7 +158,7 @@ def _grpo_config(ctx: BenchContext) -> dict:
     gpu = bm.device.type == "cuda"
     fp8 = ctx.engine_extra.get("quantization") == "fp8"  # FP8 rollouts: the learner corrects with TIS
     return {"group_size": s.w6_n, "prompts_per_step": s.w6_prompts, "max_tokens": s.w6_new, "temperature": 1.0,
-            "ignore_eos": True, "lr": 1e-6, "device": "cuda" if gpu else "cpu",
+            "ignore_eos": True, "lr": LR, "device": "cuda" if gpu else "cpu",
             "dtype": "bfloat16" if gpu else "float32", "colocate": True, "sleep_level": 1,
             **({"rollout_correction": "tis"} if fp8 else {}), **{**LEARNER_DEFAULT, **LEARNER.get(bm.name, {})}}
 
