@@ -58,6 +58,12 @@ class Shapes:
     ds_new: int = 256
     wbi_check: int = 8    # WBI: sequences of each run re-run alone to compare log-prob bytes; 0: all
     wbi_learner_check: int = 0  # WBI: sequences of each run recomputed by the learner forward; 0: all
+    wd_steps: int = 10    # WD: optimizer steps, each followed by a delta refresh
+    wd_prompts: int = 8   # WD: prompts x n samples per step, new tokens (the GRPO example's: 8 x 8, 16)
+    wd_n: int = 8
+    wd_new: int = 16
+    wd_prompt: int = 64   # WD: token-prompt length (random-weight models; the embedded one runs the example's task)
+    wd_light: int = -1    # WD: 1 the memory-light optimizer step, 0 AdamW, -1 AdamW where it fits (delta_bench.py)
 
     def replace(self, **kw) -> "Shapes":
         return dataclasses.replace(self, **kw)
@@ -68,7 +74,7 @@ QUICK = Shapes(w1_prompt=8, w1_new=8, w2_seqs=4, w2_prompt=8, w2_new=8, w2w_seqs
                w4_batches=(1, 4), w4_contexts=(64,),
                w4_prefill_seqs=2, w4_prefill_len=64, w6_prompts=2, w6_n=2, w6_prompt=8, w6_new=8,
                w7_episodes=2, w7_turns=2, w7_prompt=8, w7_obs=8, w7_new=4, ds_groups=2, ds_n=2, ds_prompt=8,
-               ds_new=8)
+               ds_new=8, wd_steps=3, wd_prompts=2, wd_n=4, wd_new=4, wd_prompt=8)
 # Issue 2's CPU benchmark: 32 sequences, prompt 128, 64 new tokens.
 # W2n on the CPU: the same token count as W2 (4 prompts x 8 samples x 64 tokens), not 131k tokens.
 # W2p on the CPU: 4 prompts x n=4, prompt 256, 32 new: HF generate prefills every sample's copy of the

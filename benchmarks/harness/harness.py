@@ -30,6 +30,7 @@ from benchmarks.harness.rl_step import w6_fp8, w6_rl_step
 from benchmarks.harness.report import Cell, Row, now_utc, write_report
 from benchmarks.harness.contention import w1_contended, w2_contended
 from benchmarks.harness.decode_profile import wp_decode_profile
+from benchmarks.harness.delta_bench import wd_delta_refresh
 from benchmarks.harness.workloads import w1_fp8, w1_latency, w2_fp8, w2_rollout, w2n_samples, w2p_long_prompts, w2w_wide, w5_graphs
 
 # the workloads' names and run order: benchmarks/harness/__init__.py
@@ -37,7 +38,7 @@ RUNNERS = {"W2": w2_rollout, "W1": w1_latency, "W5": w5_graphs, "W3": w3_refresh
            "W2n": w2n_samples, "W2p": w2p_long_prompts, "W6": w6_rl_step, "W7": w7_multiturn,
            "WDS": wds_dynamic_sampling, "WBI": wbi_batch_invariant, "WM": wm_moe_layer, "WMF": wmf_moe_fidelity,
            "W2w": w2w_wide, "W2fp8": w2_fp8, "W1fp8": w1_fp8, "WP": wp_decode_profile, "W6fp8": w6_fp8,
-           "W1c": w1_contended, "W2c": w2_contended}
+           "W1c": w1_contended, "W2c": w2_contended, "WD": wd_delta_refresh}
 CONFIG_ONLY = ("W6", "W6fp8", "WM")  # workloads that never touch this process's copy of the weights
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 

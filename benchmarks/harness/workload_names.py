@@ -11,6 +11,7 @@
 # and without routing replay) are the mixture-of-experts models'. W2w: W2 at an RL batch (1024 sequences);
 # W2fp8 / W1fp8: W2 and W1 with FP8 rollouts (their HF peers are W2's and W1's); WP: a decode step's GPU time
 # by kernel class at W2's and W2w's batch (torch.profiler); W6fp8: W6 with FP8 rollouts and TIS. W2c / W1c: W2
-# and W1 with two busy neighbour processes (CPU contention), engine and HF alike.
-WORKLOADS = ("W6", "W6fp8", "WM", "W2", "W1", "W5", "W2fp8", "W1fp8", "W2w", "WP", "WMF", "W3", "W4", "W2n", "W2p", "W7",
-             "WDS", "WBI", "W2c", "W1c")
+# and W1 with two busy neighbour processes (CPU contention), engine and HF alike. WD (delta refreshes after real
+# optimizer steps, dense vs delta) trains the weights in place, like W3 a refresh: it runs right after W3.
+WORKLOADS = ("W6", "W6fp8", "WM", "W2", "W1", "W5", "W2fp8", "W1fp8", "W2w", "WP", "WMF", "W3", "WD", "W4", "W2n", "W2p",
+             "W7", "WDS", "WBI", "W2c", "W1c")
