@@ -149,10 +149,18 @@ WIDE_COLUMNS = (
     ("prefilled\ntokens", lambda s: s.get("prefilled_tokens")),
     ("prefix\nhit %", lambda s: _percent((s.get("prefix_cache") or {}).get("hit_rate"))),
     ("preemptions", lambda s: s.get("preemptions")),
+    ("spec\naccept %", lambda s: _percent(_speculative(s).get("acceptance_rate"))),
+    ("tokens per\nverify step", lambda s: _speculative(s).get("tokens_per_verify")),
     ("device", lambda s: s.get("device")),
     ("backend", lambda s: s.get("backend")),
     ("node", lambda s: (s.get("node_id") or "")[:8] or None),
 )
+
+
+def _speculative(s: dict) -> dict:
+    """A worker's speculative-decoding figures, empty where it is off (EngineConfig.speculative)."""
+    spec = s.get("speculative") or {}
+    return spec if spec.get("enabled") else {}
 
 
 def _ratio(used, total) -> str | None:
@@ -273,7 +281,7 @@ def parser() -> argparse.ArgumentParser:
     add_service_args(st)
     shape = st.add_mutually_exclusive_group()
     shape.add_argument("--wide", action="store_true", help="more columns: memory, token counts, prefix cache, "
-                                                            "device, node (wider than 80 columns)")
+                                                            "speculative decoding, device, node (wider than 80 columns)")
     shape.add_argument("--json", action="store_true", help="every counter of the service and its workers, as JSON")
     sc = sub.add_parser("scale", help="add or remove workers of a running service (removed ones drain first)")
     add_service_args(sc)

@@ -106,6 +106,10 @@ class EngineConfig:
     # A secret shared with the learner: batch-invariant receipts become HMACs under it, which only a holder of
     # the key can produce for edited content (rollout_service/results/receipts.py). Kept out of repr.
     receipt_key: str | None = field(default=None, repr=False)
+    # "suffix": exact speculative decoding, drafts from text already seen (engine/speculation.py); None: off
+    speculative: str | None = None
+    num_speculative_tokens: int = 4
+    speculative_max_batch: int = 32
 
     def __post_init__(self) -> None:
         c = "EngineConfig"
@@ -123,7 +127,10 @@ class EngineConfig:
             _fail(c, "device", self.device, "must be 'cpu', 'cuda' or 'cuda:N'")
         if self.page_size not in (8, 16, 32, 64):
             _fail(c, "page_size", self.page_size, "must be one of 8, 16, 32, 64")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "cuda_graph_max_batch"):
+        if self.speculative not in (None, "suffix"):
+            _fail(c, "speculative", self.speculative, "must be None or 'suffix'")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "cuda_graph_max_batch", "num_speculative_tokens",
+                     "speculative_max_batch"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 _fail(c, name, v, "must be an int >= 1")
@@ -169,8 +176,6 @@ def local_ray_wanted(address: str | None) -> bool:
 
 
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
-
-
 
 
 @dataclass
@@ -383,8 +388,6 @@ class ServiceConfig:
             raise ValueError(f"service config: expected a YAML path, a mapping or a ServiceConfig, "
                              f"got {type(config).__name__}")
         return cls.from_dict(_merge(base, overrides))
-
-
 
 
 def _merge(base: dict, overrides: dict) -> dict:

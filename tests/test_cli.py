@@ -112,7 +112,7 @@ def _stats_fit_80_columns_and_say_more_on_request(address: str) -> None:
     for header in ("worker", "alive", "queued", "running", "KV pages", "used/total", "tok/s", "version"):
         assert header in table, (header, table)
     wide = stats("--wide")
-    assert "…" not in wide and all(h in wide for h in ("device", "MiB", "generated", "prefilled", "hit %")), wide
+    assert "…" not in wide and all(h in wide for h in ("device", "MiB", "generated", "prefilled", "hit %", "accept %")), wide
     got = json.loads(stats("--json"))
     assert [w["worker"] for w in got["workers"]] == [0, 1] and got["info"]["policy_version"] == 0
     assert all("generated_tokens" in w and "prefix_cache" in w for w in got["workers"])

@@ -158,6 +158,19 @@ def test_verify_snippet(invariant):
     assert len(bad) == 1 and bad[0].first_diff == 2 and "token 2" in bad[0].reason
 
 
+# -- speculative.md ---------------------------------------------------------------------------------------------------
+def test_speculative_snippet(llama):
+    scope = run("speculative", model=llama, prompts=prompts(3, seed=9))
+    try:
+        results, plain, spec = scope["results"], scope["plain"], scope["spec"]
+        assert len(results) == len(plain) == 24
+        assert [r.token_ids for r in results] == [r.token_ids for r in plain]  # the same tokens, on or off
+        assert spec["enabled"] and {"acceptance_rate", "tokens_per_verify", "verify_steps"} <= set(spec)
+        assert scope["client"].stats()[0]["speculative"]["proposed"] == spec["proposed"]  # the opt-out drafted none
+    finally:
+        scope["client"].close()
+
+
 # -- learner-api.md ---------------------------------------------------------------------------------------------------
 def test_client_snippet():
     """The Learner API page opens with the README's tour, which test_readme_snippets.py runs as written on the

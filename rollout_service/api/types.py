@@ -53,6 +53,8 @@ class SamplingParams:
     # mixture-of-experts models: each result's routed_experts (and prompt_routed_experts), see RolloutResult
     return_routed_experts: bool = False
     return_prompt_routed_experts: bool = False
+    # False: this request never takes speculative steps (EngineConfig.speculative); its tokens are the same either way
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, (str, tuple)):
@@ -99,7 +101,7 @@ class SamplingParams:
                  "must be an int in [0, 20] (number of top alternatives)", self.logprobs)
         _require(isinstance(self.logprobs_mode, str) and self.logprobs_mode in LOGPROBS_MODES, "logprobs_mode",
                  f"must be one of {LOGPROBS_MODES}", self.logprobs_mode)
-        for name in ("return_routed_experts", "return_prompt_routed_experts"):
+        for name in ("return_routed_experts", "return_prompt_routed_experts", "speculative"):
             _require(isinstance(getattr(self, name), bool), name, "must be a bool", getattr(self, name))
         _require(self.return_routed_experts or not self.return_prompt_routed_experts, "return_prompt_routed_experts",
                  "needs return_routed_experts=True too", self.return_prompt_routed_experts)

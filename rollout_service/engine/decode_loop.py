@@ -5,10 +5,11 @@ leaves a decode step in flight: the next call launches the following decode step
 ids, and only then reads and records the first step's tokens, so the host's work hides behind the GPU's. A
 sequence that turns out to have finished wasted one step's row; nothing else changes (the same tokens,
 log-probs and random draws). A step whose sampling needs the tokens so far on the host (penalties) is recorded
-at once in either loop.
+at once in either loop, and so is one that speculation (speculation.py) may turn into a verify step.
 
 Owns: the step in flight. May call: the scheduler (what runs next), the model runner, the sampler, the token
-recorder (what a step's tokens do) and the counters; it reads the policy version a step ran under.
+recorder (what a step's tokens do), the speculator (a decode batch as a verify step) and the counters; it
+reads the policy version a step ran under.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from rollout_service.engine.recorder import TokenRecorder
 from rollout_service.engine.sampler import Sampler, SamplerOutput, needs_history
 from rollout_service.engine.scheduler import Batch, Scheduler
 from rollout_service.engine.sequence import Sequence, SeqStatus
+from rollout_service.engine.speculation import Speculator
 from rollout_service.engine.transfers import copy_to_host, to_device
 
 
@@ -39,13 +41,17 @@ class Launched:
 
 class DecodeLoop:
     def __init__(self, overlap: bool, scheduler: Scheduler, runner: ModelRunner, sampler: Sampler,
-                 recorder: TokenRecorder, counters: Any, version: Callable[[], int]):
+                 recorder: TokenRecorder, counters: Any, version: Callable[[], int],
+                 speculator: Speculator | None = None):
         self.overlap, self.scheduler, self.runner, self.sampler = overlap, scheduler, runner, sampler
         self.recorder, self.counters, self.version = recorder, counters, version
+        self.speculator = speculator
         self.in_flight: Launched | None = None
 
     def step(self) -> bool:
         """One step; what finishes goes to the outbox. False when there was nothing to run."""
+        if self.speculator is not None:
+            self.speculator.rates.start_step()
         return self._step_overlapped() if self.overlap else self._step_plain()
 
     def _step_plain(self) -> bool:
@@ -82,8 +88,11 @@ class DecodeLoop:
         return True
 
     def _run_scheduled(self, batch: Batch) -> Launched | None:
-        """Run a scheduled batch: a prefill is recorded here; a decode step is returned launched."""
+        """Run a scheduled batch: a prefill or a verify step is recorded here; a decode step is returned
+        launched."""
         if not batch.is_prefill:
+            if self.speculator is not None and self.speculator.try_verify(batch, self.version):
+                return None
             return self._launch(batch)
         prefilled = self.runner.prefill(batch)
         self.counters.steps += 1
@@ -98,6 +107,10 @@ class DecodeLoop:
         out = self.sampler(logits, batch.seqs, ahead=ahead)
         host, copied = copy_to_host(out)
         can_chain = self.overlap and not any(needs_history(s.sampling) for s in batch.seqs)
+        if self.speculator is not None:
+            self.speculator.note_decode(len(batch.seqs))
+            # a step that may verify needs these tokens recorded first
+            can_chain = can_chain and not self.speculator.may_verify(batch.seqs)
         return Launched(batch.seqs, out, host, copied, self.version(), can_chain)
 
     def _schedule_ahead(self, prev: Launched) -> tuple[Batch, torch.Tensor | None] | None:

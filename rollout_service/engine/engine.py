@@ -41,6 +41,8 @@ from rollout_service.engine.sampler import Sampler
 from rollout_service.engine.scheduler import Scheduler
 from rollout_service.engine.sequence import Sequence
 from rollout_service.engine.sleep import Sleeper, process_gpu_bytes
+from rollout_service.engine.drafter import SuffixDrafter
+from rollout_service.engine.speculation import Speculator
 from rollout_service.model.loader import load_model
 from rollout_service.ops.backend import resolve_backend
 from rollout_service.prompts import PromptProcessor
@@ -63,7 +65,20 @@ class EngineCounters:
     generated_tokens: int = 0
     scored_sequences: int = 0     # completions scored (RolloutRequest.completion)
     scored_tokens: int = 0        # completion tokens scored, each time a chunk scored it
+    spec_verify_steps: int = 0    # decode steps run as verify steps (engine/speculation.py)
+    spec_drafts: int = 0          # drafts verified (one per sequence per verify step that had one)
+    spec_proposed: int = 0        # draft tokens verified
+    spec_accepted: int = 0        # of those, tokens plain decoding would have sampled too
+    spec_tokens: int = 0          # tokens the verify steps gave (accepted + one per sequence)
     recent: deque = field(default_factory=lambda: deque(maxlen=64))  # (time, tokens) for tokens/s
+
+
+def _decode_rows(config: EngineConfig) -> int:
+    """Rows a decode step may have: one per sequence, or a verify step's one per drafted token too."""
+    if config.speculative is None:
+        return config.max_num_seqs
+    return max(config.max_num_seqs,
+               min(config.max_num_seqs, config.speculative_max_batch) * (config.num_speculative_tokens + 1))
 
 
 class Engine:
@@ -96,7 +111,7 @@ class Engine:
         if use_graphs and blocker:
             log.warning("CUDA graphs off, decoding eagerly: %s", blocker)
             use_graphs = False
-        self.runner = ModelRunner(self.model, self.kv, self.device, self.max_model_len, config.max_num_seqs,
+        self.runner = ModelRunner(self.model, self.kv, self.device, self.max_model_len, _decode_rows(config),
                                   use_graphs, config.cuda_graph_max_batch)
         self.sampler = Sampler(self.model.ops)
         self.sleeper = Sleeper(self.model, self.kv, self.runner, self.scheduler, self.device)
@@ -105,8 +120,12 @@ class Engine:
         self.requests = RequestTable(self._result, self.scheduler.finish)
         self.recorder = TokenRecorder(self.model, self.sampler, self.scheduler, self.kv.blocks, self.requests,
                                       self.counters, StopRules(self.eos_ids, self.prompts, self.max_model_len))
+        self.speculator = None if config.speculative is None else Speculator(
+            SuffixDrafter(), config.num_speculative_tokens, config.speculative_max_batch,
+            min(config.max_num_batched_tokens, self.runner.decode_inputs.max_batch), self.runner, self.sampler, self.recorder, self.kv.blocks, self.counters,
+            config.max_num_seqs)
         self.loop = DecodeLoop(config.overlap_decode, self.scheduler, self.runner, self.sampler, self.recorder,
-                               self.counters, lambda: self.swap.version)
+                               self.counters, lambda: self.swap.version, self.speculator)
         self.isolation = FaultIsolation(self.scheduler, self.requests, self.loop)
         self.swap = WeightSwap(self.model, self.device, config, self.kv, self.scheduler, self.sleeper,
                                      self.counters, self._lock, self.isolation.flush,
@@ -312,5 +331,14 @@ class Engine:
             "sleep_level": self.sleeper.level, "weights": self.sleeper.parking.state,
             "device_memory_bytes": self.sleeper.device_memory(), "graph_capture_s": self.runner.capture_s,
             "process_gpu_bytes": process_gpu_bytes() if self.device.type == "cuda" else None,
+            "speculative": self._speculative_stats(),
         }
+
+    def _speculative_stats(self) -> dict:
+        c = self.counters
+        return {"enabled": self.speculator is not None, "verify_steps": c.spec_verify_steps,
+                "proposed": c.spec_proposed, "accepted": c.spec_accepted,
+                "acceptance_rate": c.spec_accepted / c.spec_proposed if c.spec_proposed else 0.0,
+                "tokens_per_verify": c.spec_tokens / c.spec_verify_steps if c.spec_verify_steps else 0.0,
+                "tokens_per_draft": (c.spec_accepted + c.spec_drafts) / c.spec_drafts if c.spec_drafts else 0.0}
 

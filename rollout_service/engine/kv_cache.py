@@ -151,6 +151,14 @@ class BlockManager:
                 self._page_of[key], self._entry[key], self._key_of[page] = page, entry, key
             keys.append(key)
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Let go of `seq`'s pages past its first `num_tokens` tokens (a draft's rejected positions: never
+        computed, so never cached or shared)."""
+        keep = pages_for(num_tokens, self.page_size)
+        for p in seq.pages[keep:]:
+            self._unref(p)
+        del seq.pages[keep:]
+
     def free(self, seq: Sequence) -> None:
         """Let go of every page of `seq` (finished, aborted or preempted); it holds none after."""
         self.cache_full_pages(seq)

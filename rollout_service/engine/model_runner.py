@@ -17,6 +17,7 @@ from rollout_service.engine.decode_inputs import DecodeInputs
 from rollout_service.engine.kv_cache import KVCache, pages_for
 from rollout_service.engine.scheduler import Batch
 from rollout_service.engine.scoring import score_positions
+from rollout_service.engine.sequence import Sequence
 from rollout_service.ops.attention import AttentionMetadata, make_metadata
 from rollout_service.ops.cpu_threads import CpuThreads
 
@@ -31,14 +32,15 @@ class Prefilled:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv: KVCache, device: torch.device, max_model_len: int,
-                 max_num_seqs: int, use_cuda_graphs: bool = False, cuda_graph_max_batch: int = 256):
+                 max_rows: int, use_cuda_graphs: bool = False, cuda_graph_max_batch: int = 256):
+        """max_rows: the most rows a decode step has (a sequence each, or a verify step's row per token)."""
         self.model = model
         self.kv = kv
         self.device = device
         self.page_size = kv.page_size
         self.max_pages_per_seq = pages_for(max_model_len, kv.page_size)
-        self.decode_inputs = DecodeInputs(max_num_seqs, self.max_pages_per_seq, self.page_size, device)
-        self.graph_max_batch = min(cuda_graph_max_batch, max_num_seqs) if use_cuda_graphs and device.type == "cuda" else 0
+        self.decode_inputs = DecodeInputs(max_rows, self.max_pages_per_seq, self.page_size, device)
+        self.graph_max_batch = min(cuda_graph_max_batch, max_rows) if use_cuda_graphs and device.type == "cuda" else 0
         self.graphs = None
         self.capture_s = 0.0  # wall time of the last capture: paid at start-up and on every wake
         # a CPU engine's thread count follows how busy the machine is (ops/cpu_threads.py)
@@ -87,21 +89,44 @@ class ModelRunner:
             raise ValueError("ModelRunner.decode: given a prefill batch")
         return self._decode(batch, input_ids)
 
+    @torch.inference_mode()
+    def verify(self, seqs: list[Sequence], drafts: list[list[int]]) -> torch.Tensor:
+        """Forward each running sequence's last token and its draft (engine/speculation.py): float32 logits,
+        len(drafts[b]) + 1 rows per sequence, row j predicting the token after draft[:j]. Each row is a decode
+        row of its own (the sequence's pages, its length up to that token): a decode step writes every row's
+        K/V before any row attends, so row j sees the draft before it. So a verify step is a decode step of
+        more rows, in the same CUDA graphs and with the same arithmetic per row. The sequences' pages cover
+        their tokens and drafts."""
+        tables, tokens, lengths = [], [], []
+        for seq, draft in zip(seqs, drafts):
+            n = seq.num_tokens
+            tables += [seq.pages] * (len(draft) + 1)
+            tokens += [seq.last_token] + draft
+            lengths += range(n, n + len(draft) + 1)
+        return self._decode_rows(tables, tokens, lengths)
+
     def _decode(self, batch: Batch, input_ids: torch.Tensor | None) -> torch.Tensor:
-        if self.cpu_threads is not None:
-            self.cpu_threads.tick()
         seqs = batch.seqs
         n = len(seqs)
-        graph = self.graphs is not None and self.graphs.can_run(n)
-        rows = self.graphs.bucket(n) if graph else n
-        inputs = self.decode_inputs
         ahead = input_ids is not None
         if ahead and input_ids.shape != (n,):
             raise ValueError(f"input_ids must have shape ({n},), got {tuple(input_ids.shape)}")
         last = [0] * n if ahead else [s.last_token for s in seqs]  # ahead: the ids follow on the device
-        inputs.fill([s.pages for s in seqs], last, [s.num_tokens + ahead for s in seqs], rows)
+        return self._decode_rows([s.pages for s in seqs], last, [s.num_tokens + ahead for s in seqs], input_ids)
+
+    def _decode_rows(self, tables: list[list[int]], tokens: list[int], lengths: list[int],
+                     input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """One query per row: row r is the token at position lengths[r] - 1 of a sequence whose KV lives in
+        tables[r]. A captured graph runs it when one fits."""
+        if self.cpu_threads is not None:
+            self.cpu_threads.tick()
+        n = len(lengths)
+        graph = self.graphs is not None and self.graphs.can_run(n)
+        rows = self.graphs.bucket(n) if graph else n
+        inputs = self.decode_inputs
+        inputs.fill(tables, tokens, lengths, rows)
         inputs.upload()
-        if ahead:
+        if input_ids is not None:
             inputs.set_input_ids(input_ids)
         if graph:
             return self.graphs.run(n)

@@ -67,20 +67,41 @@ class TokenRecorder:
             if seq.status is not SeqStatus.RUNNING:
                 continue  # finished (or aborted) while this step ran
             recorded += 1
-            k = seq.sampling.logprobs
-            # alternatives outside a truncated distribution (-inf) are not alternatives
-            top = ({t: lp for t, lp in zip(top_ids[i][:k], top_lps[i][:k]) if lp != float("-inf")}
-                   if k and top_ids is not None else None)
-            seq.append(token_ids[i], logprobs[i], version, top)
-            if not math.isfinite(logprobs[i]):  # the forward overflowed: what follows would be garbage
-                error = overflow_error([logprobs[i]], offset=seq.num_output_tokens - 1)
-                self.requests.finish_to_outbox(seq, "abort", error)
-                continue
-            reason = self.stops.reason(seq, token_ids[i])
-            if reason:
-                self.requests.finish_to_outbox(seq, reason)
+            top = (top_ids[i], top_lps[i]) if top_ids is not None else None
+            self._take(seq, token_ids[i], logprobs[i], top, version)
+        self.note_recorded(recorded)
+
+    def record_run(self, seq: Sequence, token_ids: list[int], logprobs: list[float],
+                   tops: list[tuple[list[int], list[float]] | None], version: int) -> int:
+        """Record consecutive tokens of one running sequence (a verify step's), each as a decode step would, up
+        to the one that finishes it; their KV but the last's is computed. Returns how many were recorded."""
+        for i, tok in enumerate(token_ids):
+            seq.num_computed = seq.num_tokens
+            if not self._take(seq, tok, logprobs[i], tops[i], version):
+                return i + 1
+        return len(token_ids)
+
+    def note_recorded(self, recorded: int) -> None:
         self.counters.generated_tokens += recorded
         self.counters.recent.append((time.time(), recorded))
+
+    def _take(self, seq: Sequence, tok: int, logprob: float, top_row: tuple[list[int], list[float]] | None,
+              version: int) -> bool:
+        """Append one sampled token and apply the stop rules; False when that finished the sequence."""
+        k = seq.sampling.logprobs
+        # alternatives outside a truncated distribution (-inf) are not alternatives
+        top = ({t: lp for t, lp in zip(top_row[0][:k], top_row[1][:k]) if lp != float("-inf")}
+               if k and top_row is not None else None)
+        seq.append(tok, logprob, version, top)
+        if not math.isfinite(logprob):  # the forward overflowed: what follows would be garbage
+            error = overflow_error([logprob], offset=seq.num_output_tokens - 1)
+            self.requests.finish_to_outbox(seq, "abort", error)
+            return False
+        reason = self.stops.reason(seq, tok)
+        if reason:
+            self.requests.finish_to_outbox(seq, reason)
+            return False
+        return True
 
     def after_prefill(self, batch: Batch, prefilled: Prefilled, version: int) -> None:
         """A prefill chunk ran: prompts it completed fork their samples and draw their first tokens; scored

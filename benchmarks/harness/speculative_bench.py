@@ -1,0 +1,267 @@
+"""WS: exact speculative decoding (EngineConfig.speculative="suffix") on vs off, in one run on one device.
+
+Prompts are the GRPO example's arithmetic tasks (rollout_service/examples/tasks.py) through the chat template,
+sampled at temperature 1.0 with n samples each, as GRPO samples them, but up to --max-tokens tokens (the
+example stops at 16, too short to show decoding speed). For each batch size B (sequences in flight: B / n
+prompts of n samples, or one sample of one prompt at B = 1) one engine with speculation and one without run:
+- "cold": the prompts seen for the first time (drafts come from each sequence's own text and its siblings');
+- "warm": the same prompts again with new seeds (a later epoch: earlier rollouts of the prompt are history).
+tok/s = generated tokens / wall time of the batch; tokens must be identical on and off in every pass.
+"tail": one W2-like batch of 8 prompts x n = 8 whose lengths have a long tail (6 prompts stop at 48 tokens,
+2 run to 8x that; ignore_eos), timed to its last token.
+
+  python -m benchmarks.harness.speculative_bench --model smollm2-135m --device cpu [--batches 1,8,64]
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Callable
+
+import torch
+
+from rollout_service.api.types import RolloutRequest, SamplingParams
+
+
+@dataclass
+class Shape:
+    batches: tuple[int, ...] = (1, 8, 64, 256)
+    n: int = 8
+    max_tokens: int = 128
+    single_prompts: int = 4   # B = 1: this many prompts one after another
+    tail_short: int = 48
+    tail_ratio: int = 8
+
+
+VOCAB = {"size": 0}  # a model without a tokenizer (random weights): prompts are seeded random ids of its vocabulary
+
+
+def _prompts(count: int, start: int = 0) -> list[Any]:
+    if VOCAB["size"]:
+        from benchmarks.harness.models import random_prompts
+        return random_prompts(count, 40, VOCAB["size"], seed=start)
+    from rollout_service.examples import tasks
+    train, _ = tasks.split()
+    return [train[(start + i) % len(train)].messages() for i in range(count)]
+
+
+class Replay:
+    """A drafter that knows the answer: the tokens the run without speculation sampled, each draft token right
+    with probability `p` (a draft stops at its first wrong token). Shows what a verify step gives at a given
+    acceptance where real text is not at hand (random weights)."""
+
+    def __init__(self, p: float):
+        self.p, self.tokens = p, {}
+
+    def learn(self, results: list) -> None:
+        self.tokens.update({(r.request_id, r.sample_index): r.token_ids for r in results})
+
+    def propose(self, seq: Any, k: int) -> list[int]:
+        import random
+        truth = self.tokens.get((seq.request_id, seq.sample_index), [])
+        n = seq.num_output_tokens
+        rng = random.Random(hash((seq.request_id, seq.sample_index, n)))
+        draft = []
+        for t in truth[n:n + k]:
+            if rng.random() >= self.p:
+                draft.append(t + 1 if t else 1)
+                break
+            draft.append(t)
+        return draft
+
+    def forget(self, seq: Any) -> None:
+        pass
+
+
+def _generate(eng: Any, reqs: list[RolloutRequest]) -> tuple[list, float]:
+    t0 = time.perf_counter()
+    for r in reqs:
+        eng.add_request(r)
+    out = eng.run_until_done()
+    dt = time.perf_counter() - t0
+    return sorted(out, key=lambda r: (r.request_id, r.sample_index)), dt
+
+
+def _batch_requests(batch: int, s: Shape, epoch: int, tag: str) -> list[list[RolloutRequest]]:
+    """The waves of requests of one pass: B / n prompts of n samples at once, or single samples in turn."""
+    def sp(i: int, n: int) -> SamplingParams:
+        return SamplingParams(n=n, temperature=1.0, max_tokens=s.max_tokens, seed=1000 * epoch + i)
+    if batch == 1:
+        return [[RolloutRequest(p, sp(i, 1), request_id=f"{tag}-{i}")] for i, p in enumerate(_prompts(s.single_prompts))]
+    n = min(s.n, batch)
+    return [[RolloutRequest(p, sp(i, n), request_id=f"{tag}-{i}") for i, p in enumerate(_prompts(batch // n))]]
+
+
+def _pass(eng: Any, waves: list[list[RolloutRequest]]) -> tuple[list, float]:
+    results, seconds = [], 0.0
+    for wave in waves:
+        out, dt = _generate(eng, wave)
+        results += out
+        seconds += dt
+    return results, seconds
+
+
+def _spec_counts(eng: Any) -> dict:
+    c = eng.counters
+    return {"verify_steps": c.spec_verify_steps, "proposed": c.spec_proposed, "accepted": c.spec_accepted,
+            "tokens": c.spec_tokens}
+
+
+def measure(make_engine: Callable[..., Any], s: Shape, drafters: list[str]) -> list[dict]:
+    """drafters: "suffix" (the engine's own), or "replay@p" (Replay(p))."""
+    rows: list[dict] = []
+    for batch in s.batches:
+        runs = {"off": _passes(make_engine, batch, s, on=False)}
+        for drafter in drafters:
+            replay = None if drafter == "suffix" else Replay(float(drafter.split("@")[1]))
+            if replay:
+                replay.learn([r for _, results, _, _ in runs["off"] for r in results])
+            runs[drafter] = _passes(make_engine, batch, s, on=True, replay=replay)
+        for drafter in drafters:
+            rows += _batch_rows(batch, drafter, runs["off"], runs[drafter])
+    rows.append(tail(make_engine, s))
+    print(rows[-1], flush=True)
+    return rows
+
+
+def _passes(make_engine: Callable[..., Any], batch: int, s: Shape, on: bool, replay: Replay | None = None
+            ) -> list[tuple]:
+    eng = make_engine(speculative="suffix" if on else None, max_num_seqs=max(batch, 8))
+    if replay is not None:
+        eng.speculator.drafter = replay
+    _generate(eng, [RolloutRequest(_prompts(1, 99)[0], SamplingParams(max_tokens=8), request_id="warm")])
+    passes = []
+    for epoch, name in ((0, "cold"), (1, "warm")):
+        before = _spec_counts(eng)
+        results, dt = _pass(eng, _batch_requests(batch, s, epoch, name))
+        after = _spec_counts(eng)
+        passes.append((name, results, dt, {k: after[k] - before[k] for k in after}))
+    del eng
+    _free()
+    return passes
+
+
+def _batch_rows(batch: int, drafter: str, off_passes: list, on_passes: list) -> list[dict]:
+    rows = []
+    for (name, off, t_off, _), (_, on, t_on, c) in zip(off_passes, on_passes):
+        tokens = sum(len(r.token_ids) for r in off)
+        rows.append({
+                "measure": "batch", "batch": batch, "drafter": drafter, "pass": name, "tokens": tokens,
+                "off_tok_s": round(tokens / t_off, 1), "on_tok_s": round(tokens / t_on, 1),
+                "speedup": round(t_off / t_on, 3), "identical": _identical(off, on),
+                "verify_steps": c["verify_steps"], "acceptance": round(c["accepted"] / c["proposed"], 3)
+                if c["proposed"] else 0.0,
+                "tokens_per_verify": round(c["tokens"] / c["verify_steps"], 2) if c["verify_steps"] else 0.0})
+        print(rows[-1], flush=True)
+    return rows
+
+
+def _identical(a: list, b: list) -> bool:
+    return [(r.request_id, r.sample_index, r.token_ids) for r in a] == [(r.request_id, r.sample_index, r.token_ids)
+                                                                        for r in b]
+
+
+def tail(make_engine: Callable[..., Any], s: Shape) -> dict:
+    prompts = _prompts(8, 200)
+    lengths = [s.tail_short] * 6 + [s.tail_short * s.tail_ratio] * 2
+    runs = {}
+    for mode in ("off", "on"):
+        eng = make_engine(speculative="suffix" if mode == "on" else None, max_num_seqs=64)
+        _generate(eng, [RolloutRequest(_prompts(1, 99)[0], SamplingParams(max_tokens=8), request_id="warm")])
+        reqs = [RolloutRequest(p, SamplingParams(n=8, temperature=1.0, max_tokens=m, seed=i, ignore_eos=True),
+                               request_id=f"tail-{i}") for i, (p, m) in enumerate(zip(prompts, lengths))]
+        runs[mode] = _generate(eng, reqs) + (_spec_counts(eng),)
+        del eng
+        _free()
+    (off, t_off, _), (on, t_on, c) = runs["off"], runs["on"]
+    return {"measure": "tail", "batch": 64, "pass": "cold", "tokens": sum(len(r.token_ids) for r in off),
+            "off_s": round(t_off, 2), "on_s": round(t_on, 2), "speedup": round(t_off / t_on, 3),
+            "identical": _identical(off, on), "verify_steps": c["verify_steps"],
+            "acceptance": round(c["accepted"] / c["proposed"], 3) if c["proposed"] else 0.0}
+
+
+def _free() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def main(argv: list[str] | None = None) -> int:
+    from rollout_service.engine.engine import Engine
+
+    from benchmarks.harness.models import load_bench_model
+    from benchmarks.harness.result_files import results_dir
+    from benchmarks.harness.service_bench import write_results
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--batches", default="1,8,64,256", help="comma-separated batch sizes")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--drafters", default="suffix", help="comma-separated: suffix (the engine's), replay@P (the "
+                   "plain run's tokens, each right with probability P)")
+    p.add_argument("--out", default=None)
+    p.add_argument("--tag", default="", help="a label of the run, kept in its meta")
+    p.add_argument("--quick", action="store_true", help="tiny shapes: a smoke run")
+    args = p.parse_args(argv)
+    batches = tuple(int(b) for b in args.batches.split(","))
+    shape = Shape(batches=(1, 8), max_tokens=16, single_prompts=1, tail_short=8, tail_ratio=2) if args.quick \
+        else Shape(batches=batches, max_tokens=args.max_tokens)
+    bm = load_bench_model(args.model, torch.device(args.device))  # float32 on the CPU, bf16 on a GPU
+    hf, tok = bm.hf_model, _tokenizer(args.model)
+    VOCAB["size"] = 0 if tok is not None else int(bm.config.vocab_size)
+
+    def make_engine(**o: Any) -> Any:
+        seqs = o["max_num_seqs"]
+        pages = seqs * (160 + shape.max_tokens * max(1, shape.tail_ratio)) // 16 + 64
+        return Engine(model_source=hf, tokenizer=tok, device=args.device,
+                      dtype=str(bm.dtype).removeprefix("torch."), num_pages=pages, **o)
+
+    rows = measure(make_engine, shape, args.drafters.split(","))
+    meta = {"shape": asdict(shape), "model": args.model, "device": args.device, "dtype": str(bm.dtype),
+            "weights": bm.weights, "prompts": "GRPO's arithmetic tasks" if tok else "random token ids"}
+    if args.device == "cuda":
+        meta["hardware"] = torch.cuda.get_device_name()
+    write_results(results_dir(args.out, args.quick), "ws-speculative", meta, rows, markdown, args.tag)
+    return 0 if all(r["identical"] for r in rows) else 1
+
+
+def _tokenizer(model: str) -> Any:
+    """The embedded model's tokenizer (real prompts); None for a random-weights model."""
+    from benchmarks.harness.models import EMBEDDED
+    if model != EMBEDDED:
+        return None
+    from transformers import AutoTokenizer
+
+    from rollout_service.model.gguf_cache import pretrained_location
+    from rollout_service.model.loader import gguf_file
+    path, extra = pretrained_location(gguf_file(EMBEDDED))
+    return AutoTokenizer.from_pretrained(path, local_files_only=True, **extra)
+
+
+def markdown(meta: dict, rows: list[dict]) -> list[str]:
+    s = meta["shape"]
+    lines = [f"Shape: {s}; one in-process engine per mode on the same model object ({meta.get('dtype')}, weights "
+             f"{meta.get('weights')}), temperature 1.0, prompts: {meta.get('prompts')}.", "",
+             "| batch | drafter | pass | tokens | off tok/s | on tok/s | on / off | acceptance | verify steps | "
+             "tokens / verify step | identical |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["measure"] == "batch":
+            lines.append(f"| {r['batch']} | {r['drafter']} | {r['pass']} | {r['tokens']:,} | {r['off_tok_s']} | "
+                         f"{r['on_tok_s']} | "
+                         f"{r['speedup']}x | {r['acceptance']} | {r['verify_steps']} | {r['tokens_per_verify']} | "
+                         f"{r['identical']} |")
+    t = next((r for r in rows if r["measure"] == "tail"), None)
+    if t:
+        lines += ["", "| long tail (64 sequences) | tokens | off s | on s | off / on | acceptance | identical |",
+                  "|---|---|---|---|---|---|---|",
+                  f"| to the last token | {t['tokens']:,} | {t['off_s']} | {t['on_s']} | {t['speedup']}x | "
+                  f"{t['acceptance']} | {t['identical']} |"]
+    return lines
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main(sys.argv[1:]))
