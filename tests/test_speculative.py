@@ -10,7 +10,7 @@ from tiny_models import tiny_hf_model
 
 from rollout_service import RolloutRequest, SamplingParams
 from rollout_service.api.types import EpisodeParams
-from rollout_service.config import EngineConfig
+from rollout_service.config import EngineConfig, ServiceConfig
 from rollout_service.engine.drafter import SuffixDrafter
 from rollout_service.engine.engine import Engine
 from rollout_service.engine.sequence import Sequence
@@ -225,7 +225,7 @@ def test_episodes_and_moe_routing_are_the_same():
         assert np.array_equal(x.routed_experts, y.routed_experts)
 
 
-def test_opt_out_and_bad_config(llama):
+def test_opt_out_config_and_bad_config(llama, tmp_path):
     reqs = [(rid, p, SamplingParams(**{**sp.to_dict(), "speculative": False}), at) for rid, p, sp, at in MIXED]
     _, plain = drive(llama)
     eng, spec = drive(llama, reqs, drafter=Oracle(plain))
@@ -239,6 +239,12 @@ def test_opt_out_and_bad_config(llama):
         EngineConfig(speculative="suffix", speculative_max_batch=0)
     with pytest.raises(ValueError, match="speculative"):
         SamplingParams(speculative="yes")
+    yaml = tmp_path / "svc.yaml"
+    yaml.write_text("engine:\n  speculative: suffix\n  num_speculative_tokens: 6\n")
+    assert ServiceConfig.from_yaml(str(yaml)).engine.num_speculative_tokens == 6
+    yaml.write_text("engine:\n  speculative: medusa\n")
+    with pytest.raises(ValueError, match="speculative"):
+        ServiceConfig.from_yaml(str(yaml))
     off = Engine(model_source=llama, num_pages=16).stats()["speculative"]
     assert off["enabled"] is False and off["verify_steps"] == 0
 
@@ -280,3 +286,19 @@ def test_step_rates_pick_the_faster_mode_and_probe_the_other():
     assert picks.count(True) == 2  # the slower mode is tried once every PROBE_EVERY decisions
     r.rates[("decode", 4)] = 50.0
     assert r.prefer_verify(4)
+
+
+def test_the_embedded_model_on_grpos_prompts(smollm2):
+    """Real text: the suffix drafter's drafts (siblings' and the sequence's own text) are partly right, and the
+    tokens are plain decoding's, greedy and sampled."""
+    from rollout_service.examples import tasks
+    model, tok = smollm2
+    train, _ = tasks.split()
+    reqs = [(f"p{i}", train[i].messages(),
+             SamplingParams(n=4, temperature=1.0, max_tokens=32, seed=i), 0) for i in range(1)]
+    reqs.append(("greedy", reqs[0][1], SamplingParams(temperature=0, max_tokens=32), 0))
+    _, plain = drive(model, reqs, tokenizer=tok)
+    eng, spec = drive(model, reqs, tokenizer=tok, speculative="suffix")
+    assert_same(plain, spec)
+    s = eng.stats()["speculative"]
+    assert s["accepted"] > 0 and s["tokens_per_verify"] > 1, s
