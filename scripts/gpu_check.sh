@@ -11,8 +11,8 @@
 #   env: PYTHON (default python3), OUT, GPU_CHECK_BUDGET_S (default 530),
 #        GPU_CHECK_MODELS (default qwen2.5-0.5b,llama3-8b), GPU_CHECK_ARGS (extra harness arguments),
 #        GPU_CHECK_RESULTS (default benchmarks/results), GPU_CHECK_TAG (a label of the runs, kept in their meta),
-#        GPU_CHECK_BENCH (the benchmark steps, in order: default w7,rls,w6,w3,w4,w2p,wbi,main,moe; the budget cuts the
-#        last ones), GPU_CHECK_MOE (the moe step's workloads, default WM,W2,W1,W5,WMF,WBI),
+#        GPU_CHECK_BENCH (the benchmark steps, in order: default w7,rls,w6,w3,wd,w4,w2p,wbi,main,moe; the budget cuts
+#        the last ones), GPU_CHECK_MOE (the moe step's workloads, default WM,W2,W1,W5,WMF,WBI),
 #        GPU_CHECK_MAIN (the main step's workloads, default W1,W2,W5,W2fp8,W1fp8,W2w,WP,W2n),
 #        GPU_CHECK_W6_MODELS (the w6 step's models, default GPU_CHECK_MODELS)
 set -u
@@ -32,7 +32,7 @@ mkdir -p "$RESULTS" "$(dirname "$LOG")"
 MARK=$(mktemp); touch "$MARK"
 BASE=$(mktemp -d)  # the results as they were: the runs below replace files, the regression check reads these
 cp "$RESULTS"/*.json "$BASE"/ 2>/dev/null || true
-BENCH_STEPS=${GPU_CHECK_BENCH:-w7,rls,w6,w3,w4,w2p,wbi,main,moe}
+BENCH_STEPS=${GPU_CHECK_BENCH:-w7,rls,w6,w3,wd,w4,w2p,wbi,main,moe}
 left() { echo $(( BUDGET - ($(date +%s) - START) )); }
 wanted() { [[ ",$BENCH_STEPS," == *",$1,"* ]]; }
 declare -A STATUS
@@ -87,6 +87,17 @@ fi
 W3_S=$(( $(left) > 300 ? 200 : 0 ))
 if wanted w3 && [ "$W3_S" -gt 0 ]; then
   step bench_w3 "$W3_S" "$PY" -m benchmarks --model "$MODELS" --workloads W3 --budget-s $(( W3_S - 20 )) \
+    --out "$RESULTS" ${GPU_CHECK_TAG:+--tag "$GPU_CHECK_TAG"}
+fi
+
+# WD (issue 49: delta refreshes after real optimizer steps, dense vs delta in the same run) on both models, on its
+# own like W3 (a local Ray instance, one worker, the object store, bf16): 10 GRPO steps of W6's learner, each
+# refresh sent as a delta, then the same weights dense; the digests must match. qwen2.5-0.5b trains with AdamW
+# through fp32 masters; llama3-8b with the memory-light step (benchmarks/harness/delta_learner.py: its masters and
+# moments would not fit beside the worker). A step that would end past the budget is not started.
+WD_S=$(( $(left) > 300 ? 240 : 0 ))
+if wanted wd && [ "$WD_S" -gt 0 ]; then
+  step bench_wd "$WD_S" "$PY" -m benchmarks --model "$MODELS" --workloads WD --budget-s $(( WD_S - 30 )) \
     --out "$RESULTS" ${GPU_CHECK_TAG:+--tag "$GPU_CHECK_TAG"}
 fi
 
@@ -172,7 +183,7 @@ for f in $NEW; do case $f in *.md) cat "$f";; esac; done
 # green: the GPU tests (where the tree has them) passed, every benchmark step that ran passed, and one did run
 green=$([ "${STATUS[gpu_tests]:-0}" = 0 ] && echo 1 || echo 0)
 ran=0
-for b in bench_w7 bench_w6 bench_w3 bench_w4 bench_w2p bench_wbi bench bench_moe; do
+for b in bench_w7 bench_w6 bench_w3 bench_wd bench_w4 bench_w2p bench_wbi bench bench_moe; do
   case ${STATUS[$b]:-} in "") ;; 0) ran=1 ;; *) green=0 ;; esac
 done
 [ "$green" = 1 ] && [ "$ran" = 1 ]
