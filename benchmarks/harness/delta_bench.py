@@ -77,8 +77,8 @@ def _run(ctx: BenchContext, secs: Row, size: Row) -> Cell:
     dense_bytes = sum(t.numel() for t in bm.hf_model.state_dict().values()) * ENGINE_DTYPE.itemsize
     every_step = dense_bytes <= EVERY_STEP_DIGESTS
     track = dense_bytes <= CHANGED_SHARE_BYTES
-    learner = Learner(bm.hf_model, rc, light=_light(ctx, dense_bytes), group_size=s.wd_n)
     batches = Batches(rc, s, bm.vocab_size)
+    learner = Learner(bm.hf_model, rc, light=_light(ctx, dense_bytes), group_size=s.wd_n)  # (closed below)
     versions = iter(range(1, 1 << 30))
     steps: list[dict] = []
     try:

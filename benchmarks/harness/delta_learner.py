@@ -18,6 +18,9 @@ about lr, no less than Adam's steady steps move it, so no fewer elements change.
 and rounded to bf16 stochastically (up or down with probability by distance): an element reaches the next bf16
 value with probability |update| / spacing, the rate at which an fp32 master weight's bf16 cast changes under the
 same update. No optimizer state and no gradient kept; no gradient clipping (the update does not scale with it).
+That rate is a long run's, whose masters lie anywhere between two bf16 values; fp32 masters made from bf16 weights
+(qwen2.5-0.5b's) start on them and need half a spacing to change their cast, so their first steps change fewer
+elements: on tiny-llama at lr 1e-6, 1.5% at the first step against 3.3% for fp32 weights and for this step.
 """
 from __future__ import annotations
 
@@ -183,23 +186,23 @@ class FreshAdamSR:
         self.gen = torch.Generator(device=params[0].device).manual_seed(seed)
         self.hooks = [p.register_post_accumulate_grad_hook(self._update) for p in params]
         self.total = sum(p.numel() for p in params)
-        self.changed = 0  # elements whose bf16 value changed since zero_grad (one step)
+        self.changed = torch.zeros((), dtype=torch.int64, device=params[0].device)  # since zero_grad (one step)
 
     def zero_grad(self) -> None:
         """Before a step's backward (the gradients themselves are freed as they are used)."""
-        self.changed = 0
+        self.changed.zero_()
 
     def changed_share(self) -> float:
-        return round(self.changed / max(1, self.total), 6)
+        return round(int(self.changed) / max(1, self.total), 6)
 
     @torch.no_grad()
     def _update(self, p: torch.Tensor) -> None:
-        w, g = p.data.view(-1), p.grad.view(-1)
+        w, g = p.data.view(-1), p.grad.reshape(-1)
         for a in range(0, w.numel(), self.CHUNK):
             old, grad = w[a:a + self.CHUNK], g[a:a + self.CHUNK].float()
             new = old.float() - self.lr * grad / (grad.abs() + self.eps)
             new = stochastic_bf16(new, self.gen) if w.dtype == torch.bfloat16 else new.to(w.dtype)
-            self.changed += int((new != old).sum())
+            self.changed += (new != old).sum()  # (on the device: no sync per chunk)
             old.copy_(new)
         p.grad = None
 

@@ -21,7 +21,7 @@ from benchmarks.harness.batch_invariant import wbi_batch_invariant
 from benchmarks.harness.ceilings import measure_ceilings
 from benchmarks.harness.context import CPU, QUICK, BenchContext, Shapes, parse_shape
 from benchmarks.harness.dynamic_sampling_bench import wds_dynamic_sampling
-from benchmarks.harness.models import MODEL_NAMES, load_bench_model
+from benchmarks.harness.models import ALIASES, MODEL_NAMES, load_bench_model
 from benchmarks.harness.moe_fidelity import wmf_moe_fidelity
 from benchmarks.harness.moe_layer import wm_moe_layer
 from benchmarks.harness.multiturn import w7_multiturn
@@ -140,7 +140,7 @@ def run(args, argv: list[str] | None) -> int:
     device = pick_device(args.device)
     shapes = pick_shapes(args, device)
     default = "tiny-llama" if args.quick else ("smollm2-135m" if device.type == "cpu" else "qwen2.5-0.5b")
-    models = [m.strip() for m in (args.model or default).split(",") if m.strip()]
+    models = [ALIASES.get(m.strip(), m.strip()) for m in (args.model or default).split(",") if m.strip()]
     for m in models:
         if m not in MODEL_NAMES:
             raise ValueError(f"--model {m!r}: choose from {', '.join(MODEL_NAMES)}")

@@ -47,6 +47,7 @@ _RANDOM_CONFIGS = {
 }
 EMBEDDED = "smollm2-135m"
 MODEL_NAMES = (*_RANDOM_CONFIGS, EMBEDDED)
+ALIASES = {"smollm2": EMBEDDED}  # --model names that stand for another (the results name the model as above)
 
 
 @dataclass
