@@ -97,7 +97,7 @@ fi
 # moments would not fit beside the worker). A step that would end past the budget is not started.
 WD_S=$(( $(left) > 300 ? 240 : 0 ))
 if wanted wd && [ "$WD_S" -gt 0 ]; then
-  step bench_wd "$WD_S" "$PY" -m benchmarks --model "$MODELS" --workloads WD --budget-s $(( WD_S - 30 )) \
+  step bench_wd "$WD_S" "$PY" -m benchmarks --model "$MODELS" --workloads WD --budget-s $(( WD_S - 35 )) \
     --out "$RESULTS" ${GPU_CHECK_TAG:+--tag "$GPU_CHECK_TAG"}
 fi
 
