@@ -11,10 +11,11 @@
 #   env: PYTHON (default python3), OUT, GPU_CHECK_BUDGET_S (default 530),
 #        GPU_CHECK_MODELS (default qwen2.5-0.5b,llama3-8b), GPU_CHECK_ARGS (extra harness arguments),
 #        GPU_CHECK_RESULTS (default benchmarks/results), GPU_CHECK_TAG (a label of the runs, kept in their meta),
-#        GPU_CHECK_BENCH (the benchmark steps, in order: default w7,rls,w6,w3,wd,w4,w2p,wbi,main,moe; the budget cuts
+#        GPU_CHECK_BENCH (the benchmark steps, in order: default w7,rls,w6,w3,wd,ws,w4,w2p,wbi,main,moe; the budget cuts
 #        the last ones), GPU_CHECK_MOE (the moe step's workloads, default WM,W2,W1,W5,WMF,WBI),
 #        GPU_CHECK_MAIN (the main step's workloads, default W1,W2,W5,W2fp8,W1fp8,W2w,WP,W2n),
-#        GPU_CHECK_W6_MODELS (the w6 step's models, default GPU_CHECK_MODELS)
+#        GPU_CHECK_W6_MODELS (the w6 step's models, default GPU_CHECK_MODELS),
+#        GPU_CHECK_TESTS=0 (skip tests/gpu: a second call on the same machine, for the steps the budget cut)
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -32,7 +33,7 @@ mkdir -p "$RESULTS" "$(dirname "$LOG")"
 MARK=$(mktemp); touch "$MARK"
 BASE=$(mktemp -d)  # the results as they were: the runs below replace files, the regression check reads these
 cp "$RESULTS"/*.json "$BASE"/ 2>/dev/null || true
-BENCH_STEPS=${GPU_CHECK_BENCH:-w7,rls,w6,w3,wd,w4,w2p,wbi,main,moe}
+BENCH_STEPS=${GPU_CHECK_BENCH:-w7,rls,w6,w3,wd,ws,w4,w2p,wbi,main,moe}
 left() { echo $(( BUDGET - ($(date +%s) - START) )); }
 wanted() { [[ ",$BENCH_STEPS," == *",$1,"* ]]; }
 declare -A STATUS
@@ -53,7 +54,7 @@ else
   echo "== build_kernels: skipped, rollout_service/ops/_ext.py not in this tree" | tee -a "$LOG"
 fi
 
-if [ -d tests/gpu ]; then
+if [ -d tests/gpu ] && [ "${GPU_CHECK_TESTS:-1}" != 0 ]; then
   step gpu_tests 240 "$PY" -m pytest -q -rf tests/gpu  # no -x: one failure must not hide the rest
 fi
 
@@ -99,6 +100,20 @@ WD_S=$(( $(left) > 300 ? 240 : 0 ))
 if wanted wd && [ "$WD_S" -gt 0 ]; then
   step bench_wd "$WD_S" "$PY" -m benchmarks --model "$MODELS" --workloads WD --budget-s $(( WD_S - 35 )) \
     --out "$RESULTS" ${GPU_CHECK_TAG:+--tag "$GPU_CHECK_TAG"}
+fi
+
+# WS (issue 47: exact speculative decoding on vs off in one run, tokens checked identical) on qwen2.5-0.5b with
+# random weights in bf16 (the embedded model's weights are not on a GPU host): its own suffix drafter (random text:
+# the drafts fail, the cost model must keep it from being slower), and drafts replaying the plain run's tokens,
+# each right with probability 0.35 / 0.7 / 1.0, for what a verify step gives at a given acceptance. Then the same in
+# batch-invariant mode at batch 8 and 64, where the tokens must be identical (bf16 otherwise rounds a wider batch
+# differently, as any change of batch does: the default run reports the fraction identical).
+WS_S=$(( $(left) > 200 ? 150 : 0 ))
+if wanted ws && [ "$WS_S" -gt 0 ]; then
+  step bench_ws "$WS_S" "$PY" -m benchmarks.harness.speculative_bench --model qwen2.5-0.5b --device cuda \
+    --drafters suffix,replay@0.35,replay@0.7,replay@1.0 --out "$RESULTS" ${GPU_CHECK_TAG:+--tag "$GPU_CHECK_TAG"}
+  step bench_wsi 90 "$PY" -m benchmarks.harness.speculative_bench --model qwen2.5-0.5b --device cuda \
+    --batch-invariant --batches 8,64 --drafters replay@0.7 --out "$RESULTS" ${GPU_CHECK_TAG:+--tag "$GPU_CHECK_TAG"}
 fi
 
 # W4 (kernel micro-benchmarks; independent of the model) runs first, on its own: inside the main run it came
@@ -183,7 +198,7 @@ for f in $NEW; do case $f in *.md) cat "$f";; esac; done
 # green: the GPU tests (where the tree has them) passed, every benchmark step that ran passed, and one did run
 green=$([ "${STATUS[gpu_tests]:-0}" = 0 ] && echo 1 || echo 0)
 ran=0
-for b in bench_w7 bench_w6 bench_w3 bench_wd bench_w4 bench_w2p bench_wbi bench bench_moe; do
+for b in bench_w7 bench_w6 bench_w3 bench_wd bench_ws bench_wsi bench_w4 bench_w2p bench_wbi bench bench_moe; do
   case ${STATUS[$b]:-} in "") ;; 0) ran=1 ;; *) green=0 ;; esac
 done
 [ "$green" = 1 ] && [ "$ran" = 1 ]
