@@ -173,14 +173,14 @@ class Speculator:
                 keep += 1
             span = slice(row, row + keep)
             tops = [None] * keep if top_ids is None else list(zip(top_ids[span], top_lps[span]))
-            if seq.status is SeqStatus.RUNNING:
-                emitted += self.recorder.record_run(seq, tokens[span], logprobs[span], tops, version)
+            recorded = self.recorder.record_run(seq, tokens[span], logprobs[span], tops, version)
+            emitted += recorded
             if seq.status is SeqStatus.RUNNING:
                 self.blocks.trim(seq, seq.num_tokens)
             if draft:
                 c.spec_drafts += 1
                 c.spec_proposed += len(draft)
-                c.spec_accepted += keep - 1
+                c.spec_accepted += min(keep - 1, recorded)  # (a stop inside the draft ends what counts)
                 self._remember(seq, keep - 1)
             row += rows
         c.steps += 1
