@@ -109,8 +109,10 @@ def _spec_counts(eng: Any) -> dict:
             "tokens": c.spec_tokens}
 
 
-def measure(make_engine: Callable[..., Any], s: Shape, drafters: list[str]) -> list[dict]:
-    """drafters: "suffix" (the engine's own), or "replay@p" (Replay(p))."""
+def measure(make_engine: Callable[..., Any], s: Shape, drafters: list[str],
+            save: Callable[[list[dict]], None] = lambda rows: None) -> list[dict]:
+    """drafters: "suffix" (the engine's own), or "replay@p" (Replay(p)). save(rows so far) after each batch size, so
+    that a run stopped by its time limit keeps what it measured."""
     rows: list[dict] = []
     for batch in s.batches:
         runs = {"off": _passes(make_engine, batch, s, on=False)}
@@ -121,6 +123,7 @@ def measure(make_engine: Callable[..., Any], s: Shape, drafters: list[str]) -> l
             runs[drafter] = _passes(make_engine, batch, s, on=True, replay=replay)
         for drafter in drafters:
             rows += _batch_rows(batch, drafter, runs["off"], runs[drafter])
+        save(rows)
     rows.append(tail(make_engine, s))
     print(rows[-1], flush=True)
     return rows
@@ -222,14 +225,16 @@ def main(argv: list[str] | None = None) -> int:
                       dtype=str(bm.dtype).removeprefix("torch."), num_pages=pages,
                       batch_invariant=args.batch_invariant, **o)
 
-    rows = measure(make_engine, shape, args.drafters.split(","))
     meta = {"shape": asdict(shape), "model": args.model, "device": args.device, "dtype": str(bm.dtype),
             "batch_invariant": args.batch_invariant,
             "weights": bm.weights, "prompts": "GRPO's arithmetic tasks" if tok else "random token ids"}
     if args.device == "cuda":
         meta["hardware"] = torch.cuda.get_device_name()
     name = "ws-speculative-invariant" if args.batch_invariant else "ws-speculative"
-    write_results(results_dir(args.out, args.quick), name, meta, rows, markdown, args.tag)
+    out = results_dir(args.out, args.quick)
+    rows = measure(make_engine, shape, args.drafters.split(","),
+                   lambda rows: write_results(out, name, meta, rows, markdown, args.tag))
+    write_results(out, name, meta, rows, markdown, args.tag)
     # bf16 on a GPU outside batch-invariant mode: a wider batch may round a near-tie the other way, as in any
     # change of batch, so there the fraction is reported, not required
     exact = args.batch_invariant or args.device == "cpu"
