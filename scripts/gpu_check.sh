@@ -96,7 +96,7 @@ fi
 # refresh sent as a delta, then the same weights dense; the digests must match. qwen2.5-0.5b trains with AdamW
 # through fp32 masters; llama3-8b with the memory-light step (benchmarks/harness/delta_learner.py: its masters and
 # moments would not fit beside the worker). A step that would end past the budget is not started.
-WD_S=$(( $(left) > 300 ? 240 : 0 ))
+WD_S=$(( $(left) > 300 ? 240 : ($(left) > 180 ? $(left) - 10 : 0) ))
 if wanted wd && [ "$WD_S" -gt 0 ]; then
   step bench_wd "$WD_S" "$PY" -m benchmarks --model "$MODELS" --workloads WD --budget-s $(( WD_S - 35 )) \
     --out "$RESULTS" ${GPU_CHECK_TAG:+--tag "$GPU_CHECK_TAG"}
@@ -108,12 +108,12 @@ fi
 # probability 0.5 / 1.0: what a verify step gives at a given acceptance. Then batch-invariant mode at batch 8 and 64,
 # where the tokens must be identical (bf16 otherwise rounds a wider batch differently, as any change of batch does:
 # the default run reports the fraction identical).
-WS_S=$(( $(left) > 300 ? 200 : ($(left) > 150 ? $(left) - 100 : 0) ))
+WS_S=$(( $(left) > 300 ? 170 : ($(left) > 150 ? $(left) - 100 : 0) ))
 if wanted ws && [ "$WS_S" -gt 0 ]; then
   step bench_ws "$WS_S" "$PY" -m benchmarks.harness.speculative_bench --model qwen2.5-0.5b --device cuda \
     --drafters suffix,replay@0.5,replay@1.0 --out "$RESULTS" ${GPU_CHECK_TAG:+--tag "$GPU_CHECK_TAG"}
   if [ "$(left)" -gt 100 ]; then
-    step bench_wsi 90 "$PY" -m benchmarks.harness.speculative_bench --model qwen2.5-0.5b --device cuda \
+    step bench_wsi 70 "$PY" -m benchmarks.harness.speculative_bench --model qwen2.5-0.5b --device cuda \
       --batch-invariant --batches 8,64 --drafters replay@0.5 --out "$RESULTS" ${GPU_CHECK_TAG:+--tag "$GPU_CHECK_TAG"}
   fi
 fi
