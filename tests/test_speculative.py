@@ -282,8 +282,12 @@ def test_step_rates_pick_the_faster_mode_and_probe_the_other():
     r.rates[("verify", 4)] = 100.0
     assert not r.prefer_verify(4)  # then decode is measured
     r.rates[("decode", 4)] = 150.0
-    picks = [r.prefer_verify(3) for _ in range(2 * PROBE_EVERY)]  # 3 falls in the bucket of 4
-    assert picks.count(True) == 2  # the slower mode is tried once every PROBE_EVERY decisions
+    r.note("verify", 4, 6)
+    picks = []
+    for _ in range(3 * PROBE_EVERY):  # decode steps of 3 sequences: 3 falls in the bucket of 4
+        picks.append(r.prefer_verify(3))
+        r.note("verify" if picks[-1] else "decode", 3, 3)
+    assert [i for i, p in enumerate(picks) if p] == [PROBE_EVERY, 2 * PROBE_EVERY + 1]  # once every PROBE_EVERY steps
     r.rates[("decode", 4)] = 50.0
     assert r.prefer_verify(4)
 
@@ -302,3 +306,28 @@ def test_the_embedded_model_on_grpos_prompts(smollm2):
     assert_same(plain, spec)
     s = eng.stats()["speculative"]
     assert s["accepted"] > 0 and s["tokens_per_verify"] > 1, s
+
+
+def test_no_drafts_keep_overlapped_decoding(llama):
+    """Where no sequence has a draft, decode steps are still launched ahead of their tokens (the GPU's overlap),
+    bar one step in DRY_STEPS that asks the drafter again."""
+    class Never:
+        def propose(self, seq, k):
+            return []
+
+        def forget(self, seq):
+            pass
+    reqs = [(f"r{i}", prompt(40 + i, 6), SamplingParams(temperature=1.0, max_tokens=40, seed=i, ignore_eos=True), 0)
+            for i in range(3)]
+    off, _ = drive(llama, reqs)
+
+    def run_on():
+        eng = Engine(model_source=llama, num_pages=256, page_size=8, speculative="suffix")
+        eng.speculator.drafter = Never()
+        for rid, p, sp, _ in reqs:
+            eng.add_request(RolloutRequest(prompt=p, sampling=sp, request_id=rid))
+        eng.run_until_done()
+        return eng
+    on = run_on()
+    assert on.stats()["speculative"]["verify_steps"] == 0
+    assert on.stats()["overlapped_steps"] >= 0.7 * off.stats()["overlapped_steps"] > 0

@@ -33,7 +33,8 @@ from rollout_service.engine.sampler import Sampler, needs_history
 from rollout_service.engine.scheduler import Batch
 from rollout_service.engine.sequence import Sequence, SeqStatus
 
-PROBE_EVERY = 32     # a bucket's losing mode is tried again once every this many decisions
+PROBE_EVERY = 32     # where verify steps were slower, one is tried again once every this many steps of the bucket
+DRY_STEPS = 8        # after a step where no sequence had a draft, decode this many steps before asking again
 RATE_WEIGHT = 0.25   # weight of the newest measurement in a bucket's rate (an EMA)
 
 
@@ -61,7 +62,9 @@ class StepRates:
     def __init__(self) -> None:
         self.rates: dict[tuple[str, int], float] = {}
         self.samples: dict[tuple[str, int], int] = {}
-        self.decisions: dict[int, int] = {}
+        self.steps: dict[int, int] = {}       # decode and verify steps per bucket
+        self.verified: dict[int, int] = {}    # the bucket's step count at its last verify step
+        self.total = 0                        # steps of every bucket
         self._pending: tuple[str, int, int] | None = None
         self._t = 0.0
         self.always = False  # verify whenever there is a draft (tests, benchmarks of the verify step itself)
@@ -79,21 +82,23 @@ class StepRates:
 
     def note(self, mode: str, batch: int, tokens: int) -> None:
         """The step that started last was a `mode` step of `batch` sequences that gave `tokens` tokens."""
-        self._pending = (mode, _bucket(batch), tokens)
+        bucket = _bucket(batch)
+        self._pending = (mode, bucket, tokens)
+        self.steps[bucket] = self.steps.get(bucket, 0) + 1
+        self.total += 1
+        if mode == "verify":
+            self.verified[bucket] = self.steps[bucket]
 
-    def prefer_verify(self, batch: int, decide: bool = True) -> bool:
-        """Whether a step of `batch` sequences should verify; decide=False only looks (the next decision)."""
+    def prefer_verify(self, batch: int) -> bool:
+        """Whether a step of `batch` sequences should verify: where verify steps have been faster, where they
+        are not measured yet, and once every PROBE_EVERY steps of the bucket where they have been slower."""
         if self.always:
             return True
         bucket = _bucket(batch)
         verify, decode = self.rates.get(("verify", bucket)), self.rates.get(("decode", bucket))
         if verify is None or decode is None:
             return verify is None  # measure verify first, then decode
-        n = self.decisions.get(bucket, 0) + 1
-        if decide:
-            self.decisions[bucket] = n
-        better = verify >= decode
-        return not better if n % PROBE_EVERY == 0 else better
+        return verify >= decode or self.steps.get(bucket, 0) - self.verified.get(bucket, 0) >= PROBE_EVERY
 
 
 def _bucket(batch: int) -> int:
@@ -107,13 +112,18 @@ class Speculator:
         self.drafter, self.max_draft, self.max_batch, self.max_tokens = drafter, max_draft, max_batch, max_tokens
         self.runner, self.sampler, self.recorder, self.blocks, self.counters = runner, sampler, recorder, blocks, counters
         self.rates = StepRates()
+        self._dry_at: int | None = None           # rates.total when no sequence last had a draft
         self._seen: dict[int, Sequence] = {}      # every sequence the drafter was asked about
         self._accepted: dict[int, float] = {}     # seq_id -> recent accepted tokens per draft
         self._max_live = max_live
 
     def may_verify(self, seqs: list[Sequence]) -> bool:
-        """Whether the next step of these sequences might verify (then it is not launched ahead of their tokens)."""
-        return len(seqs) <= self.max_batch and self.rates.prefer_verify(len(seqs), decide=False)
+        """Whether the next step of these sequences might verify (then it is not launched ahead of their tokens:
+        where speculation does not run, overlapped decoding keeps its pace)."""
+        return len(seqs) <= self.max_batch and not self._dry() and self.rates.prefer_verify(len(seqs))
+
+    def _dry(self) -> bool:
+        return not self.rates.always and self._dry_at is not None and self.rates.total - self._dry_at < DRY_STEPS
 
     def note_decode(self, batch: int) -> None:
         self.rates.note("decode", batch, batch)
@@ -122,10 +132,11 @@ class Speculator:
         """Run `batch` (a decode batch) as a verify step when that pays and some sequence has a draft; False:
         nothing ran, decode it."""
         seqs = batch.seqs
-        if len(seqs) > self.max_batch or not self.rates.prefer_verify(len(seqs)):
+        if len(seqs) > self.max_batch or self._dry() or not self.rates.prefer_verify(len(seqs)):
             return False
         drafts = self._drafts(seqs)
         if not any(drafts):
+            self._dry_at = self.rates.total
             return False
         self._verify(seqs, drafts, version())
         return True
