@@ -5,7 +5,7 @@ through forks, penalties, top-p, stops inside a draft, preemption, the prefix ca
 and mixture-of-experts routing; bitwise in batch-invariant mode."""
 import numpy as np
 import pytest
-import torch
+from test_overlap import prompt
 from tiny_models import tiny_hf_model
 
 from rollout_service import RolloutRequest, SamplingParams
@@ -20,10 +20,6 @@ from rollout_service.engine.speculation import PROBE_EVERY, StepRates
 @pytest.fixture(scope="module")
 def llama():
     return tiny_hf_model("llama")
-
-
-def prompt(seed: int, n: int) -> list[int]:
-    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 MIXED = [  # (request id, prompt, sampling, the step() call at which it arrives)
