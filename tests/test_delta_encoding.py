@@ -12,7 +12,7 @@ from rollout_service.weights import Buckets, named_items, plan
 from rollout_service.weights.delta import (BucketCode, DeltaPlan, SKIP, apply, code_count, decode, decode_positions,
                                            encode, encode_positions)
 from rollout_service.weights.delta_sender import DeltaSender, check_delta, delta_dtype, delta_refusal
-from rollout_service.weights.delta_values import decode_values, encode_values, values_nbytes
+from rollout_service.weights.delta_values import _from_ordered, _ordered, decode_values, encode_values, values_nbytes
 from tiny_models import tiny_hf_model
 
 BF16 = torch.bfloat16
@@ -71,6 +71,21 @@ def test_values_go_as_one_byte_steps_across_zero_and_escape_far_moves_exactly():
     assert decode_values(one, 1, BF16, True, 0, top) == "a step leaves the dtype's values"
     raw, steps, _ = encode_values(new.float(), old.float())  # fp32 moves span many ulps: raw
     assert not steps and raw.numel() == 4000
+
+
+@pytest.mark.parametrize("dtype", [BF16, torch.float16])
+def test_a_step_counts_the_representable_values_between_two_floats(dtype):
+    """Every 16-bit pattern's ordered value follows the float order (-0.0 just below 0.0), and each finite value
+    is one step from the next larger one: a step of k moves exactly k representable values."""
+    patterns = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(dtype)
+    finite = patterns[torch.isfinite(patterns)]
+    by_value = finite[torch.argsort(finite.float(), stable=True)]
+    order = _ordered(by_value).long()
+    zero = (by_value == 0).nonzero().reshape(-1)
+    assert torch.signbit(by_value[zero[0]]) and not torch.signbit(by_value[zero[1]])  # -0.0 sorted first by hand
+    order[zero] = torch.sort(order[zero]).values
+    assert torch.equal(order[1:] - order[:-1], torch.ones(order.numel() - 1, dtype=torch.long))
+    assert torch.equal(_from_ordered(_ordered(patterns), dtype).view(torch.int16), patterns.view(torch.int16))
 
 
 def test_a_few_changed_elements_cost_a_few_bytes_and_a_rewritten_bucket_goes_dense():
