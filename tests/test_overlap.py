@@ -35,6 +35,12 @@ MIXED = [  # (request id, prompt, sampling, the step() call at which it arrives)
 def drive(model, overlap: bool, requests=MIXED, events=None, **opts):
     """Step an engine by hand: requests arrive at given step() calls, events[k](engine) runs before call k."""
     eng = Engine(model_source=model, overlap_decode=overlap, **{"num_pages": 256, **opts})
+    return eng, step_by_hand(eng, requests, events)
+
+
+def step_by_hand(eng, requests, events=None, after_step=lambda eng: None):
+    """The results of stepping `eng` until done, each request added at its step() call, events[k](eng) run before
+    call k and after_step(eng) after every call; sorted by (request, sample)."""
     events = events or {}
     results, k = [], 0
     while k <= max(a for *_, a in requests) or eng.has_unfinished():
@@ -44,9 +50,10 @@ def drive(model, overlap: bool, requests=MIXED, events=None, **opts):
         if k in events:
             results += events[k](eng) or []
         results += eng.step()
+        after_step(eng)
         k += 1
         assert k < 500, "the engine did not finish"
-    return eng, sorted(results, key=lambda r: (r.request_id, r.sample_index))
+    return sorted(results, key=lambda r: (r.request_id, r.sample_index))
 
 
 def assert_same(a, b):

@@ -5,7 +5,7 @@ through forks, penalties, top-p, stops inside a draft, preemption, the prefix ca
 and mixture-of-experts routing; bitwise in batch-invariant mode."""
 import numpy as np
 import pytest
-from test_overlap import prompt
+from test_overlap import prompt, step_by_hand
 from tiny_models import tiny_hf_model
 
 from rollout_service import RolloutRequest, SamplingParams
@@ -53,7 +53,8 @@ class Oracle:
 
 
 def drive(model, requests=MIXED, events=None, drafter=None, **opts):
-    """Step an engine by hand (speculation on whenever a draft exists when `drafter` or opts say so)."""
+    """Step an engine by hand (test_overlap.step_by_hand), with speculation on when `drafter` or opts ask for it:
+    every step with a draft verifies it."""
     spec = drafter is not None or opts.get("speculative") is not None
     opts = {"num_pages": 256, "page_size": 8, **opts, "speculative": "suffix" if spec else None}
     eng = Engine(model_source=model, **opts)
@@ -61,21 +62,14 @@ def drive(model, requests=MIXED, events=None, drafter=None, **opts):
         eng.speculator.rates.always = True
         if drafter is not None:
             eng.speculator.drafter = drafter
-    events = events or {}
-    results, k = [], 0
-    while k <= max(a for *_, a in requests) or eng.has_unfinished():
-        for rid, p, sp, at in requests:
-            if at == k:
-                eng.add_request(RolloutRequest(prompt=p, sampling=sp, request_id=rid))
-        if k in events:
-            results += events[k](eng) or []
-        results += eng.step()
-        if not eng.config.overlap_decode:  # a draft's pages past the tokens kept are given back
-            ps = eng.config.page_size
-            assert all(len(s.pages) <= -(-s.num_tokens // ps) for s in eng.scheduler.running)
-        k += 1
-        assert k < 500, "the engine did not finish"
-    return eng, sorted(results, key=lambda r: (r.request_id, r.sample_index))
+    return eng, step_by_hand(eng, requests, events, _no_pages_past_the_tokens)
+
+
+def _no_pages_past_the_tokens(eng) -> None:
+    """A draft's pages past the tokens kept are given back (checked where no step is in flight)."""
+    if not eng.config.overlap_decode:
+        ps = eng.config.page_size
+        assert all(len(s.pages) <= -(-s.num_tokens // ps) for s in eng.scheduler.running)
 
 
 def assert_same(a, b, bitwise: bool = False):

@@ -70,11 +70,12 @@ class _Corpus:
 
 
 class _Track:
-    """One live sequence: its text (prompt + output, copied as tokens come) and how much of it is indexed."""
+    """One live sequence: its text (prompt + output, copied as tokens come), its corpus and its key, and how much
+    of the text is indexed."""
 
-    def __init__(self, seq: Sequence, corpus: _Corpus, indexed: int):
+    def __init__(self, seq: Sequence, key: tuple[int, ...], corpus: _Corpus, indexed: int):
         self.text = list(seq.prompt_token_ids)
-        self.corpus, self.indexed = corpus, indexed
+        self.key, self.corpus, self.indexed = key, corpus, indexed
 
 
 class SuffixDrafter:
@@ -103,11 +104,11 @@ class SuffixDrafter:
 
     def _track(self, seq: Sequence) -> _Track:
         track = self._tracks.get(seq.seq_id)
+        if track is not None:  # (_shrink drops the tracks of the corpora it drops: this one's is live)
+            self._corpora.move_to_end(track.key)
+            return track
         key = tuple(seq.prompt_token_ids)
         corpus = self._corpora.get(key)
-        if track is not None and track.corpus is corpus:
-            self._corpora.move_to_end(key)
-            return track
         if corpus is None:  # first sample of this prompt, or its corpus was dropped: index it again
             corpus = self._corpora[key] = _Corpus()
         self._corpora.move_to_end(key)
@@ -115,7 +116,7 @@ class SuffixDrafter:
         if not corpus.prompt_indexed:  # the prompt's n-grams once per corpus, not once per sample
             self._positions += corpus.add(list(seq.prompt_token_ids), 0, prompt_len - 1)
             corpus.prompt_indexed = True
-        track = self._tracks[seq.seq_id] = _Track(seq, corpus, max(0, prompt_len - 1))
+        track = self._tracks[seq.seq_id] = _Track(seq, key, corpus, max(0, prompt_len - 1))
         return track
 
     def _shrink(self) -> None:
@@ -124,7 +125,7 @@ class SuffixDrafter:
             _, corpus = self._corpora.popitem(last=False)
             self._positions -= corpus.positions
         if self._positions > self.history_positions:  # one prompt alone past the bound: start it again
-            key, corpus = self._corpora.popitem(last=False)
+            _, corpus = self._corpora.popitem(last=False)
             self._positions -= corpus.positions
         live = set(map(id, self._corpora.values()))
         self._tracks = {sid: t for sid, t in self._tracks.items() if id(t.corpus) in live}

@@ -106,10 +106,10 @@ def _bucket(batch: int) -> int:
 
 
 class Speculator:
-    def __init__(self, drafter: Drafter, max_draft: int, max_batch: int, max_tokens: int, runner: ModelRunner,
+    def __init__(self, drafter: Drafter, max_draft: int, max_batch: int, max_rows: int, runner: ModelRunner,
                  sampler: Sampler, recorder: TokenRecorder, blocks: BlockManager, counters: Any,
                  max_live: int):
-        self.drafter, self.max_draft, self.max_batch, self.max_tokens = drafter, max_draft, max_batch, max_tokens
+        self.drafter, self.max_draft, self.max_batch, self.max_rows = drafter, max_draft, max_batch, max_rows
         self.runner, self.sampler, self.recorder, self.blocks, self.counters = runner, sampler, recorder, blocks, counters
         self.rates = StepRates()
         self._dry_at: int | None = None           # rates.total when no sequence last had a draft
@@ -143,7 +143,7 @@ class Speculator:
 
     def _drafts(self, seqs: list[Sequence]) -> list[list[int]]:
         stops, ps = self.recorder.stops, self.blocks.page_size
-        budget = self.max_tokens - len(seqs)  # one forward: every sequence's last token plus the drafts
+        budget = self.max_rows - len(seqs)  # one forward: every sequence's last token plus the drafts
         drafts = []
         if len(self._seen) > 2 * self._max_live:
             self._forget_finished()
