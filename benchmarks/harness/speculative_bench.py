@@ -129,21 +129,38 @@ def measure(make_engine: Callable[..., Any], s: Shape, drafters: list[str],
     return rows
 
 
-def _passes(make_engine: Callable[..., Any], batch: int, s: Shape, on: bool, replay: Replay | None = None
-            ) -> list[tuple]:
-    eng = make_engine(speculative="suffix" if on else None, max_num_seqs=max(batch, 8))
+def _on_engine(make_engine: Callable[..., Any], on: bool, max_num_seqs: int, work: Callable[[Any], Any],
+               replay: Replay | None = None) -> Any:
+    """work(engine) on an engine with speculation on or off (drafts from `replay` when given), warmed up by one
+    small request; the engine's memory is freed after (the next one may need the GPU's)."""
+    eng = make_engine(speculative="suffix" if on else None, max_num_seqs=max_num_seqs)
     if replay is not None:
         eng.speculator.drafter = replay
     _generate(eng, [RolloutRequest(_prompts(1, 99)[0], SamplingParams(max_tokens=8), request_id="warm")])
-    passes = []
-    for epoch, name in ((0, "cold"), (1, "warm")):
-        before = _spec_counts(eng)
-        results, dt = _pass(eng, _batch_requests(batch, s, epoch, name))
-        after = _spec_counts(eng)
-        passes.append((name, results, dt, {k: after[k] - before[k] for k in after}))
-    del eng
-    _free()
-    return passes
+    try:
+        return work(eng)
+    finally:
+        del eng
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def _passes(make_engine: Callable[..., Any], batch: int, s: Shape, on: bool, replay: Replay | None = None
+            ) -> list[tuple]:
+    def cold_and_warm(eng: Any) -> list[tuple]:
+        passes = []
+        for epoch, name in ((0, "cold"), (1, "warm")):
+            before = _spec_counts(eng)
+            results, dt = _pass(eng, _batch_requests(batch, s, epoch, name))
+            after = _spec_counts(eng)
+            passes.append((name, results, dt, {k: after[k] - before[k] for k in after}))
+        return passes
+    return _on_engine(make_engine, on, max(batch, 8), cold_and_warm, replay)
+
+
+def _acceptance(c: dict) -> float:
+    return round(c["accepted"] / c["proposed"], 3) if c["proposed"] else 0.0
 
 
 def _batch_rows(batch: int, drafter: str, off_passes: list, on_passes: list) -> list[dict]:
@@ -151,12 +168,11 @@ def _batch_rows(batch: int, drafter: str, off_passes: list, on_passes: list) -> 
     for (name, off, t_off, _), (_, on, t_on, c) in zip(off_passes, on_passes):
         tokens = sum(len(r.token_ids) for r in off)
         rows.append({
-                "measure": "batch", "batch": batch, "drafter": drafter, "pass": name, "tokens": tokens,
-                "off_tok_s": round(tokens / t_off, 1), "on_tok_s": round(tokens / t_on, 1),
-                "speedup": round(t_off / t_on, 3), "identical": _identical(off, on),
-                "verify_steps": c["verify_steps"], "acceptance": round(c["accepted"] / c["proposed"], 3)
-                if c["proposed"] else 0.0,
-                "tokens_per_verify": round(c["tokens"] / c["verify_steps"], 2) if c["verify_steps"] else 0.0})
+            "measure": "batch", "batch": batch, "drafter": drafter, "pass": name, "tokens": tokens,
+            "off_tok_s": round(tokens / t_off, 1), "on_tok_s": round(tokens / t_on, 1),
+            "speedup": round(t_off / t_on, 3), "identical": _identical(off, on),
+            "verify_steps": c["verify_steps"], "acceptance": _acceptance(c),
+            "tokens_per_verify": round(c["tokens"] / c["verify_steps"], 2) if c["verify_steps"] else 0.0})
         print(rows[-1], flush=True)
     return rows
 
@@ -172,24 +188,15 @@ def tail(make_engine: Callable[..., Any], s: Shape) -> dict:
     lengths = [s.tail_short] * 6 + [s.tail_short * s.tail_ratio] * 2
     runs = {}
     for mode in ("off", "on"):
-        eng = make_engine(speculative="suffix" if mode == "on" else None, max_num_seqs=64)
-        _generate(eng, [RolloutRequest(_prompts(1, 99)[0], SamplingParams(max_tokens=8), request_id="warm")])
         reqs = [RolloutRequest(p, SamplingParams(n=8, temperature=1.0, max_tokens=m, seed=i, ignore_eos=True),
                                request_id=f"tail-{i}") for i, (p, m) in enumerate(zip(prompts, lengths))]
-        runs[mode] = _generate(eng, reqs) + (_spec_counts(eng),)
-        del eng
-        _free()
+        runs[mode] = _on_engine(make_engine, mode == "on", 64,
+                                lambda eng, reqs=reqs: _generate(eng, reqs) + (_spec_counts(eng),))
     (off, t_off, _), (on, t_on, c) = runs["off"], runs["on"]
     return {"measure": "tail", "batch": 64, "pass": "cold", "tokens": sum(len(r.token_ids) for r in off),
             "off_s": round(t_off, 2), "on_s": round(t_on, 2), "speedup": round(t_off / t_on, 3),
             "identical": _identical(off, on), "verify_steps": c["verify_steps"],
-            "acceptance": round(c["accepted"] / c["proposed"], 3) if c["proposed"] else 0.0}
-
-
-def _free() -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+            "acceptance": _acceptance(c)}
 
 
 def main(argv: list[str] | None = None) -> int:
