@@ -172,8 +172,11 @@ class RolloutWorker:
             t1 = time.perf_counter()
             if version != engine.policy_version:
                 # finite values were checked on the learner, before anything was sent (a delta's again, on prepare)
-                engine.update_weights(self.receiver.views(payload), version, partial, check_finite=False)
-                self.receiver.applied(payload, version)
+                if payload.get("delta") is not None:
+                    engine.patch_weights(self.receiver.writes(payload), payload["manifest"].entries,
+                                         payload["delta"].base_version, version)
+                else:
+                    engine.update_weights(self.receiver.views(payload), version, partial, check_finite=False)
             self.receiver.discard()
             self.last_refresh.update(lock_wait_s=t1 - t0, apply_s=time.perf_counter() - t1)
             return engine.policy_version

@@ -129,7 +129,7 @@ def test_ten_deltas_equal_a_dense_cast_bit_for_bit_and_send_few_bytes():
             held = dict(receiver.views())
             apply(decode(manifest, wire.plan, wire.buffers, held), held)
             sent, dense = sent + wire.nbytes, dense + manifest.nbytes
-        sender.commit(wire, version)
+        sender.commit(wire, version, items)
         want = _as_bf16(state)
         for got in (dict(receiver.views()), dict(sender.base.views())):
             assert all(torch.equal(got[k].view(torch.int16), want[k].view(torch.int16)) for k in want
@@ -263,3 +263,25 @@ def test_the_in_process_client_takes_delta_and_validates_it_as_over_ray():
         assert client.update_weights(new, 1, delta=True) == "in_process"
         assert client.update_weights(state, 2, delta=False) == "in_process"
         assert client.weights_digests() == before  # back to the first weights, bit for bit
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_buckets_of_many_tensors_at_every_density_decode_to_the_new_weights(seed):
+    """One pass per bucket finds every tensor's changes: sparse ones (gaps past both escape widths), moves far
+    enough to go raw, dense rewrites sent whole or as a dense bucket, untouched tensors, signed zeros."""
+    g = torch.Generator().manual_seed(seed)
+    old = {f"t{i}": (torch.randn(n, generator=g) * 0.02) for i, n in enumerate([5, 300_000, 70_000, 4096, 1, 0, 999])}
+    new = {}
+    for i, (k, v) in enumerate(old.items()):
+        density = [0.0, 1e-5, 0.01, 0.3, 1.0][(i + seed) % 5]
+        pick = torch.rand(v.shape, generator=g) < density
+        far = torch.rand(v.shape, generator=g) < 0.1
+        new[k] = torch.where(pick, v + torch.where(far, 1.0, 1e-4) * torch.randn(v.shape, generator=g), v)
+    new["t1"][[0, 299_999]] = -0.0
+    manifest, base = _base(old, bucket_bytes=700_000)
+    delta, buffers = encode(manifest, named_items(new), base, 3)
+    assert any(b.sparse is not None for b in delta.buckets)
+    weights = {k: v.clone() for k, v in base.views()}
+    apply(decode(manifest, delta, buffers, dict(base.views())), weights)
+    for k, v in new.items():
+        assert torch.equal(weights[k].view(torch.int16), v.to(BF16).view(torch.int16)), k

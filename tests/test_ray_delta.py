@@ -172,7 +172,7 @@ def test_a_corrupt_delta_is_refused_on_every_worker_before_any_swaps(svc, corrup
     payload.update(delta=delta, refs=[ray.put(x.numpy()) for x in encode(manifest, items, base, version)[1]],
                    refresh_id=uuid.uuid4().hex)
     assert ray.get(pusher.router.update_weights.remote(payload, version + 1)) is None  # the intact one is taken
-    pusher.deltas.commit(pusher.deltas.wire(manifest, items, delta=False), version + 1)  # (the learner's base too)
+    pusher.deltas.commit(pusher.deltas.wire(manifest, items, delta=False), version + 1, items)  # (the learner's base too)
     assert svc.weights_digests()[0] != before[0]
 
 

@@ -279,6 +279,10 @@ class Engine:
         """Swap the weights at a step boundary after checking every tensor (engine/weight_swap.py)."""
         self.swap.update_weights(named_tensors, version, partial, check_finite)
 
+    def patch_weights(self, writes: Any, entries: Any, base_version: int, version: int) -> None:
+        """A delta refresh's checked writes into the weights of `base_version`, in place (engine/weight_swap.py)."""
+        self.swap.patch_weights(writes, entries, base_version, version)
+
     def weights_digest(self) -> str:
         return self.swap.weights_digest()
 

@@ -28,10 +28,12 @@ from rollout_service.engine.scheduler import Scheduler
 from rollout_service.engine.scoring import restart_partial
 from rollout_service.engine.sequence import Sequence
 from rollout_service.engine.sleep import Sleeper
-from rollout_service.model.weight_update import apply_named_tensors, validate_manifest, validate_named_tensors
+from rollout_service.model.weight_update import (apply_named_tensors, current_weights, validate_manifest,
+                                                  validate_named_tensors)
 from rollout_service.results.receipts import weights_digest
-from rollout_service.weights.buckets import named_items, reject_nonfinite
+from rollout_service.weights.buckets import TensorEntry, named_items, reject_nonfinite
 from rollout_service.weights.canary import reject_overflowing
+from rollout_service.weights.delta import NO_BASE, Write, apply
 
 
 class WeightSwap:
@@ -67,19 +69,42 @@ class WeightSwap:
             self.flush()  # its tokens came from the old weights and say so
             self._digest = None
             apply_named_tensors(plan)
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)  # the sources may be reused once this returns
-            self.version = version
-            restart_partial(self.scheduler.waiting, self._release)
-            if self.config.on_refresh == "recompute":
-                sched = self.scheduler
-                self.counters.refresh_recomputes += len(sched.running) + sum(1 for s in sched.waiting if s.pages)
-                sched.preempt_all()
-            self.kv.blocks.set_version(version)
-            if self.config.on_refresh == "abort":
-                self.abort_all()
+            self._swapped(version)
         del items, plan  # the validation's temporaries are garbage now: give their pages back (engine/heap.py)
         release_freed_memory()
+
+    def patch_weights(self, writes: list[Write], entries: list[TensorEntry], base_version: int,
+                      version: int) -> None:
+        """A delta refresh (weights/delta.py): `writes`, decoded and checked against this engine's weights of
+        `base_version`, done in place at a step boundary; only the changed elements move. `entries`: the
+        manifest's, naming what the writes' names refer to. ValueError if this engine no longer runs the base,
+        or slept its weights away (level 2) since."""
+        self.check_version(version)
+        with self.lock:
+            if self.version != base_version:
+                raise ValueError(f"update_weights: {NO_BASE}: this engine runs version {self.version}, the delta "
+                                 f"applies to version {base_version}")
+            self.sleeper.before_refresh(partial=True)
+            self.flush()
+            self._digest = None
+            with torch.no_grad():
+                apply(writes, dict(current_weights(self.model, entries)))
+            self._swapped(version)
+
+    def _swapped(self, version: int) -> None:
+        """The new weights are written (queued, on a GPU): the version moves and work in flight follows
+        on_refresh."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the sources may be reused once this returns
+        self.version = version
+        restart_partial(self.scheduler.waiting, self._release)
+        if self.config.on_refresh == "recompute":
+            sched = self.scheduler
+            self.counters.refresh_recomputes += len(sched.running) + sum(1 for s in sched.waiting if s.pages)
+            sched.preempt_all()
+        self.kv.blocks.set_version(version)
+        if self.config.on_refresh == "abort":
+            self.abort_all()
 
     def _release(self, seq: Sequence) -> None:
         """Free a waiting sequence's pages (its routing kept, as a preemption does): it is prefilled again."""

@@ -29,7 +29,8 @@ import torch
 from rollout_service.api.values import is_int
 from rollout_service.weights.buckets import Buckets, Manifest, TensorEntry, as_bytes
 from rollout_service.weights.canary import LIMIT
-from rollout_service.weights.delta_values import decode_values, encode_values, values_nbytes
+from rollout_service.weights.delta_values import (ESCAPE, decode_values, encode_values, ordered, takes_steps,
+                                                  values_nbytes)
 
 NO_BASE = "the delta's base is missing"  # in a refusal that makes the learner push dense instead
 WIDTHS = (1, 2)
@@ -92,12 +93,6 @@ def _aligned(n: int) -> int:
 
 # -- positions ----------------------------------------------------------------------------------------
 
-def changed(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
-    """Flat positions (int64, increasing) whose bits differ: -0.0 vs 0.0 or two NaNs count as they are stored."""
-    bits = _BITS[new.element_size()]
-    return torch.nonzero(new.reshape(-1).view(bits) != old.reshape(-1).view(bits)).reshape(-1)
-
-
 def _steps(index: torch.Tensor) -> torch.Tensor:
     return torch.diff(index, prepend=index.new_full((1,), -1))  # each >= 1: the positions increase
 
@@ -109,11 +104,15 @@ def code_count(index: torch.Tensor, width: int) -> int:
 
 def encode_positions(index: torch.Tensor, width: int) -> torch.Tensor:
     """The gap codes of increasing positions, as bytes (little-endian for width 2)."""
-    steps = _steps(index)
-    skips = (steps - 1) // SKIP[width]
+    return _gap_codes(_steps(index), width, code_count(index, width))
+
+
+def _gap_codes(gaps: torch.Tensor, width: int, n: int) -> torch.Tensor:
+    """The `n` codes of position gaps (each >= 1) at `width` bytes, escapes included."""
+    skips = (gaps - 1) // SKIP[width]
     at = torch.cumsum(skips + 1, 0) - 1  # each position's own code comes after its escapes
-    codes = torch.zeros(int(at[-1]) + 1 if index.numel() else 0, dtype=torch.int32, device=index.device)
-    codes[at] = (steps - skips * SKIP[width]).to(torch.int32)  # 1..SKIP
+    codes = torch.zeros(n, dtype=torch.int32, device=gaps.device)
+    codes[at] = (gaps - skips * SKIP[width]).to(torch.int32)  # 1..SKIP
     return codes.to(_CODES[width]).view(torch.uint8)  # (65535 as int16 keeps its bits)
 
 
@@ -138,67 +137,152 @@ def encode(manifest: Manifest, items: Sequence[tuple[str, torch.Tensor]], base: 
            base_version: int, checked: bool = True) -> tuple[DeltaPlan, list[torch.Tensor]]:
     """The delta from `base` (the dense buckets of `base_version`, laid out by `manifest`) to `items` (the same
     names in manifest order, any dtype: cast to the manifest's), and the buckets to send (uint8, on base's
-    device): per bucket the dense bytes or the changed elements, whichever is smaller."""
-    olds = base.views()
-    members: list[list[tuple[TensorEntry, torch.Tensor, torch.Tensor]]] = [[] for _ in manifest.bucket_sizes]
-    for e, (_, t), (_, old) in zip(manifest.entries, items, olds):
-        members[e.bucket].append((e, t, old))
+    device): per bucket the dense bytes or the changed elements, whichever is smaller. A bucket is compared in
+    one pass and its tensors' choices read back at once (not a pass and a read back per tensor: a model has
+    hundreds of tensors, and on a GPU each read back waits for the device)."""
+    members: list[list[tuple[TensorEntry, torch.Tensor]]] = [[] for _ in manifest.bucket_sizes]
+    for e, (_, t) in zip(manifest.entries, items):
+        members[e.bucket].append((e, t))
     position = {e.name: k for k, e in enumerate(manifest.entries)}
     codes, buffers = [], []
     for b, size in enumerate(manifest.bucket_sizes):
-        parts = _changes(members[b], size, base.device)
-        if parts is None:
+        new = _dense_bucket(members[b], base.buffers[b])
+        found = _changes(members[b], new, base.buffers[b])
+        layout = None if found is None else _layout(members[b], found, size)
+        if layout is None:
             codes.append(BucketCode(size))
-            buffers.append(_dense_bucket(members[b], size, base.device))
+            buffers.append(new)
         else:
-            code, buf = _sparse_bucket(parts, position, base.device)
+            code, buf = _sparse_bucket(members[b], layout, found, new, base.buffers[b], position)
             codes.append(code)
             buffers.append(buf)
     return DeltaPlan(base_version, tuple(codes), checked), buffers
 
 
-def _changes(members, size: int, device: torch.device) -> list[tuple] | None:
-    """Per changed tensor of a bucket (entry, encoded values, positions or None for all, width, codes, steps,
-    escapes, count); None when the bucket is smaller sent dense (the scan stops there)."""
-    parts, total = [], 0
-    for e, t, old in members:
-        new, old = t.detach().to(device=device, dtype=old.dtype).reshape(-1), old.reshape(-1)
-        index = changed(new, old) if new.numel() else new.new_empty(0, dtype=torch.int64)
-        if not index.numel():
-            continue
-        width = min(WIDTHS, key=lambda w: code_count(index, w) * w)
-        n = code_count(index, width)
-        values, steps, raws = encode_values(new[index], old[index])
-        part = (e, values, index, width, n, steps, raws, index.numel())
-        cost = _aligned(n * width) + _aligned(values.numel())
-        if cost >= _aligned(new.numel()):  # sent whole (steps: 1 byte an element) may be smaller
-            values, steps, raws = encode_values(new, old)
-            if _aligned(values.numel()) < cost:
-                part, cost = (e, values, None, 0, 0, steps, raws, new.numel()), _aligned(values.numel())
-        parts.append(part)
-        total += cost
-        if total >= size:
-            return None
-    return parts
-
-
-def _dense_bucket(members, size: int, device: torch.device) -> torch.Tensor:
-    buf = torch.zeros(size, dtype=torch.uint8, device=device)
-    for e, t, old in members:
+def _dense_bucket(members, base: torch.Tensor) -> torch.Tensor:
+    """The bucket of the new tensors, cast to the manifest's dtypes; its padding is the base's, so only the
+    tensors can differ."""
+    buf = base.clone()
+    for e, t in members:
         if e.nbytes:
-            buf[e.offset:e.offset + e.nbytes].view(old.dtype).copy_(t.detach().reshape(-1))
+            buf[e.offset:e.offset + e.nbytes].view(e.torch_dtype()).view(e.shape).copy_(t.detach())
     return buf
 
 
-def _sparse_bucket(parts, position: dict[str, int], device: torch.device) -> tuple[BucketCode, torch.Tensor]:
-    size = sum((_aligned(n * w) if index is not None else 0) + _aligned(v.numel())
-               for _, v, index, w, n, *_ in parts)
-    buf = torch.zeros(max(size, _ALIGN), dtype=torch.uint8, device=device)  # (a bucket with nothing changed: 8 bytes)
+@dataclass
+class _Changes:
+    """A bucket's changed elements in position order: for each, its tensor's gap from that tensor's previous
+    change (the first counts from -1), its new value and its value step from the base (delta_values.py)."""
+    gap: torch.Tensor
+    values: torch.Tensor
+    step: torch.Tensor | None  # None: a dtype whose values go raw
+    far: torch.Tensor | None   # steps that do not fit a byte: those values go raw
+    counts: list[list[int]]    # per member: [changes, escape codes at width 1, at width 2, raw values]
+
+
+def _changes(members, new: torch.Tensor, base: torch.Tensor) -> _Changes | None:
+    """Every changed element of a bucket (bitwise: -0.0 vs 0.0 or two NaNs count as they are stored); None for
+    a bucket of mixed dtypes (a delta's manifest has one), which goes dense."""
+    if not members:
+        return None
+    dtype = members[0][0].torch_dtype()
+    size = dtype.itemsize
+    if any(e.torch_dtype() != dtype for e, _ in members) or size not in _BITS or base.numel() % size:
+        return None
+    index = torch.nonzero(new.view(_BITS[size]) != base.view(_BITS[size])).reshape(-1)
+    starts = torch.tensor([e.offset // size for e, _ in members], dtype=torch.int64, device=new.device)
+    member = torch.searchsorted(starts, index, right=True) - 1
+    local = index - starts[member]
+    head = torch.ones_like(member, dtype=torch.bool)
+    head[1:] = member[1:] != member[:-1]
+    prev = torch.full_like(local, -1)
+    prev[1:] = local[:-1]
+    gap = local - torch.where(head, -1, prev)
+    values = new.view(dtype)[index]
+    step = far = None
+    escapes = torch.zeros_like(gap)
+    if takes_steps(size):
+        step = ordered(values) - ordered(base.view(dtype)[index])
+        far = step.abs() > 127
+        escapes = far.to(gap.dtype)
+    per = torch.stack([torch.ones_like(gap), (gap - 1) // SKIP[1], (gap - 1) // SKIP[2], escapes], 1)
+    counts = torch.zeros(len(members), 4, dtype=gap.dtype, device=new.device).index_add_(0, member, per)
+    return _Changes(gap, values, step, far, counts.tolist())
+
+
+@dataclass(frozen=True)
+class _Choice:
+    """How one changed tensor is sent: its changes [lo, hi) in _Changes, position codes of `width` bytes (0:
+    the tensor whole), values as steps or raw."""
+    member: int
+    lo: int
+    hi: int
+    width: int
+    codes: int
+    steps: bool
+    raws: int
+    cost: int
+
+
+def _layout(members, found: _Changes, size: int) -> list[_Choice] | None:
+    """Per changed tensor the smallest way to send it; None when the bucket is smaller sent dense."""
+    out, total, lo = [], 0, 0
+    for k, ((e, _), (n, skip1, skip2, raws)) in enumerate(zip(members, found.counts)):
+        if not n:
+            continue
+        item, numel = e.torch_dtype().itemsize, math.prod(e.shape)
+        codes = {1: n + skip1, 2: n + skip2}
+        width = min(WIDTHS, key=lambda w: codes[w] * w)
+        steps = found.step is not None and values_nbytes(n, item, True, raws) < _aligned(n * item)
+        cost = _aligned(codes[width] * width) + _aligned(values_nbytes(n, item, steps, raws))
+        choice = _Choice(k, lo, lo + n, width, codes[width], steps, raws if steps else 0, cost)
+        if cost >= _aligned(numel):  # sent whole (steps: 1 byte an element) may be smaller
+            whole = found.step is not None and values_nbytes(numel, item, True, raws) < _aligned(numel * item)
+            whole_cost = _aligned(values_nbytes(numel, item, whole, raws))
+            if whole_cost < cost:
+                choice = _Choice(k, lo, lo + n, 0, 0, whole, raws if whole else 0, whole_cost)
+        out.append(choice)
+        total += choice.cost
+        lo += n
+        if total >= size:
+            return None
+    return out
+
+
+def _sparse_bucket(members, layout: list[_Choice], found: _Changes, new: torch.Tensor, base: torch.Tensor,
+                   position: dict[str, int]) -> tuple[BucketCode, torch.Tensor]:
+    escaped = torch.nonzero(found.far).reshape(-1) if any(c.width and c.raws for c in layout) else None
+    raws_before = [0]
+    for n, _, _, raws in found.counts:
+        raws_before.append(raws_before[-1] + raws)
+    parts = []  # per tensor: (its SparseTensor less offsets, codes bytes or None, values bytes)
+    for c in layout:
+        e = members[c.member][0]
+        dtype = e.torch_dtype()
+        if not c.width:  # whole
+            lo, hi = e.offset, e.offset + e.nbytes
+            values, steps, raws = encode_values(new[lo:hi].view(dtype), base[lo:hi].view(dtype))
+            parts.append((e, math.prod(e.shape), 0, 0, None, values, steps, raws))
+            continue
+        codes = _gap_codes(found.gap[c.lo:c.hi], c.width, c.codes)
+        if c.steps:
+            r0 = raws_before[c.member]
+            steps = torch.where(found.far[c.lo:c.hi], ESCAPE, found.step[c.lo:c.hi]).to(torch.int8)
+            raw = found.values[escaped[r0:r0 + c.raws]] if c.raws else found.values[:0]
+            values = torch.zeros(values_nbytes(c.hi - c.lo, dtype.itemsize, True, c.raws), dtype=torch.uint8,
+                                 device=new.device)
+            values[:c.hi - c.lo] = steps.view(torch.uint8)
+            values[_aligned(c.hi - c.lo):] = raw.contiguous().view(torch.uint8)
+        else:
+            values = found.values[c.lo:c.hi].contiguous().view(torch.uint8)
+        parts.append((e, c.hi - c.lo, c.width, c.codes, codes, values, c.steps, c.raws))
+    size = sum((_aligned(codes.numel()) if codes is not None else 0) + _aligned(values.numel())
+               for *_, codes, values, _, _ in parts)
+    buf = torch.zeros(max(size, _ALIGN), dtype=torch.uint8, device=new.device)  # (nothing changed: 8 bytes)
     at, out = 0, []
-    for e, values, index, width, n, steps, raws, count in parts:
+    for e, count, width, n, codes, values, steps, raws in parts:
         codes_at = at
-        if index is not None:
-            codes = encode_positions(index, width)
+        if codes is not None:
             buf[at:at + codes.numel()] = codes
             at += _aligned(codes.numel())
         buf[at:at + values.numel()] = values
@@ -221,8 +305,11 @@ def decode(manifest: Manifest, plan: DeltaPlan, buffers: Sequence, base: dict[st
     if not len(plan.buckets) == len(manifest.bucket_sizes) == len(buffers):
         raise ValueError(f"update_weights: the delta has {len(plan.buckets)} bucket codes and {len(buffers)} "
                          f"buffers for {len(manifest.bucket_sizes)} buckets; nothing was changed")
-    return [w for b, (code, buf) in enumerate(zip(plan.buckets, buffers))
-            for w in decode_bucket(manifest, b, code, as_bytes(buf), base, plan.checked is not False)]
+    writes = [w for b, (code, buf) in enumerate(zip(plan.buckets, buffers))
+              for w in decode_bucket(manifest, b, code, as_bytes(buf), base, check=False)]
+    if plan.checked is not False:
+        _check_values(writes)
+    return writes
 
 
 def decode_bucket(manifest: Manifest, b: int, code: BucketCode, buf: torch.Tensor,
@@ -239,8 +326,8 @@ def decode_bucket(manifest: Manifest, b: int, code: BucketCode, buf: torch.Tenso
     else:
         seen: set[int] = set()
         writes = [_sparse_write(manifest, b, s, buf, seen, base) for s in code.sparse]
-    for w in writes if check else ():
-        _check_values(w.values, w.name)
+    if check:
+        _check_values(writes)
     return writes
 
 
@@ -285,20 +372,24 @@ def _sparse_write(manifest: Manifest, b: int, s: SparseTensor, buf: torch.Tensor
     return Write(e.name, index, values)
 
 
-def _check_values(values: torch.Tensor, name: str) -> None:
+def _check_values(writes: Sequence[Write]) -> None:
     """Every value finite and within the canary's bound (a larger element fails the canary the learner ran on the
-    whole tensor: weights/canary.py), so a corrupt delta cannot bring what a dense push would have been refused."""
-    if not values.numel():
-        return
-    top = float(values.abs().max())  # NaN and inf survive the max
-    if not top <= LIMIT:
-        what = "a value is NaN or inf" if not math.isfinite(top) else \
-            f"a value is {top:.3g}, beyond the canary's bound {LIMIT:.0e}"
-        raise ValueError(_corrupt(name, what))
+    whole tensor: weights/canary.py), so a corrupt delta cannot bring what a dense push would have been refused.
+    One read back per device, not one per tensor."""
+    tops: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
+    for w in writes:
+        if w.values.numel():
+            tops.setdefault(w.values.device, []).append((w.name, w.values.abs().max().float()))
+    for found in tops.values():
+        for (name, _), top in zip(found, torch.stack([t for _, t in found]).tolist()):
+            if not top <= LIMIT:  # NaN and inf survive the max
+                what = "a value is NaN or inf" if not math.isfinite(top) else \
+                    f"a value is {top:.3g}, beyond the canary's bound {LIMIT:.0e}"
+                raise ValueError(_corrupt(name, what))
 
 
 def apply(writes: Sequence[Write], weights: dict[str, torch.Tensor]) -> None:
-    """Do checked writes into contiguous tensors by name (the dense buckets of a base)."""
+    """Do checked writes into contiguous tensors by name: an engine's weights (live views), or the sender's base."""
     for w in writes:
         flat = weights[w.name].view(-1)
         if w.index is None:

@@ -28,7 +28,7 @@ from typing import Any, Sequence
 import torch
 
 from rollout_service.weights.buckets import Buckets, Manifest, reuse_or_allocate
-from rollout_service.weights.delta import DeltaPlan, apply, decode_bucket, encode
+from rollout_service.weights.delta import DeltaPlan, encode
 
 DELTA_MODES = ("auto", True, False)
 
@@ -103,20 +103,20 @@ class DeltaSender:
         self.base.fill(items)
         return Wire(self.base.buffers)
 
-    def commit(self, wire: Wire, version: int) -> None:
-        """Every worker took `wire`: the base becomes `version` (dense buckets are adopted, not copied)."""
+    def commit(self, wire: Wire, version: int, items: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """Every worker took `wire`, the push of `items`: the base becomes `version`. Buckets sent dense are
+        adopted; the others are refilled from `items` (a delta decodes to exactly their cast, and a cast copy on
+        the base's device is cheaper than decoding the wire again)."""
         base, plan = self.base, wire.plan
         self.version = None
         if plan is None:
             base.buffers = list(wire.buffers)
         else:
+            sparse = {b for b, code in enumerate(plan.buckets) if code.sparse is not None}
             for b, code in enumerate(plan.buckets):
                 if code.sparse is None:
                     base.buffers[b] = wire.buffers[b]
-            weights = dict(base.views())
-            writes = [w for b, code in enumerate(plan.buckets) if code.sparse is not None
-                      for w in decode_bucket(base.manifest, b, code, wire.buffers[b], weights, check=False)]
-            apply(writes, weights)  # (decoded first: steps start from the values before any write)
+            base.fill([item for item, e in zip(items, base.manifest.entries) if e.bucket in sparse])
         self.version = version
 
     def full(self, version: int) -> Buckets | None:

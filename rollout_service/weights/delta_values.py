@@ -33,6 +33,14 @@ def _ordered(t: torch.Tensor) -> torch.Tensor:
     return x ^ ((x >> 8 * _WORK[size].itemsize - 1) & ((1 << 8 * size - 1) - 1))
 
 
+ordered = _ordered
+
+
+def takes_steps(itemsize: int) -> bool:
+    """Whether values of this many bytes can be sent as steps."""
+    return itemsize in _INT
+
+
 def _from_ordered(o: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The inverse of _ordered (the same flip) for values within the dtype's range."""
     x = o ^ ((o >> 8 * o.element_size() - 1) & ((1 << 8 * dtype.itemsize - 1) - 1))

@@ -94,7 +94,7 @@ class WeightPusher:
                 raise
             wire = self.deltas.wire(manifest, items, delta=False)
             self._send_wire(kind, manifest, wire, version)
-        self.deltas.commit(wire, version)
+        self.deltas.commit(wire, version, items)
         t3 = time.perf_counter()
         self.last_timings = {"transport": kind, "check_s": t1 - t0, "pack_s": t2 - t1, "service_s": t3 - t2}
         self.last_push = {"delta": wire.plan is not None, "wire_bytes": wire.nbytes, "dense_bytes": manifest.nbytes}

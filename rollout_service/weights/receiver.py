@@ -4,12 +4,12 @@ object store: views of the shared-memory buckets; CUDA IPC: views of the learner
 broadcast: views of this worker's staging buckets, filled by the group's broadcast. Staging buckets and
 IPC mappings are kept between refreshes of the same layout and dropped by `release`.
 
-A delta (delta.py) patches the worker's base: its weights in the engine's dtype, in the dense bucket layout, in
-host memory (pinned with CUDA). The base is copied from the engine's own weights on the first delta that finds
-none of that version, patched by each delta, and handed to the engine as the refresh's views; a dense refresh
-frees it (its weights are then elsewhere). Memory while deltas come: one host copy of the weights. A delta is
-decoded and checked in full before the apply (on prepare; for a broadcast, once its bytes are in), so a corrupt
-one is refused on every worker before any swaps.
+A delta (delta.py) is decoded on the engine's device against the engine's own weights (its base: the version
+the engine runs) into checked writes, which the engine then does in place (Engine.patch_weights): only the
+changed elements move, and the worker keeps no copy of the weights. A sparse bucket goes to the device as it
+arrives (a few MB); a bucket the sender found smaller dense stays in host memory until the apply copies it. A
+delta is decoded and checked in full before the apply (on prepare; for a broadcast, once its bytes are in), so a
+corrupt one is refused on every worker before any swaps.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import torch
 from rollout_service.model.weight_update import current_weights
 from rollout_service.weights.buckets import Buckets, Manifest, reuse_or_allocate, views
 from rollout_service.weights.cuda_ipc import IpcReader
-from rollout_service.weights.delta import NO_BASE, Write, apply, decode
+from rollout_service.weights.delta import NO_BASE, DeltaPlan, Write, decode
 from rollout_service.weights.group import GroupSpec, WeightGroup
 from rollout_service.weights.object_store import fetch, fetch_buffers, fetch_pinned
 from rollout_service.weights.transport import TRANSPORTS
@@ -33,9 +33,8 @@ class WeightReceiver:
         self.group: WeightGroup | None = None
         self.staging: Buckets | None = None
         self._received: str | None = None  # refresh id whose bytes are in staging (or decoded, for a delta)
-        self.base: Buckets | None = None   # the weights of base_version, which a delta patches
-        self.base_version: int | None = None
         self._writes: list[Write] | None = None  # the prepared delta's checked writes
+        self._base: dict[str, torch.Tensor] | None = None  # the engine's weights by name, while a delta is decoded
 
     # -- group membership -------------------------------------------------------------------------
     def join(self, spec: GroupSpec, rank: int) -> None:
@@ -79,30 +78,22 @@ class WeightReceiver:
                              f"version {getattr(plan, 'base_version', None)}")
         if kind not in ("object_store", "broadcast"):
             raise ValueError(f"update_weights: transport {kind!r} carries no deltas")
-        self._hold_base(manifest, version, model)
+        if model is None:
+            raise ValueError(f"update_weights: {NO_BASE}: this worker's weights are asleep")
+        base = dict(current_weights(model, manifest.entries))  # (a ValueError for FP8 or another dtype)
         if kind == "broadcast":
             self._stage(payload["group_id"], plan.wire_manifest())
+            self._base = base
             return
-        self._writes = decode(manifest, plan, fetch_buffers(payload["refs"]), dict(self.base.views()))
+        self._writes = decode(manifest, plan, self._on_device(plan, fetch_buffers(payload["refs"])), base)
         self._received = payload["refresh_id"]
 
-    def _hold_base(self, manifest: Manifest, version: int, model: Any) -> None:
-        """The base of `version` in `manifest`'s layout, copied from the engine's weights unless already held."""
-        if self.base is not None and self.base_version == version and self.base.manifest == manifest:
-            return
-        if model is None:
-            raise ValueError(f"update_weights: {NO_BASE}: this worker's weights are asleep and it keeps no copy of "
-                             f"version {version}")
-        self.base_version = None
-        self.base = reuse_or_allocate(self.base, manifest, "cpu", pin_memory=True)
-        slots = dict(self.base.views())
-        held = current_weights(model, manifest.entries)
-        with torch.no_grad():
-            for name, t in held:
-                slots[name].copy_(t, non_blocking=True)
-        for device in {t.device for _, t in held if t.is_cuda}:
-            torch.cuda.synchronize(device)
-        self.base_version = version
+    def _on_device(self, plan: DeltaPlan, buffers: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The sparse buckets on the engine's device, where they are decoded next to the weights (the dense ones
+        are copied into the weights once, at the apply)."""
+        if self.device.type != "cuda":
+            return buffers
+        return [b if code.sparse is None else b.to(self.device) for code, b in zip(plan.buckets, buffers)]
 
     def receive(self, payload: dict) -> None:
         """Broadcast only: take every bucket into staging (the engine keeps serving meanwhile); a delta is
@@ -112,19 +103,19 @@ class WeightReceiver:
         self._received = None
         self.group.broadcast(self.staging.buffers)  # drops the group on any error
         if payload.get("delta") is not None:
-            self._writes = decode(payload["manifest"], payload["delta"], self.staging.buffers,
-                                  dict(self.base.views()))
+            base, self._base = self._base, None
+            self._writes = decode(payload["manifest"], payload["delta"], self.staging.buffers, base)
         self._received = payload["refresh_id"]
+
+    def writes(self, payload: dict) -> list[Write]:
+        """A delta's checked writes, for Engine.patch_weights."""
+        if self._writes is None or self._received != payload["refresh_id"]:
+            raise RuntimeError("update_weights: the delta was not prepared on this worker")
+        return self._writes
 
     def views(self, payload: dict) -> list[tuple[str, torch.Tensor]]:
         manifest: Manifest = payload["manifest"]
         kind = payload["transport"]
-        if payload.get("delta") is not None:
-            if self._writes is None or self._received != payload["refresh_id"]:
-                raise RuntimeError("update_weights: the delta was not prepared on this worker")
-            self.base_version = None  # patched from here on: it holds the new version once the engine took it
-            apply(self._writes, dict(self.base.views()))
-            return self.base.views()
         if kind == "object_store":
             if self._received == payload["refresh_id"]:
                 return list(views(manifest, self.staging.buffers))
@@ -137,18 +128,11 @@ class WeightReceiver:
             return list(views(manifest, self.staging.buffers))
         raise ValueError(f"update_weights: unknown transport {kind!r}; choose one of {TRANSPORTS[1:]}")
 
-    def applied(self, payload: dict, version: int) -> None:
-        """The engine took the refresh: a delta's patched base is `version`; after a dense one the base is stale."""
-        if payload.get("delta") is not None:
-            self.base_version = version
-        else:
-            self.base, self.base_version = None, None
-
     def discard(self) -> None:
-        self._received, self._writes = None, None
+        self._received, self._writes, self._base = None, None, None
 
     def release(self) -> None:
-        """Drop the staging buckets, the base and the IPC mappings (the learner is about to free its buckets)."""
+        """Drop the staging buckets and the IPC mappings (the learner is about to free its buckets)."""
         self.ipc.release()
-        self.staging, self._received, self._writes = None, None, None
-        self.base, self.base_version = None, None
+        self.staging = None
+        self.discard()
