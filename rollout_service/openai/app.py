@@ -115,11 +115,16 @@ async def _collect(rt: Runtime, p: calls.Prepared, request: Request) -> list:
 
 def _chat_body(rt: Runtime, p: calls.Prepared, call: Any, results: list) -> dict:
     body = out.envelope("chat.completion", out.new_id("chatcmpl"), rt.svc.model,
-                        choices=[out.chat_choice(r, rt.svc.renderer, call.logprobs) for r in results],
+                        choices=[out.chat_choice(r, rt.svc.renderer, call.logprobs, _offered(call, p))
+                                 for r in results],
                         usage=out.usage(len(p.prompt_ids), results), prompt_token_ids=list(p.prompt_ids))
     if call.session_id is not None:
         body.update(session_id=call.session_id, drift=p.drifted)
     return body
+
+
+def _offered(call: Any, p: calls.Prepared) -> out.Tools:
+    return out.Tools(call.tools, call.tool_choice, p.prompt_ids)
 
 
 def _completion_body(rt: Runtime, p: calls.Prepared, call: Any, results: list) -> dict:
@@ -169,8 +174,8 @@ async def _events(rt: Runtime, p: calls.Prepared, call: Any, chat: bool, request
         it = await rt.run(calls.open_stream, rt.svc, p)
         while (r := await rt.next(it, p, request)) is not None:
             results.append(r)
-            make = out.chat_chunk if chat else out.completion_chunk
-            yield out.sse(make(r, rt.svc.renderer, call.logprobs, rid, model))
+            yield out.sse(out.chat_chunk(r, rt.svc.renderer, call.logprobs, rid, model, _offered(call, p))
+                          if chat else out.completion_chunk(r, rt.svc.renderer, call.logprobs, rid, model))
         finished = True
         calls.settle(rt.svc, p, results)  # after the chunks went out: a client gone before them left no record
         if call.include_usage:

@@ -1,7 +1,8 @@
 """RolloutResults -> OpenAI response bodies and stream chunks.
 
 Each choice carries two extra fields beside OpenAI's: `token_ids` (the tokens sampled, exactly) and
-`policy_versions` (the policy version that produced each). A chat response also carries `prompt_token_ids`
+`policy_versions` (the policy version that produced each). A chat call given `tools` has the model's calls read
+into `message.tool_calls` (openai/tool_calls.py). A chat response also carries `prompt_token_ids`
 (what the model saw: the rendered history, or for a drifted session call the recorded tokens plus the new
 messages) and, with a session, `session_id` and `drift` (whether this call's history was continued from
 the recorded tokens). OpenAI SDKs keep unknown fields (`choice.token_ids`, or `model_extra`).
@@ -11,10 +12,12 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Sequence
 
 from rollout_service.api.types import RolloutResult
 from rollout_service.openai.templates import ChatRenderer
+from rollout_service.openai.tool_calls import read_turn
 
 
 def new_id(prefix: str) -> str:
@@ -59,10 +62,29 @@ def _extras(r: RolloutResult) -> dict:
     return {"token_ids": list(r.token_ids), "policy_versions": list(r.token_versions)}
 
 
-def chat_choice(r: RolloutResult, renderer: ChatRenderer, logprobs: bool) -> dict:
-    return {"index": r.sample_index, "message": {"role": "assistant", "content": r.text},
-            "finish_reason": finish_reason(r), "logprobs": chat_logprobs(r, renderer) if logprobs else None,
-            **_extras(r)}
+@dataclass(frozen=True)
+class Tools:
+    """What a chat call offered the model: its tools and tool_choice, and the prompt the turn followed."""
+    tools: list | None = None
+    tool_choice: Any = None
+    prompt_ids: Sequence[int] = ()
+
+
+def _turn(r: RolloutResult, renderer: ChatRenderer, offered: Tools) -> tuple[dict, str]:
+    """The message fields of a chat choice (content, and tool_calls when the model called tools) and its
+    finish reason ("tool_calls" for a turn that ended with calls)."""
+    turn = read_turn(r.text, r.token_ids, offered.prompt_ids, renderer.tokenizer, offered.tools,
+                     offered.tool_choice)
+    if not turn.tool_calls:
+        return {"content": r.text}, finish_reason(r)
+    reason = "tool_calls" if finish_reason(r) == "stop" else finish_reason(r)
+    return {"content": turn.content, "tool_calls": turn.tool_calls}, reason
+
+
+def chat_choice(r: RolloutResult, renderer: ChatRenderer, logprobs: bool, offered: Tools = Tools()) -> dict:
+    message, reason = _turn(r, renderer, offered)
+    return {"index": r.sample_index, "message": {"role": "assistant", **message}, "finish_reason": reason,
+            "logprobs": chat_logprobs(r, renderer) if logprobs else None, **_extras(r)}
 
 
 def completion_choice(r: RolloutResult, renderer: ChatRenderer, logprobs: bool) -> dict:
@@ -85,10 +107,14 @@ def chat_role_chunk(index: int, rid: str, model: str) -> dict:
     return envelope("chat.completion.chunk", rid, model, choices=[choice])
 
 
-def chat_chunk(r: RolloutResult, renderer: ChatRenderer, logprobs: bool, rid: str, model: str) -> dict:
-    """A finished choice's text, with its logprobs, token ids, versions and finish reason. The service hands
-    back whole samples, so a choice's text is one delta."""
-    choice = {"index": r.sample_index, "delta": {"content": r.text}, "finish_reason": finish_reason(r),
+def chat_chunk(r: RolloutResult, renderer: ChatRenderer, logprobs: bool, rid: str, model: str,
+               offered: Tools = Tools()) -> dict:
+    """A finished choice's text (and tool calls), with its logprobs, token ids, versions and finish reason. The
+    service hands back whole samples, so a choice's text is one delta."""
+    delta, reason = _turn(r, renderer, offered)
+    if "tool_calls" in delta:  # a stream's calls carry their place in the list
+        delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(delta["tool_calls"])]
+    choice = {"index": r.sample_index, "delta": delta, "finish_reason": reason,
               "logprobs": chat_logprobs(r, renderer) if logprobs else None, **_extras(r)}
     return envelope("chat.completion.chunk", rid, model, choices=[choice])
 
