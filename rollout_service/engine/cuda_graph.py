@@ -7,6 +7,7 @@ captured forward ends at the logits; sampling stays outside the graph.
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Callable
 
 import torch
@@ -17,6 +18,19 @@ from rollout_service.ops.attention import AttentionMetadata
 logger = logging.getLogger(__name__)
 
 DecodeForward = Callable[[torch.Tensor, AttentionMetadata], torch.Tensor]
+
+# One side stream per device for every warm-up and capture in the process, and one capture at a time on it:
+# cuBLAS keeps a workspace (32 MiB on Hopper) per stream it has seen until the process ends, so a stream per
+# capture would leave one behind for every engine built (and per bucket, ~35 of them per engine).
+_capture_lock = threading.Lock()
+_capture_streams: dict[int, torch.cuda.Stream] = {}
+
+
+def _capture_stream(device: torch.device) -> torch.cuda.Stream:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _capture_streams:
+        _capture_streams[index] = torch.cuda.Stream(index)
+    return _capture_streams[index]
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -45,12 +59,14 @@ class CudaGraphRunner:
         """Capture every bucket, largest first so smaller graphs reuse the pool; on failure run eager.
         A recapture (after sleep) warms up the largest bucket only: every kernel and shape has run before,
         so only the freed workspaces need to come back outside a capture."""
+        with _capture_lock:
+            self._capture_all(warm_every_bucket)
+
+    def _capture_all(self, warm_every_bucket: bool) -> None:
         try:
             pool = None
             device = self.inputs.device
-            # One side stream for every warm-up and capture: cuBLAS keeps a workspace per stream it has seen,
-            # so a stream per bucket would hold ~35 workspaces (32 MiB each) until the process ends.
-            stream = torch.cuda.Stream(device)
+            stream = _capture_stream(device)
             for bs in reversed(self.buckets):
                 # every row a 1-token sequence on the scratch page: capture writes K/V nowhere that matters
                 self.inputs.fill([[SCRATCH_PAGE]], [0], [1], rows=bs)
