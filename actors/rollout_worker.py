@@ -154,7 +154,7 @@ class RolloutWorker:
         ValueError naming what is wrong."""
         t0 = time.perf_counter()
         self.engine.validate_manifest(payload["manifest"], partial)
-        readable = payload.get("delta") is not None and not self.engine.is_sleeping  # a delta's base may come from it
+        readable = payload.get("delta") is not None and not self.engine.is_sleeping  # a delta decodes against it
         self.receiver.prepare(payload, self.engine.policy_version, self.engine.model if readable else None)
         self.last_refresh = {"transport": payload["transport"], "prepare_s": time.perf_counter() - t0}
 

@@ -52,7 +52,8 @@ class WeightReceiver:
     # -- a refresh --------------------------------------------------------------------------------
     def prepare(self, payload: dict, version: int = 0, model: Any = None) -> None:
         """Get ready to take a refresh's bytes (validation of the manifest is the engine's). A delta needs the
-        engine's `version` and, to copy its base from, its `model` (None: its weights cannot be read now)."""
+        engine's `version` and its `model`, whose weights it is decoded against (None: they cannot be read now,
+        e.g. asleep: the delta is refused as lacking its base, and the learner pushes dense)."""
         kind = payload["transport"]
         self._received, self._writes = None, None
         if payload.get("delta") is not None:
