@@ -8,17 +8,16 @@ NVCC=${NVCC:-nvcc}
 ARCHS=${ARCHS:-"compute_90a,code=sm_90a compute_80,code=sm_80"}
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
+gencodes=()
+for arch in $ARCHS; do gencodes+=(-gencode=arch="$arch"); done
 jobs=()
-for arch in $ARCHS; do
-  sm=${arch##*=}
-  for src in csrc/*.cu; do
-    name=$(basename "$src" .cu)
-    "$NVCC" -c -O3 -std=c++17 --expt-relaxed-constexpr -Icsrc \
-      -D__CUDA_NO_HALF_OPERATORS__ -D__CUDA_NO_HALF_CONVERSIONS__ -D__CUDA_NO_BFLOAT16_CONVERSIONS__ \
-      -D__CUDA_NO_HALF2_OPERATORS__ -gencode=arch="$arch" -Xptxas -v \
-      "$src" -o "$out/$name.$sm.o" >"$out/$name.$sm.log" 2>&1 &
-    jobs+=("$!:$name.$sm")
-  done
+for src in csrc/*.cu; do  # every arch in one nvcc per file: the host side is compiled once
+  name=$(basename "$src" .cu)
+  "$NVCC" -c -O3 -std=c++17 --expt-relaxed-constexpr -Icsrc \
+    -D__CUDA_NO_HALF_OPERATORS__ -D__CUDA_NO_HALF_CONVERSIONS__ -D__CUDA_NO_BFLOAT16_CONVERSIONS__ \
+    -D__CUDA_NO_HALF2_OPERATORS__ "${gencodes[@]}" -Xptxas -v \
+    "$src" -o "$out/$name.o" >"$out/$name.log" 2>&1 &
+  jobs+=("$!:$name")
 done
 status=0
 for job in "${jobs[@]}"; do
