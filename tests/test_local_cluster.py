@@ -17,6 +17,7 @@ from typing import Callable
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.ray  # (a cluster of its own, but Ray all the same: scripts/test.sh runs it with the Ray tests)
 
 JOIN = """
 import json, sys
