@@ -9,8 +9,9 @@ import torch
 from rollout_service.api.types import RolloutRequest, SamplingParams
 from rollout_service.engine.engine import Engine
 from rollout_service.model.weight_update import current_weights
-from rollout_service.weights import Buckets, named_items, plan
+from rollout_service.weights import named_items
 from rollout_service.weights.delta import NO_BASE, decode, encode
+from test_delta_encoding import _base
 from tiny_models import tiny_hf_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -33,10 +34,7 @@ def _step(state: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
 
 def _delta(state, new, version: int):
     """The learner's side: the manifest and a delta from `state` (what the engine holds) to `new`."""
-    items = named_items(state)
-    manifest = plan(items, 4096, torch.bfloat16)
-    base = Buckets(manifest)
-    base.fill(items)
+    manifest, base = _base(state)
     delta, buffers = encode(manifest, named_items(new), base, version)
     assert not delta.all_dense  # (the test is about sparse writes)
     return manifest, delta, buffers

@@ -12,7 +12,7 @@ from rollout_service.weights import Buckets, named_items, plan
 from rollout_service.weights.delta import (BucketCode, DeltaPlan, SKIP, apply, code_count, decode, decode_positions,
                                            encode, encode_positions)
 from rollout_service.weights.delta_sender import DeltaSender, check_delta, delta_dtype, delta_refusal
-from rollout_service.weights.delta_values import _from_ordered, _ordered, decode_values, encode_values, values_nbytes
+from rollout_service.weights.delta_values import _from_ordered, decode_values, encode_values, ordered, values_nbytes
 from tiny_models import tiny_hf_model
 
 BF16 = torch.bfloat16
@@ -80,12 +80,12 @@ def test_a_step_counts_the_representable_values_between_two_floats(dtype):
     patterns = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(dtype)
     finite = patterns[torch.isfinite(patterns)]
     by_value = finite[torch.argsort(finite.float(), stable=True)]
-    order = _ordered(by_value).long()
+    order = ordered(by_value).long()
     zero = (by_value == 0).nonzero().reshape(-1)
     assert torch.signbit(by_value[zero[0]]) and not torch.signbit(by_value[zero[1]])  # -0.0 sorted first by hand
     order[zero] = torch.sort(order[zero]).values
     assert torch.equal(order[1:] - order[:-1], torch.ones(order.numel() - 1, dtype=torch.long))
-    assert torch.equal(_from_ordered(_ordered(patterns), dtype).view(torch.int16), patterns.view(torch.int16))
+    assert torch.equal(_from_ordered(ordered(patterns), dtype).view(torch.int16), patterns.view(torch.int16))
 
 
 def test_a_few_changed_elements_cost_a_few_bytes_and_a_rewritten_bucket_goes_dense():

@@ -306,14 +306,14 @@ def decode(manifest: Manifest, plan: DeltaPlan, buffers: Sequence, base: dict[st
         raise ValueError(f"update_weights: the delta has {len(plan.buckets)} bucket codes and {len(buffers)} "
                          f"buffers for {len(manifest.bucket_sizes)} buckets; nothing was changed")
     writes = [w for b, (code, buf) in enumerate(zip(plan.buckets, buffers))
-              for w in decode_bucket(manifest, b, code, as_bytes(buf), base, check=False)]
+              for w in _decode_bucket(manifest, b, code, as_bytes(buf), base)]
     if plan.checked is not False:
         _check_values(writes)
     return writes
 
 
-def decode_bucket(manifest: Manifest, b: int, code: BucketCode, buf: torch.Tensor,
-                  base: dict[str, torch.Tensor], check: bool = True) -> list[Write]:
+def _decode_bucket(manifest: Manifest, b: int, code: BucketCode, buf: torch.Tensor,
+                   base: dict[str, torch.Tensor]) -> list[Write]:
     if not isinstance(code, BucketCode) or buf.numel() != code.nbytes:
         raise ValueError(f"update_weights: the delta's bucket {b} holds {buf.numel()} bytes, its code says "
                          f"{getattr(code, 'nbytes', None)}; nothing was changed")
@@ -326,8 +326,6 @@ def decode_bucket(manifest: Manifest, b: int, code: BucketCode, buf: torch.Tenso
     else:
         seen: set[int] = set()
         writes = [_sparse_write(manifest, b, s, buf, seen, base) for s in code.sparse]
-    if check:
-        _check_values(writes)
     return writes
 
 
@@ -389,7 +387,7 @@ def _check_values(writes: Sequence[Write]) -> None:
 
 
 def apply(writes: Sequence[Write], weights: dict[str, torch.Tensor]) -> None:
-    """Do checked writes into contiguous tensors by name: an engine's weights (live views), or the sender's base."""
+    """Do checked writes into contiguous tensors by name (an engine's weights: live views of its parameters)."""
     for w in writes:
         flat = weights[w.name].view(-1)
         if w.index is None:

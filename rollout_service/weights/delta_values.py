@@ -24,7 +24,7 @@ def _aligned(n: int) -> int:
 _WORK = {2: torch.int32, 4: torch.int64}  # wide enough for an ordered value plus a step
 
 
-def _ordered(t: torch.Tensor) -> torch.Tensor:
+def ordered(t: torch.Tensor) -> torch.Tensor:
     """Each element's place among the dtype's values: the bits as sign-magnitude, ordered. A negative pattern
     (sign bit set, read as a signed integer) has its magnitude bits flipped, so -0.0 is -1 and 0.0 is 0; in the
     narrowest integer that holds a step more (int32 for 2-byte floats: half the memory traffic of int64)."""
@@ -33,8 +33,6 @@ def _ordered(t: torch.Tensor) -> torch.Tensor:
     return x ^ ((x >> 8 * _WORK[size].itemsize - 1) & ((1 << 8 * size - 1) - 1))
 
 
-ordered = _ordered
-
 
 def takes_steps(itemsize: int) -> bool:
     """Whether values of this many bytes can be sent as steps."""
@@ -42,7 +40,7 @@ def takes_steps(itemsize: int) -> bool:
 
 
 def _from_ordered(o: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The inverse of _ordered (the same flip) for values within the dtype's range."""
+    """The inverse of ordered (the same flip) for values within the dtype's range."""
     x = o ^ ((o >> 8 * o.element_size() - 1) & ((1 << 8 * dtype.itemsize - 1) - 1))
     return x.to(_INT[dtype.itemsize]).view(dtype)
 
@@ -55,9 +53,9 @@ def values_nbytes(count: int, itemsize: int, steps: bool, raws: int) -> int:
 def encode_values(new: torch.Tensor, old: torch.Tensor) -> tuple[torch.Tensor, bool, int]:
     """(bytes, sent as steps, escapes) of the 1-D `new` values whose base values are `old`, whichever is smaller."""
     raw = new.contiguous().view(torch.uint8)
-    if new.element_size() not in _INT or not new.numel():
+    if not takes_steps(new.element_size()) or not new.numel():
         return raw, False, 0
-    step = _ordered(new) - _ordered(old)
+    step = ordered(new) - ordered(old)
     far = step.abs() > 127
     raws = int(far.sum())
     if values_nbytes(new.numel(), new.element_size(), True, raws) >= _aligned(raw.numel()):
@@ -74,15 +72,15 @@ def decode_values(data: torch.Tensor, count: int, dtype: torch.dtype, steps: boo
     """The `count` new values from their bytes (`old`: their base values, for steps); a str says what is corrupt."""
     if not steps:
         return data.view(dtype)
-    if dtype.itemsize not in _INT:
+    if not takes_steps(dtype.itemsize):
         return f"its values come as steps, which a {str(dtype).removeprefix('torch.')} weight does not take"
     step = data[:count].view(torch.int8).to(_WORK[dtype.itemsize])
     far = step == ESCAPE
     if int(far.sum()) != raws:
         return f"its steps escape to {int(far.sum())} raw values, it sends {raws}"
-    o = _ordered(old.reshape(-1)) + step
+    o = ordered(old.reshape(-1)) + step
     if raws:
-        o[far] = _ordered(data[_aligned(count):_aligned(count) + raws * dtype.itemsize].view(dtype))
+        o[far] = ordered(data[_aligned(count):_aligned(count) + raws * dtype.itemsize].view(dtype))
     half = 1 << 8 * dtype.itemsize - 1
     if count and not (-half <= int(o.min()) and int(o.max()) < half):
         return "a step leaves the dtype's values"
