@@ -62,9 +62,10 @@ def test_a_chat_call_equals_the_services_own_generate(api, svc, tok):
         assert np.array_equal(np.float32([t.logprob for t in choice.logprobs.content]), res.logprobs)
 
 
-def _busy_worker(svc) -> int | None:
-    """The worker with a sequence running (None: none has)."""
-    return next((i for i, s in enumerate(svc.stats()) if s.get("alive", True) and s.get("running")), None)
+def _holding_worker(svc) -> int | None:
+    """The worker holding a sequence, queued or running (None: none does)."""
+    return next((i for i, s in enumerate(svc.stats())
+                 if s.get("alive", True) and (s.get("queued") or s.get("running"))), None)
 
 
 def test_a_session_loses_nothing_to_a_worker_killed_during_its_call(api, svc):
@@ -74,16 +75,15 @@ def test_a_session_loses_nothing_to_a_worker_killed_during_its_call(api, svc):
     sampled.append(first.choices[0].model_extra["token_ids"])
     history += [{"role": "assistant", "content": first.choices[0].message.content}] + Q
 
+    # the workers held between steps (pause) take the call but cannot finish it: it is in flight on one of them
+    # when that one is killed, however fast or slow this machine is
     got = {}
-    call = threading.Thread(target=lambda: got.update(r=_chat(client, history, "agent", max_tokens=300)))
-    call.start()
-    # the call is in flight on a worker; held between two steps (pause) it cannot finish before the kill
-    wait_for(lambda: _busy_worker(svc) is not None or not call.is_alive(), "the call running on a worker", 120)
     svc.pause()
     try:
-        busy = _busy_worker(svc)
-        assert busy is not None, "the call finished before it could be interrupted"
-        kill_worker(svc, busy)
+        call = threading.Thread(target=lambda: got.update(r=_chat(client, history, "agent", max_tokens=300)))
+        call.start()
+        wait_for(lambda: _holding_worker(svc) is not None, "the call reaching a worker", 120)
+        kill_worker(svc, _holding_worker(svc))
     finally:
         svc.resume()
     call.join(timeout=600)
