@@ -2,10 +2,11 @@
 PSI, /proc/loadavg) read from files, and the property that makes switching safe: the engine's tokens and log-probs
 are the same bits at one thread and at two."""
 import numpy as np
+import pytest
 import torch
 
 from rollout_service.engine.engine import Engine
-from rollout_service.ops.cpu_threads import BUSY, SAMPLES, Pressure, _cgroup_quota, decide
+from rollout_service.ops.cpu_threads import BUSY, SAMPLES, Pressure, _cgroup_quota, decide, usable_cpus
 from rollout_service.api.types import RolloutRequest, SamplingParams
 from tiny_models import tiny_hf_model
 
@@ -57,3 +58,55 @@ def test_the_engines_bits_do_not_depend_on_the_thread_count():
     finally:
         torch.set_num_threads(before)
     assert runs[0][0] == runs[1][0] and np.array_equal(runs[0][1], runs[1][1])
+
+
+class _Busy:
+    """A machine where tasks always wait for a CPU and three others are runnable."""
+
+    def read(self, own_threads: int) -> tuple[float, int]:
+        return 1.0, 3
+
+
+def _forward_thread_counts(engine: Engine) -> list[int]:
+    seen: list[int] = []
+    engine.runner.model.register_forward_pre_hook(lambda module, args: seen.append(torch.get_num_threads()))
+    return seen
+
+
+def _run(engine: Engine, tag: str) -> list[int]:
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    engine.add_request(RolloutRequest(list(range(3, 20)), sp, request_id=tag))
+    return [r.token_ids for r in engine.run_until_done()]
+
+
+@pytest.mark.skipif(usable_cpus() < 2, reason="needs two usable CPUs")
+def test_a_contended_engine_steps_on_one_thread_and_gives_its_caller_its_count_back():
+    engine = Engine(model_source=tiny_hf_model("llama", seed=4), device="cpu", backend="torch", num_pages=64)
+    threads = engine.runner.cpu_threads
+    threads.pressure, threads.interval_s = _Busy(), 0.0
+    seen = _forward_thread_counts(engine)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        _run(engine, "busy")
+        assert seen[0] == 2 and seen[-1] == 1 and threads.switches == 1
+        assert torch.get_num_threads() == 2  # the caller's count, though the engine still runs on one
+        assert threads.current == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.skipif(usable_cpus() < 2, reason="needs two usable CPUs")
+def test_the_callers_count_is_the_most_an_engine_uses():
+    engine = Engine(model_source=tiny_hf_model("llama", seed=4), device="cpu", backend="torch", num_pages=64)
+    seen = _forward_thread_counts(engine)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        _run(engine, "one")
+        assert set(seen) == {1}
+        torch.set_num_threads(2)
+        _run(engine, "two")
+        assert seen[-1] == 2 and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

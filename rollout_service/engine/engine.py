@@ -234,7 +234,7 @@ class Engine:
 
     # ---- one step -----------------------------------------------------------------------------------
     def step(self) -> list[RolloutResult]:
-        with self._lock:
+        with self._lock, self.runner.threads():
             if self.sleeper.level:
                 raise RuntimeError(f"the engine is asleep (level {self.sleeper.level}): call wake_up() first")
             try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +47,10 @@ class ModelRunner:
         # a CPU engine's thread count follows how busy the machine is (ops/cpu_threads.py)
         self.cpu_threads = CpuThreads() if device.type == "cpu" else None
         self.capture_graphs()
+
+    def threads(self) -> AbstractContextManager[None]:
+        """Around one engine step: a CPU engine's thread count for it (ops/cpu_threads.py); nothing on a GPU."""
+        return self.cpu_threads.step() if self.cpu_threads is not None else nullcontext()
 
     def capture_graphs(self) -> None:
         """Capture the decode graphs (at start-up, and on wake: they hold pointers into weights and KV)."""

@@ -8,6 +8,9 @@ share of 2/3 of a core gives ~107). So while other work is waiting for the CPUs,
 thread, and with all of them again once the machine is quiet. Tokens and log-probs do not change: the CPU
 products are the same bits at any thread count (tests/test_cpu_threads.py checks it).
 
+A local engine steps in its caller's thread: the count is set for each step and the caller's put back after
+it (a learner in the same process keeps its own), and the caller's count is the most the engine uses.
+
 Contention is read from Linux's CPU pressure (/proc/pressure/cpu: the share of time some task waited for a CPU
 over the last sampling interval) and, to go back to all threads, from the runnable tasks of /proc/loadavg beyond
 our own threads (none may be left, or our threads would make them wait again).
@@ -16,10 +19,11 @@ from __future__ import annotations
 
 import math
 import os
-import threading
 import time
 from collections import deque
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -84,24 +88,40 @@ class Pressure:
 
 
 class CpuThreads:
-    """Call tick() from the thread that runs the engine's forward, before each step (cheap: it samples at most
-    every INTERVAL_S)."""
+    """Run each engine step inside step(); call tick() before each forward (cheap: it samples at most every
+    INTERVAL_S)."""
 
     def __init__(self, pressure: Pressure | None = None, interval_s: float = INTERVAL_S):
-        self.full = max(1, min(torch.get_num_threads(), usable_cpus()))
-        self.current = self.full
+        self.usable = usable_cpus()
+        self.full = max(1, min(torch.get_num_threads(), self.usable))
+        self.contended = False
         self.pressure = pressure or Pressure()
         self.interval_s = interval_s
         self.samples: deque[tuple[float | None, int]] = deque(maxlen=SAMPLES)
         self.switches = 0
         self._next = 0.0
-        self._thread: int | None = None
+        self._stepping = False
+
+    @property
+    def current(self) -> int:
+        return 1 if self.contended else self.full
+
+    @contextmanager
+    def step(self) -> Iterator[None]:
+        """The engine's count for the block, the caller's again after it."""
+        caller = torch.get_num_threads()
+        self.full = max(1, min(caller, self.usable))
+        if self.current != caller:
+            torch.set_num_threads(self.current)
+        self._stepping = True
+        try:
+            yield
+        finally:
+            self._stepping = False
+            if torch.get_num_threads() != caller:
+                torch.set_num_threads(caller)
 
     def tick(self) -> None:
-        me = threading.get_ident()
-        if me != self._thread:  # a thread's OpenMP pool takes the count it is told, per thread
-            self._thread = me
-            torch.set_num_threads(self.current)
         if self.full == 1:
             return
         now = time.monotonic()
@@ -111,10 +131,11 @@ class CpuThreads:
         self.samples.append(self.pressure.read(self.current))
         want = decide(self.current, self.full, list(self.samples))
         if want != self.current:
-            self.current = want
+            self.contended = want < self.full
             self.switches += 1
             self.samples.clear()  # the next decision reads the machine as it is with the new count
-            torch.set_num_threads(want)
+            if self._stepping:
+                torch.set_num_threads(want)
 
 
 def decide(current: int, full: int, samples: list[tuple[float | None, int]]) -> int:
