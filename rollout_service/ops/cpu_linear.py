@@ -15,11 +15,20 @@ only through whole 16-row tiles (ops/invariant.py checks this before it relies o
 """
 from __future__ import annotations
 
+import os
 import weakref
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+
+# Two caches keep a oneDNN primitive per product shape, 1024 each by default: ideep's (torch's oneDNN layer) and
+# oneDNN's own. A prefill's row count is a new shape nearly every time, and with on_refresh="recompute" every
+# refresh prefills every sequence in flight again: resident memory grew ~0.6 MiB a refresh over 400 refreshes
+# (issue 45, item 5). With 128 of each it is flat after ~100 (a decode step uses a handful of shapes). Both are
+# read at the process's first oneDNN op, so this must run before one; a value the user set is kept.
+for _cache_size in ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY"):
+    os.environ.setdefault(_cache_size, "128")
 
 _ONEDNN = (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
