@@ -1,0 +1,165 @@
+"""WO: what the OpenAI endpoint (rollout_service/openai) costs over the Python client, in one run on one box.
+
+One in-process engine (local mode) serves both paths, so the engine's own time is the same in each:
+- latency: the same chat call (the embedded model's chat template, greedy, a few new tokens) as
+  `client.generate` on its rendered token ids, and through the endpoint over HTTP (uvicorn on 127.0.0.1) with a
+  bare httpx client and with the official `openai` package, interleaved call by call; "added" is the median of
+  each call's difference from the Python call next to it, so that the machine's drift cancels;
+- sessions: `--sessions` sessions, each one call with its own session id, from `--threads` client threads,
+  all held at once: the process's resident memory before, with all of them held, and after `release`.
+
+  python -m benchmarks.harness.openai_bench [--calls 100] [--sessions 1000] [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
+
+MESSAGES = [{"role": "user", "content": "What is 17 + 25? Answer with the number."}]
+TOKEN = "openai-bench-token"
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096 / 2**20
+
+
+def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    t0 = time.perf_counter()
+    out = fn()
+    return (time.perf_counter() - t0) * 1000, out
+
+
+def _quantile(xs: list[float], q: float) -> float:
+    return round(sorted(xs)[min(len(xs) - 1, int(q * len(xs)))], 2)
+
+
+def measure_latency(client: Any, server: Any, calls: int, max_tokens: int) -> list[dict]:
+    import httpx
+    from openai import OpenAI
+
+    from rollout_service import SamplingParams
+    ids = server.app.state.runtime.svc.renderer.render(MESSAGES)  # what the endpoint sends the service
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    body = {"model": "m", "messages": MESSAGES, "temperature": 0.0, "max_tokens": max_tokens}
+    http = httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60)
+    sdk = OpenAI(base_url=server.url, api_key=TOKEN, max_retries=0, timeout=60)
+    paths: dict[str, Callable[[], list[int]]] = {
+        "python client": lambda: client.generate([ids], sp, apply_chat_template=False)[0].token_ids,
+        "HTTP, httpx": lambda: http.post("/chat/completions", json=body).raise_for_status().json()
+        ["choices"][0]["token_ids"],
+        "HTTP, openai package": lambda: sdk.chat.completions.create(
+            model="m", messages=MESSAGES, temperature=0.0, max_tokens=max_tokens).choices[0].model_extra["token_ids"],
+    }
+    times: dict[str, list[float]] = {p: [] for p in paths}
+    tokens: dict[str, list[int]] = {}
+    for i in range(calls + 5):  # the first 5 rounds warm every path up
+        for name, call in paths.items():
+            ms, tokens[name] = _timed(call)
+            if i >= 5:
+                times[name].append(ms)
+    http.close()
+    base = times["python client"]
+    rows = []
+    for name, ts in times.items():
+        added = [t - b for t, b in zip(ts, base)]
+        rows.append({"measure": "latency", "path": name, "calls": len(ts), "median_ms": round(statistics.median(ts), 2),
+                     "p10_ms": _quantile(ts, 0.1), "p90_ms": _quantile(ts, 0.9),
+                     "added_median_ms": round(statistics.median(added), 2),
+                     "same_tokens": tokens[name] == tokens["python client"]})
+    return rows
+
+
+def measure_sessions(server: Any, sessions: int, threads: int, max_tokens: int) -> dict:
+    import httpx
+
+    from rollout_service.engine.heap import release_freed_memory
+    from rollout_service.openai import release
+
+    http = httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=120,
+                        limits=httpx.Limits(max_connections=threads))
+    ids = [f"bench-session-{i}" for i in range(sessions)]
+
+    def call(sid: str) -> int:
+        body = {"model": "m", "messages": MESSAGES, "temperature": 1.0, "seed": hash(sid) % 1000,
+                "max_tokens": max_tokens, "session_id": sid}
+        return len(http.post("/chat/completions", json=body).raise_for_status().json()["choices"][0]["token_ids"])
+
+    gc.collect()
+    release_freed_memory()
+    before = _rss_mib()
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        sampled = sum(pool.map(call, ids))
+    wall = time.perf_counter() - t0
+    gc.collect()
+    held_count = len(server.app.state.sessions)
+    held = _rss_mib()
+    released = release(server.app, ids)
+    gc.collect()
+    release_freed_memory()
+    after = _rss_mib()
+    http.close()
+    return {"measure": "sessions", "sessions": sessions, "threads": threads, "held": held_count,
+            "released": released, "tokens": sampled, "wall_s": round(wall, 1),
+            "calls_per_s": round(sessions / wall, 1), "rss_before_mib": round(before, 1),
+            "rss_held_mib": round(held, 1), "rss_after_release_mib": round(after, 1),
+            "held_kib_per_session": round((held - before) * 1024 / sessions, 1)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from rollout_service import RolloutClient
+    from rollout_service.openai import serve_openai
+
+    from benchmarks.harness.result_files import results_dir
+    from benchmarks.harness.service_bench import write_results
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--calls", type=int, default=100, help="timed calls per path")
+    p.add_argument("--max-tokens", type=int, default=4)
+    p.add_argument("--sessions", type=int, default=1000)
+    p.add_argument("--threads", type=int, default=16, help="client threads of the sessions part")
+    p.add_argument("--out", default=None)
+    p.add_argument("--tag", default="", help="a label of the run, kept in its meta")
+    p.add_argument("--quick", action="store_true", help="tiny counts: a smoke run")
+    args = p.parse_args(argv)
+    calls, sessions = (3, 20) if args.quick else (args.calls, args.sessions)
+    client = RolloutClient.local(args.model, device="cpu", dtype="float32")
+    server = serve_openai(client, port=0, block=False, token=TOKEN)
+    try:
+        rows = measure_latency(client, server, calls, args.max_tokens)
+        rows.append(measure_sessions(server, sessions, args.threads, args.max_tokens))
+    finally:
+        server.stop()
+        client.close()
+    meta = {"model": args.model, "device": "cpu", "max_tokens": args.max_tokens, "messages": MESSAGES}
+    for r in rows:
+        print(r)
+    write_results(results_dir(args.out, args.quick), "openai-endpoint", meta, rows, markdown, args.tag)
+    return 0 if all(r.get("same_tokens", True) for r in rows) else 1
+
+
+def markdown(meta: dict, rows: list[dict]) -> list[str]:
+    lines = [f"One local engine ({meta['model']}, CPU float32) behind both paths; a chat call of "
+             f"{meta['max_tokens']} greedy new tokens. added: the median of each call's difference from the Python "
+             "call next to it.", "",
+             "| path | calls | median ms | p10 ms | p90 ms | added ms (median) | same tokens |", "|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['path']} | {r['calls']} | {r['median_ms']} | {r['p10_ms']} | {r['p90_ms']} | "
+              f"{r['added_median_ms']} | {r['same_tokens']} |" for r in rows if r["measure"] == "latency"]
+    s = next((r for r in rows if r["measure"] == "sessions"), None)
+    if s:
+        lines += ["", "| sessions held at once | client threads | calls/s | RSS before MiB | RSS held MiB | "
+                  "KiB per session | RSS after release MiB | released |", "|---|---|---|---|---|---|---|---|",
+                  f"| {s['held']:,} of {s['sessions']:,} | {s['threads']} | {s['calls_per_s']} | {s['rss_before_mib']} | "
+                  f"{s['rss_held_mib']} | {s['held_kib_per_session']} | {s['rss_after_release_mib']} | {s['released']:,} |"]
+    return lines
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,25 @@
+"""WO, the OpenAI endpoint's benchmark (benchmarks/harness/openai_bench.py), on the tests' word model: every path
+gives the Python client's tokens, and the sessions part holds and then releases every session it made."""
+from __future__ import annotations
+
+from benchmarks.harness.openai_bench import TOKEN, markdown, measure_latency, measure_sessions
+from rollout_service.openai import serve_openai
+
+pytest_plugins = ["openai_setup"]
+
+
+def test_the_benchmark_times_every_path_on_the_same_tokens_and_releases_its_sessions(client):
+    server = serve_openai(client, port=0, block=False, token=TOKEN)
+    try:
+        rows = measure_latency(client, server, calls=3, max_tokens=3)
+        sessions = measure_sessions(server, sessions=12, threads=4, max_tokens=2)
+    finally:
+        server.stop()
+    assert [r["path"] for r in rows] == ["python client", "HTTP, httpx", "HTTP, openai package"]
+    for r in rows:
+        assert r["calls"] == 3 and r["same_tokens"] is True and r["p10_ms"] <= r["median_ms"] <= r["p90_ms"], r
+    assert rows[0]["added_median_ms"] == 0
+    assert sessions["held"] == sessions["released"] == 12 and sessions["tokens"] == 24, sessions
+    assert len(server.app.state.sessions) == 0
+    text = "\n".join(markdown({"model": "word", "max_tokens": 3}, rows + [sessions]))
+    assert "| HTTP, openai package | 3 |" in text and "| 12 of 12 | 4 |" in text
