@@ -329,3 +329,20 @@ def test_no_drafts_keep_overlapped_decoding(llama):
     on = run_on()
     assert on.stats()["speculative"]["verify_steps"] == 0
     assert on.stats()["overlapped_steps"] >= 0.7 * off.stats()["overlapped_steps"] > 0
+
+
+def test_a_verify_step_fits_the_runners_verify_rows(llama, monkeypatch):
+    """Past the largest CUDA graph a verify step would run eagerly (~20 graphed steps' time on an H100): the engine
+    bounds every verify step by ModelRunner.verify_rows, and the tokens stay plain decoding's."""
+    from rollout_service.engine.model_runner import ModelRunner
+    _, plain = drive(llama)
+    monkeypatch.setattr(ModelRunner, "verify_rows", property(lambda self: 6))
+    rows = []
+    eng = Engine(model_source=llama, num_pages=256, page_size=8, speculative="suffix")
+    eng.speculator.rates.always = True
+    eng.speculator.drafter = Oracle(plain)
+    verify = eng.runner.verify
+    eng.runner.verify = lambda seqs, drafts: rows.append(len(seqs) + sum(map(len, drafts))) or verify(seqs, drafts)
+    on = step_by_hand(eng, MIXED, None, _no_pages_past_the_tokens)
+    assert rows and max(rows) <= 6 and eng.speculator.max_rows == 6, rows
+    assert_same(plain, on)

@@ -21,8 +21,8 @@ from benchmarks.harness.service_bench import run_markdown, whole_run
 SIDE = {"control-plane": (control_plane.markdown, control_plane.configuration),
         "prefix-routing": (prefix_routing.markdown, whole_run),
         "rl-semantics": (rl_semantics.markdown, whole_run),
-        "ws-speculative": (speculative_bench.markdown, whole_run),
-        "ws-speculative-invariant": (speculative_bench.markdown, whole_run),
+        "ws-speculative": (speculative_bench.markdown, speculative_bench.by_model),
+        "ws-speculative-invariant": (speculative_bench.markdown, speculative_bench.by_model),
         "staleness": (staleness.markdown, whole_run)}
 
 

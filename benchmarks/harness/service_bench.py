@@ -49,9 +49,14 @@ def tiny_model_dir(vocab: int = 512) -> Iterator[str]:
 
 def machine() -> dict:
     from benchmarks.harness.harness import hardware_name
+    import importlib.metadata
+
     import torch
-    import ray
-    return {"hardware": hardware_name(torch.device("cpu")), "cpu_count": os.cpu_count(), "ray": ray.__version__,
+    try:  # a side benchmark without a service (speculative_bench, openai_bench) runs where Ray is not installed
+        ray = importlib.metadata.version("ray")
+    except importlib.metadata.PackageNotFoundError:
+        ray = None
+    return {"hardware": hardware_name(torch.device("cpu")), "cpu_count": os.cpu_count(), "ray": ray,
             "python": platform.python_version(), "torch": torch.__version__, "started_utc": now_utc(),
             "loadavg": os.getloadavg() if hasattr(os, "getloadavg") else None}
 

@@ -239,13 +239,20 @@ def main(argv: list[str] | None = None) -> int:
         meta["hardware"] = torch.cuda.get_device_name()
     name = "ws-speculative-invariant" if args.batch_invariant else "ws-speculative"
     out = results_dir(args.out, args.quick)
-    rows = measure(make_engine, shape, args.drafters.split(","),
-                   lambda rows: write_results(out, name, meta, rows, markdown, args.tag))
-    write_results(out, name, meta, rows, markdown, args.tag)
+    def save(rows: list[dict]) -> None:
+        write_results(out, name, meta, [{**r, "model": args.model} for r in rows], markdown, args.tag, by_model)
+
+    rows = measure(make_engine, shape, args.drafters.split(","), save)
+    save(rows)
     # bf16 on a GPU outside batch-invariant mode: a wider batch may round a near-tie the other way, as in any
     # change of batch, so there the fraction is reported, not required
     exact = args.batch_invariant or args.device == "cpu"
     return 0 if not exact or all(r["identical"] == 1.0 for r in rows) else 1
+
+
+def by_model(row: dict) -> str | None:
+    """What one row measures, as a result file keeps it: a run replaces the older run of its model only."""
+    return row.get("model")
 
 
 def _tokenizer(model: str) -> Any:

@@ -122,7 +122,7 @@ class Engine:
                                       self.counters, StopRules(self.eos_ids, self.prompts, self.max_model_len))
         self.speculator = None if config.speculative is None else Speculator(
             SuffixDrafter(), config.num_speculative_tokens, config.speculative_max_batch,
-            min(config.max_num_batched_tokens, self.runner.decode_inputs.max_batch), self.runner, self.sampler,
+            min(config.max_num_batched_tokens, self.runner.verify_rows), self.runner, self.sampler,
             self.recorder, self.kv.blocks, self.counters, config.max_num_seqs)
         self.loop = DecodeLoop(config.overlap_decode, self.scheduler, self.runner, self.sampler, self.recorder,
                                self.counters, lambda: self.swap.version, self.speculator)
