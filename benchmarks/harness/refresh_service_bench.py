@@ -47,8 +47,11 @@ def one_worker_service(ctx: BenchContext, num_prompts: int, max_len: int, name: 
                   device=bm.device.type, num_pages=num_prompts * -(-max_len // PAGE_SIZE) + 8,
                   max_model_len=max_len, **ctx.engine_extra)
     engine.update(engine_overrides)
+    # a worker's start takes seconds on a quiet machine and minutes on a busy one (beside two busy processes it
+    # ran past the default 120 s): a benchmark must not fail for that
     client = RolloutClient.launch({"name": name, "num_workers": 1, "engine": engine,
-                                   "resources": {"num_cpus": 1, "num_gpus": 1 if gpus else 0}})
+                                   "resources": {"num_cpus": 1, "num_gpus": 1 if gpus else 0},
+                                   "placement": {"timeout_s": 600}})
     try:
         yield client
     finally:
