@@ -158,13 +158,14 @@ def markdown(meta: dict, rows: list[dict]) -> list[str]:
     lines = [f"One local engine ({meta['model']}, CPU float32) behind both paths; a chat call of "
              f"{meta['max_tokens']} greedy new tokens. added: the median of each call's difference from the Python "
              "call next to it.", "",
-             "| path | calls | median ms | p10 ms | p90 ms | added ms (median) | same tokens |", "|---|---|---|---|---|---|---|"]
+             "| path | calls | median ms | p10 ms | p90 ms | added ms (median) | same tokens |",
+             "|---|---|---|---|---|---|---|"]
     lines += [f"| {r['path']} | {r['calls']} | {r['median_ms']} | {r['p10_ms']} | {r['p90_ms']} | "
               f"{r['added_median_ms']} | {r['same_tokens']} |" for r in rows if r["measure"] == "latency"]
     s = next((r for r in rows if r["measure"] == "sessions"), None)
     if s:
-        lines += ["", f"{s['rounds']} rounds of {s['sessions']:,} sessions (one call each, {s['threads']} client threads), "
-                  "each round held at once, then released. RSS: before, then per round with its sessions held and "
+        lines += ["", f"{s['rounds']} rounds of {s['sessions']:,} sessions (one call each, {s['threads']} client "
+                  "threads), each round held at once, then released. RSS: before, then per round with its sessions held and "
                   "after their release. Python heap: what a held session keeps (tracemalloc, median round).", "",
                   "| sessions held at once | calls/s | RSS MiB | Python heap KiB per session | released |",
                   "|---|---|---|---|---|",

@@ -33,7 +33,6 @@ def ordered(t: torch.Tensor) -> torch.Tensor:
     return x ^ ((x >> 8 * _WORK[size].itemsize - 1) & ((1 << 8 * size - 1) - 1))
 
 
-
 def takes_steps(itemsize: int) -> bool:
     """Whether values of this many bytes can be sent as steps."""
     return itemsize in _INT
