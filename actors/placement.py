@@ -11,6 +11,7 @@ from typing import Any, Callable
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rollout_service.connections.capacity import worker_bundle
+from rollout_service.connections.ray_cluster import actor_env
 from actors.slots import Slot
 from rollout_service.config import ServiceConfig
 
@@ -45,7 +46,7 @@ def start_worker(config: ServiceConfig, slot: Slot, i: int, reward_actors: list,
                 max_concurrency=config.max_concurrency, name=None,
                 # transformers' GGUF conversion bar is plain tqdm; through Ray's log forwarding its
                 # carriage returns become blank "(RolloutWorker pid=...)" lines. tqdm reads this at import.
-                runtime_env={"env_vars": {"TQDM_DISABLE": "1"}})
+                runtime_env=actor_env(TQDM_DISABLE="1"))
     if "memory" in bundle:
         opts["memory"] = bundle["memory"]
     engine = config.engine.to_dict() if isinstance(config.engine.model, str) else vars(config.engine)

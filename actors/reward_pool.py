@@ -14,6 +14,7 @@ from concurrent.futures import Future
 import ray
 
 from rollout_service.connections.remote_errors import error_text, is_down
+from rollout_service.connections.ray_cluster import actor_env
 from rollout_service.config import ServiceConfig
 from rollout_service.rewards.functions import score_all
 from rollout_service.api.types import RolloutResult
@@ -30,7 +31,8 @@ RewardActorRemote = ray.remote(RewardActor)
 def create_reward_actors(config: ServiceConfig) -> list:
     """`config.reward_workers` reward actors (none when 0), restarted by Ray however often they die; a
     call in flight when one dies is not retried (its result gets the error instead)."""
-    return [RewardActorRemote.options(num_cpus=0, max_restarts=-1, max_task_retries=0, name=None).remote()
+    return [RewardActorRemote.options(num_cpus=0, max_restarts=-1, max_task_retries=0, name=None,
+                                      runtime_env=actor_env()).remote()
             for _ in range(int(config.reward_workers))]
 
 
