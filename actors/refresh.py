@@ -63,7 +63,7 @@ class RefreshCoordinator:
         self.learner_holds: int | None = None  # version that the learner's last broadcast holds in full
         self.group: dict | None = None         # {"id": str, "members": {worker index: incarnation}}
         self._busy_until: float | None = None
-        self._pending: dict | None = None      # a broadcast between begin and finish
+        self._pending: dict | None = None      # a refresh prepared, not yet applied (begin .. finish)
         self.stall_s = stall_s                 # a worker's refresh call unanswered this long: it is stalled
 
     # -- helpers ----------------------------------------------------------------------------------
@@ -186,17 +186,40 @@ class RefreshCoordinator:
 
     # -- object store and CUDA IPC: one call --------------------------------------------------------
     async def update(self, payload: dict, version: int, partial: bool = False) -> str | None:
+        return await self.begin(payload, version, partial) or await self.finish()
+
+    async def begin(self, payload: dict, version: int, partial: bool = False) -> str | None:
+        """Prepare every worker; finish() applies, cancel() drops. Apart only where several routers refresh
+        together (actors/shards.py: each prepares before any applies)."""
         err = self._start(version, payload=payload)
         if err:
             return err
+        if payload["transport"] == "cuda_ipc" and self._logs("cuda_ipc"):
+            self.replay = None  # the learner has refilled (or freed) the IPC buckets the log points to
+        targets = self.targets()
+        err = await self._prepare(targets, payload, partial)
+        if err:
+            self._done()
+            return err
+        self._pending = {"payload": payload, "version": version, "partial": partial, "targets": targets}
+        return None
+
+    async def finish(self) -> str | None:
+        p = self._pending
+        if p is None or p["payload"]["transport"] == "broadcast":
+            return "update_weights: no refresh was prepared (or it was given up after its deadline)"
         try:
-            if payload["transport"] == "cuda_ipc" and self._logs("cuda_ipc"):
-                self.replay = None  # the learner has refilled (or freed) the IPC buckets the log points to
-            targets = self.targets()
-            err = await self._prepare(targets, payload, partial)
-            if err:
-                return err
-            return await self._apply(targets, payload, version, partial)
+            return await self._apply(p["targets"], p["payload"], p["version"], p["partial"])
+        finally:
+            self._done()
+
+    async def cancel(self) -> None:
+        """Drop a prepared refresh: another router's workers refused theirs."""
+        p = self._pending
+        if p is None or p["payload"]["transport"] == "broadcast":
+            return
+        try:
+            await self._abandon([(i, None) for i in p["targets"]])
         finally:
             self._done()
 
@@ -224,7 +247,7 @@ class RefreshCoordinator:
 
     async def broadcast_finish(self) -> str | None:
         p = self._pending
-        if p is None:
+        if p is None or p["payload"]["transport"] != "broadcast":
             return "update_weights: no broadcast was begun (or it was given up after the group timeout)"
         try:
             targets, payload = p["targets"], p["payload"]

@@ -8,8 +8,11 @@ the rollout workers and streams their results back. Each concern has its own fil
 - actors/refresh.py: weight refreshes, on every worker or none;
 - actors/control.py: pause and resume, sleep and wake-up for a colocated learner;
 - actors/scaling.py: the workers started, added, replaced and removed (actors/slots.py: their placement groups);
+- actors/shards.py: with several routers, the first one's view of the others (each has its own workers and
+  requests; the first coordinates refreshes, sleep, pause and scale, and answers for the whole service);
 - here: leases (a client that stops renewing its streams or its sleep is gone: they are cancelled or ended),
-  fidelity reports, stats and info, start-up and shutdown.
+  fidelity reports, stats and info, start-up and shutdown. A method named `..._here` is this router's own part
+  of what the one without the suffix does for the whole service.
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ from actors.refresh import RefreshCoordinator
 from rollout_service.connections.remote_errors import error_text
 from actors.reward_pool import create_reward_actors, kill_reward_actors
 from actors.scaling import Scaler
+from actors.shards import BROADCAST_REFUSED, Shards
 from actors.slots import Slots
 from actors.workers import WorkerTable
 from rollout_service.config import ServiceConfig
@@ -49,9 +53,10 @@ class Router:
         self.counters = {"resubmitted": 0, "stale_regenerated": 0, "stale_pinned": 0, "refresh_held_s": 0.0,
                          "worker_deaths": 0, "streams_expired": 0,
                          "sleep_expired": 0, "quarantined": 0, "handed_back": 0, "payloads_lost": 0,
-                         "polls": 0, "polled_results": 0}
+                         "polls": 0, "polled_results": 0, "requests": 0}
         self._closed = False
         self._tasks: list[asyncio.Task] = []
+        self.shards: Shards | None = None  # the other routers, when this is the first of several
         # seconds without a renewal after which a client's streams are cancelled and its sleep ends
         self.stream_lease_s = float(config.client_lease_s)
         self.fidelity = FidelityLog(self._log)
@@ -86,9 +91,22 @@ class Router:
     async def scale(self, num_workers: int, drain_s: float = 60.0, timeout_s: float | None = None) -> str | None:
         """num_workers from now on: added, gone ones replaced, the last ones drained and removed; an error
         message (the service as it was) or None."""
+        if self.shards:
+            return await self.shards.scale(num_workers, drain_s, timeout_s)
+        return await self.scale_here(num_workers, drain_s, timeout_s)
+
+    async def scale_here(self, num_workers: int, drain_s: float, timeout_s: float | None) -> str | None:
         if self._closed:
             return "the service is closed"
         return await self.scaler.scale(num_workers, drain_s, timeout_s)
+
+    def attach_shards(self, others: list) -> None:
+        """This router is the first of several: `others` are the rest, in order (actors/shards.py)."""
+        self.shards = Shards(self, others)
+
+    def shard_routers(self) -> list:
+        """The other routers' handles (a client sends them their share of the requests); [] with one router."""
+        return list(self.shards.others) if self.shards else []
 
     def _watch(self, i: int, generation: int) -> None:
         self._spawn(self.recovery.poll_loop(i, generation))
@@ -106,7 +124,10 @@ class Router:
         c = self.control
         if c.asleep and c.fail_if_asleep:
             return {"errors": [(-1, f"the service is asleep (sleep level {c.asleep}): call wake_up() first")]}
-        return await self.dispatcher.submit(items, self.stream_lease_s)
+        reply = await self.dispatcher.submit(items, self.stream_lease_s)
+        if "stream" in reply:
+            self.counters["requests"] += len(items)
+        return reply
 
     async def next_results(self, sid: str, timeout: float = 1.0, lost: list[tuple[str, int]] = ()
                            ) -> tuple[list[RolloutResult], list, bool, bool]:
@@ -154,6 +175,8 @@ class Router:
     async def update_weights(self, payload: dict, version: int, partial: bool = False) -> str | None:
         """Object store or CUDA IPC refresh; returns an error message or None. Held back while requests that
         refreshes kept making stale are in flight (actors/dispatch.py, hold_refresh)."""
+        if self.shards:
+            return await self.shards.update(payload, version, partial)
         await self._hold_refresh()
         async with self.control.lock:
             err = await self.refresh.update(payload, version, partial)
@@ -161,8 +184,26 @@ class Router:
                 await self.control.after_refresh()
             return err
 
+    async def refresh_begin(self, payload: dict, version: int, partial: bool = False) -> str | None:
+        """A refresh over several routers (actors/shards.py): prepare this router's workers."""
+        await self._hold_refresh()
+        async with self.control.lock:
+            return await self.refresh.begin(payload, version, partial)
+
+    async def refresh_finish(self) -> str | None:
+        async with self.control.lock:
+            err = await self.refresh.finish()
+            if err is None:
+                await self.control.after_refresh()
+            return err
+
+    async def refresh_cancel(self) -> None:
+        await self.refresh.cancel()
+
     async def broadcast_begin(self, payload: dict, version: int, partial: bool = False, resend: bool = False,
                               timeout_s: float = 300.0) -> str | None:
+        if self.shards:
+            return "update_weights: " + BROADCAST_REFUSED.format(n=self.shards.count)
         await self._hold_refresh()
         async with self.control.lock:
             return await self.refresh.broadcast_begin(payload, version, partial, resend, timeout_s)
@@ -179,43 +220,86 @@ class Router:
         if held:
             self.counters["refresh_held_s"] = round(self.counters["refresh_held_s"] + held, 3)
 
-    def weight_targets(self) -> list[dict]:
+    async def weight_targets(self) -> list[dict]:
         """Workers a refresh goes to, with where they run (the learner picks the transport from this)."""
-        return [{"index": i, **self.table.places[i]} for i in self.refresh.targets()]
+        return await self.shards.weight_targets() if self.shards else self.weight_targets_here()[1]
+
+    def weight_targets_here(self) -> tuple[int, list[dict]]:
+        return len(self.table), [{"index": i, **self.table.places[i]} for i in self.refresh.targets()]
 
     async def form_weight_group(self, spec, members: list[int]) -> str | None:
+        if self.shards:
+            return "init_weight_group: " + BROADCAST_REFUSED.format(n=self.shards.count)
         return await self.refresh.form_group(spec, members)
 
     async def weights_digests(self) -> list[str | None]:
         """Per worker: the sha256 of its weights (None for a worker that is down)."""
+        return await self.shards.joined("weights_digests_here") if self.shards else await self.weights_digests_here()
+
+    async def weights_digests_here(self) -> list[str | None]:
         up = set(self.table.targets())
         outcomes = dict(await self.table.each(sorted(up), "weights_digest"))
         return [outcomes[i] if i in up and not isinstance(outcomes[i], BaseException) else None
                 for i in range(len(self.table))]
 
-    async def release_weight_buffers(self) -> None:
+    async def release_weight_buffers(self) -> str | None:
+        return await self._everywhere("release_here")
+
+    async def release_here(self) -> None:
         await self.refresh.release()
 
     # -- control (actors/control.py) --------------------------------------------------------------
     async def sleep(self, level: int = 1, fail_if_asleep: bool = False, holder: str | None = None) -> str | None:
+        return await self._everywhere("sleep_here", level, fail_if_asleep, holder)
+
+    async def sleep_here(self, level: int, fail_if_asleep: bool, holder: str | None) -> str | None:
         return await self.control.sleep(level, fail_if_asleep, holder)
 
     async def wake_up(self) -> str | None:
+        return await self._everywhere("wake_up_here")
+
+    async def wake_up_here(self) -> str | None:
         return await self.control.wake_up()
 
     def renew_sleep(self, holder: str) -> None:
         self.control.renew(holder)
+        for r in self.shards.others if self.shards else ():
+            r.renew_sleep.remote(holder)  # (a notification: a lost one is made up by the next)
 
-    async def pause(self) -> None:
+    async def pause(self) -> str | None:
+        return await self._everywhere("pause_here")
+
+    async def pause_here(self) -> None:
         await self.control.pause()
 
-    async def resume(self) -> None:
+    async def resume(self) -> str | None:
+        return await self._everywhere("resume_here")
+
+    async def resume_here(self) -> None:
         await self.control.resume()
 
+    async def _everywhere(self, method: str, *args: Any) -> Any:
+        """`method` (a `..._here`) on every router (their error messages joined), or on this one alone."""
+        if self.shards:
+            return Shards.errors(await self.shards.each(method, *args))
+        return await getattr(self, method)(*args)
+
     # -- colocated learners and their reports -----------------------------------------------------
-    def learner_options(self, i: int) -> tuple[dict | None, str | None]:
+    async def learner_options(self, i: int) -> tuple[dict | None, str | None]:
         """(options, None): `Actor.options(**options)` that place an actor in worker i's bundle, on the half of
         its CPUs and GPUs the worker leaves; or (None, why not)."""
+        if not self.shards:
+            return self.learner_options_here(i)
+        sizes = [n for n, _ in await self.shards.parts("weight_targets_here")]
+        at = self.shards.where(sizes, i) if is_int(i) and i >= 0 else None
+        if at is None:
+            return None, f"colocated_options: worker={i!r} must be an int in [0, {sum(sizes)})"
+        k, j = at
+        if k == 0:
+            return self.learner_options_here(j)
+        return await self.shards.others[k - 1].learner_options_here.remote(j)
+
+    def learner_options_here(self, i: int) -> tuple[dict | None, str | None]:
         if not self.config.colocate:
             return None, (f"colocated_options: the service {self.config.name!r} was not started with "
                           "colocate: true, so its workers leave no room for a learner in their bundles")
@@ -238,9 +322,15 @@ class Router:
     # -- introspection and shutdown ---------------------------------------------------------------
     async def stats(self) -> list[dict]:
         """Per worker, its counters (the workers read them without waiting for an engine step)."""
+        return await self.shards.joined("stats_here") if self.shards else await self.stats_here()
+
+    async def stats_here(self) -> list[dict]:
         return list(await asyncio.gather(*[self.table.stats(i) for i in range(len(self.table))]))
 
-    def info(self) -> dict:
+    async def info(self) -> dict:
+        return await self.shards.info() if self.shards else self.info_here()
+
+    def info_here(self) -> dict:
         t = self.table
         return {"name": self.config.name, "policy_version": self.refresh.version, "num_workers": len(t),
                 "alive": list(t.alive), "awaiting_weights": list(t.awaiting), "gone": list(t.gone),
@@ -253,6 +343,8 @@ class Router:
                 "reward": self.config.reward, "reward_workers": self.config.reward_workers, **self.counters}
 
     async def shutdown(self) -> None:
+        if self.shards:
+            await self.shards.shutdown()
         self._closed = True
         for t in self._tasks:
             t.cancel()

@@ -25,6 +25,8 @@ DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half
 DTYPES = (None, *DTYPE_NAMES)
 ON_REFRESH = ("continue", "recompute", "abort")
 SCHEDULING = ("staleness", "fifo")
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+ROUTINGS = ("prefix", "load")
 
 
 def _fail(cls: str, name: str, value: Any, why: str) -> None:
@@ -175,8 +177,6 @@ def local_ray_wanted(address: str | None) -> bool:
     return (address or os.environ.get("RAY_ADDRESS") or "local") == "local"
 
 
-PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
-
 
 @dataclass
 class WorkerResources:
@@ -203,8 +203,6 @@ class WorkerResources:
         if {"CPU", "GPU", "memory"} & set(self.custom):
             _fail(c, "custom", self.custom, "use num_cpus / num_gpus / memory_gb for CPU, GPU and memory")
 
-
-ROUTINGS = ("prefix", "load")
 
 
 @dataclass
@@ -248,13 +246,12 @@ class ServiceConfig:
     output: the launch job's msgpack results file, anywhere: relative paths are taken from the current
         directory (inside `ray job submit`, Ray's temporary copy of --working-dir, so give an absolute one
         there) and a missing folder is made; None = rollout_results.msgpack.
-    colocate: every worker's bundle (`resources`) is shared with one learner on the same devices: the
-        worker takes half of the bundle's CPUs and GPUs (a restarted worker too), and
-        `RolloutClient.colocated_options(i)` places a learner actor in worker i's bundle with the other
-        half. The pair takes turns on the GPU with sleep() / wake_up().
-    client_lease_s: how long a client process may go silent before the service stops holding what it
-        asked for: its open streams are cancelled, and a sleep() it asked for ends (the workers wake and
-        serve the last weights). A live client renews its leases from a background thread.
+    colocate: every worker's bundle (`resources`) is shared with one learner on the same devices: the worker
+        takes half of the bundle's CPUs and GPUs (a restarted worker too), and `RolloutClient.colocated_options(i)`
+        places a learner actor in worker i's bundle with the other half; they take turns with sleep() / wake_up().
+    client_lease_s: how long a client process may go silent before the service stops holding what it asked for:
+        its open streams are cancelled, and a sleep() it asked for ends (the workers wake and serve the last
+        weights). A live client renews its leases from a background thread.
     reward: the default reward function, an importable "package.module:function" (fn(result) -> float),
         for requests that name none (RolloutRequest.reward); None: no reward. It is imported when the
         config is loaded, so a name that cannot be imported fails at launch.
@@ -266,9 +263,10 @@ class ServiceConfig:
     refresh_stall_s: a worker that leaves a refresh call unanswered this long (stopped, not dead) fails that
         refresh, naming it: the others keep their version and it is restarted (a broadcast's receive gets the
         group's timeout on top).
-    routing: "prefix" (default): a request goes to the worker whose prefix cache most likely holds the start
-        of its prompt, unless that worker is overloaded, else by load (actors/affinity.py); "load": by load only
-        (the fewest outstanding tokens).
+    routing: "prefix" (default): to the worker whose prefix cache most likely holds the start of the prompt,
+        unless it is overloaded, else by load (actors/affinity.py); "load": the fewest outstanding tokens.
+    routers: router processes splitting the request path, each with its share of the workers and of the requests
+        (by session id or prompt); the first coordinates refreshes, sleep, pause and scale (actors/shards.py).
     """
 
     name: str = "rollout_service"
@@ -294,6 +292,7 @@ class ServiceConfig:
     user_code_timeout_s: float = 300.0
     refresh_stall_s: float = 300.0
     routing: str = "prefix"
+    routers: int = 1
 
     def __post_init__(self) -> None:
         c = "ServiceConfig"
@@ -325,6 +324,9 @@ class ServiceConfig:
         for name in ("address", "prompts", "output"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
                 _fail(c, name, getattr(self, name), "must be a string or null")
+        most = self.num_workers if is_int(self.num_workers) else 2**20  # ("auto": checked once resolved)
+        if not is_int(self.routers) or not 1 <= self.routers <= most:
+            _fail(c, "routers", self.routers, f"must be an int in [1, num_workers={self.num_workers}]")
         if self.routing not in ROUTINGS:
             _fail(c, "routing", self.routing, f"must be one of {ROUTINGS}")
         if not is_int(self.reward_workers) or self.reward_workers < 0:
@@ -364,8 +366,7 @@ class ServiceConfig:
             raise ValueError(f"service config {path!r}: invalid YAML ({e})") from None
         where = f"service config {path!r}"
         if d is None:  # most likely the wrong file: running on every default would hide that
-            raise ValueError(f"{where} is empty: write the settings you mean (cluster_configs/local-cpu.yaml "
-                             f"is an example)")
+            raise ValueError(f"{where} is empty: write the settings you mean (cluster_configs/local-cpu.yaml is one)")
         try:
             return from_mapping(cls, d, where)
         except ValueError as e:  # a nested section's error names the section, not the file
@@ -385,8 +386,7 @@ class ServiceConfig:
         elif isinstance(config, str):
             base = asdict(cls.from_yaml(config))
         else:
-            raise ValueError(f"service config: expected a YAML path, a mapping or a ServiceConfig, "
-                             f"got {type(config).__name__}")
+            raise ValueError(f"service config: expected a YAML path, a mapping or a ServiceConfig, got {type(config).__name__}")
         return cls.from_dict(_merge(base, overrides))
 
 

@@ -77,11 +77,13 @@ def test_cpu_seconds_reads_this_process():
 @pytest.mark.ray  # (the suite's 900 s timeout: beside two busy processes its second service took over 300 s to start)
 def test_the_benchmark_runs_through_the_service_every_result_once(ray_cluster):
     row = throughput(3, Fabricate(step_s=0.001, max_num_seqs=8), count=60, max_tokens=4, batch=16, n=2,
-                     custom=ON_ROLLOUT_NODES, idle_s=0.5)
+                     custom=ON_ROLLOUT_NODES, idle_s=0.5, routers=2)
     assert (row["results"], row["expected"], row["duplicates"]) == (120, 120, 0)
     assert row["results_per_s"] > 0 and row["router_cpu_s"] >= 0 and row["workers"] == 3
+    assert sum(row["requests_by_router"]) == 60 and min(row["requests_by_router"]) > 0  # both routers took some
     lat = latency(5, custom=ON_ROLLOUT_NODES)
     assert 0 < lat["bare_actor_call_median_ms"] and lat["median_ms"] <= lat["p99_ms"]
     table = _markdown(lat, [row])
-    assert table[-1].startswith("| 3 | 2 | 4 | 1 per 1.00 ms | 60 | ") and table[-1].endswith("| 0 / 0 |")
+    assert table[-1].startswith("| 3 | 2: ") and "| 2 | 4 | 1 per 1.00 ms | 60 | " in table[-1]
+    assert table[-1].endswith("| 0 / 0 |")
     assert row["polls"] > 0  # (the router counts its polls)

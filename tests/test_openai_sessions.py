@@ -165,3 +165,18 @@ def test_the_store_drops_idle_sessions():
     s = store.begin("fresh")
     store.end(s)  # a session whose only call failed is not kept
     assert len(store) == 2
+
+
+def test_a_sessions_calls_carry_its_id_so_that_they_share_a_router(http, client, monkeypatch):
+    """Over Ray with several routers, a request goes to the router its metadata's session id hashes to
+    (rollout_service/connections/request_shards.py): every call of a session must carry it."""
+    from rollout_service.connections.request_shards import split
+
+    sent, stream = [], client.stream
+    monkeypatch.setattr(client, "stream", lambda request, *a, **k: sent.append(request) or stream(request, *a, **k))
+    first = chat(http, [Q1], "routed")
+    answer = {"role": "assistant", "content": first["choices"][0]["message"]["content"]}
+    chat(http, [Q1, answer, Q2], "routed")
+    chat(http, [Q2])  # no session: no id
+    assert [r.metadata for r in sent] == [{"session_id": "routed"}] * 2 + [None]
+    assert sent[0].prompt != sent[1].prompt and len(split(sent[:2], 4)) == 1

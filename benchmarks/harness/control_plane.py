@@ -1,7 +1,9 @@
 """The control plane, measured: the router (and the workers' hosts and the client around it) driven by many
 workers whose engines cost nothing (benchmarks/harness/fabricated.py, a benchmark-only test double).
 
-- requests/s: requests of 1-token answers, submitted in batches of `batch` per stream, fabricated at once;
+- requests/s: requests of 1-token answers, submitted in batches of `batch` per stream, fabricated at once; also
+  with the request path split over 2 and 4 routers (ServiceConfig.routers: each its share of the workers and of
+  the requests, by prompt), every router's CPU per request apart;
 - results/s: W workers each fabricating W2's rate (256 samples of 256 tokens per batch, 100k tokens/s);
 - CPU per request and per result: the router's process (/proc), the workers' and the client's, over each run;
 - latency added: one 1-token request at a time, submit to result, on an idle service (the engine's part is
@@ -32,30 +34,24 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / TICK
 
 
-def start(workers: int, fabricate: Fabricate, name: str, custom: dict | None = None) -> tuple[Any, int, list[int]]:
-    """A service of fabricating workers: (its RayConnection, the router's pid, the workers' pids). `custom`: the
+def start(workers: int, fabricate: Fabricate, name: str, custom: dict | None = None, routers: int = 1
+          ) -> tuple[Any, list[int], list[int]]:
+    """A service of fabricating workers: (its RayConnection, the routers' pids, the workers' pids). `custom`: the
     custom resource each worker reserves (the benchmark's own Ray instance has `bench_worker`); the workers
     take no CPU of Ray's, so 64 of them fit a 2-core machine."""
     import ray
 
-    from actors.router import RouterActor
-    from rollout_service.connections.ray import RayConnection
+    from rollout_service.connections.ray import RayConnection, start_routers
     from rollout_service.config import ServiceConfig
 
-    cfg = ServiceConfig(name=name, namespace="rollout_service_bench", num_workers=workers,
+    cfg = ServiceConfig(name=name, namespace="rollout_service_bench", num_workers=workers, routers=routers,
                         resources={"num_cpus": 0, "num_gpus": 0, "custom": custom or {"bench_worker": 1}},
                         placement={"strategy": "PACK", "timeout_s": 600}, max_restarts=0)
-    router = RouterActor.options(name=name, namespace=cfg.namespace, num_cpus=0,
-                                 max_restarts=0).remote(cfg, engine_factory=fabricate)
-    err = ray.get(router.start.remote())
-    if err:
-        ray.get(router.shutdown.remote())
-        ray.kill(router)
-        raise RuntimeError(err)
-    pid = ray.get(router.__ray_call__.remote(lambda r: os.getpid()))
-    pids = ray.get([w.__ray_call__.remote(lambda w: os.getpid()) for w in ray.get(
-        router.__ray_call__.remote(lambda r: r.workers))])
-    return RayConnection(router, name, owner=True, namespace=cfg.namespace), pid, pids
+    handles = start_routers(cfg, {"namespace": cfg.namespace, "num_cpus": 0, "max_restarts": 0}, fabricate)
+    pids = ray.get([r.__ray_call__.remote(lambda r: os.getpid()) for r in handles])
+    worker_pids = ray.get([w.__ray_call__.remote(lambda w: os.getpid()) for r in handles for w in ray.get(
+        r.__ray_call__.remote(lambda r: r.workers))])
+    return RayConnection(handles[0], name, owner=True, namespace=cfg.namespace, others=handles[1:]), pids, worker_pids
 
 
 def drive(backend: Any, requests: list, batch: int) -> tuple[int, int]:
@@ -71,37 +67,45 @@ def drive(backend: Any, requests: list, batch: int) -> tuple[int, int]:
 
 
 def throughput(workers: int, fabricate: Fabricate, count: int, max_tokens: int, batch: int, n: int = 1,
-               custom: dict | None = None, idle_s: float = 2.0) -> dict:
-    """One run: `count` requests of n samples of `max_tokens` tokens through a service of `workers` workers.
-    The router's CPU on the idle service over `idle_s` first (its long polls of every worker) is reported
-    apart, and taken out of the per-result figure: it grows with the workers and the wall time, not the load."""
+               custom: dict | None = None, idle_s: float = 2.0, routers: int = 1) -> dict:
+    """One run: `count` requests of n samples of `max_tokens` tokens through a service of `workers` workers and
+    `routers` routers. The routers' CPU on the idle service over `idle_s` first (their long polls of every worker)
+    is reported apart, and taken out of the per-result figure: it grows with the workers and the wall time, not
+    the load. The prompts differ (a router takes the requests whose prompt hashes to it)."""
     from rollout_service.api.types import RolloutRequest, SamplingParams
 
-    backend, router_pid, worker_pids = start(workers, fabricate, f"bench-cp-{workers}-{max_tokens}", custom)
+    backend, router_pids, worker_pids = start(workers, fabricate, f"bench-cp-{workers}-{max_tokens}-{routers}",
+                                              custom, routers)
     try:
         sampling = SamplingParams(n=n, temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        warm = [RolloutRequest([1, 2, 3, 4, 5, 6, 7, 8], sampling, request_id=f"w{k}") for k in range(workers * 4)]
+        warm = [RolloutRequest([1, 2, 3, 4, 5, 6, 7, k], sampling, request_id=f"w{k}") for k in range(workers * 4)]
         drive(backend, warm, batch)
-        reqs = [RolloutRequest([1, 2, 3, 4, 5, 6, 7, 8], sampling, request_id=f"r{k}") for k in range(count)]
-        idle0, polls0 = cpu_seconds(router_pid), backend.info()["polls"]
+        reqs = [RolloutRequest([1, 2, 3, 4, 5, 6, 7, k], sampling, request_id=f"r{k}") for k in range(count)]
+        idle0, polls0 = [cpu_seconds(p) for p in router_pids], backend.info()["polls"]
         time.sleep(idle_s)
-        idle = (cpu_seconds(router_pid) - idle0) / idle_s
+        idle = sum(cpu_seconds(p) - c for p, c in zip(router_pids, idle0)) / idle_s
         idle_polls = (backend.info()["polls"] - polls0) / idle_s
         info0 = backend.info()
-        cpu0 = (cpu_seconds(router_pid), sum(cpu_seconds(p) for p in worker_pids), time.process_time())
+        each0 = [cpu_seconds(p) for p in router_pids]
+        cpu0 = (sum(each0), sum(cpu_seconds(p) for p in worker_pids), time.process_time())
         t0 = time.perf_counter()
         results, distinct = drive(backend, reqs, batch)
         seconds = time.perf_counter() - t0
-        cpu1 = (cpu_seconds(router_pid), sum(cpu_seconds(p) for p in worker_pids), time.process_time())
+        each1 = [cpu_seconds(p) for p in router_pids]
+        cpu1 = (sum(each1), sum(cpu_seconds(p) for p in worker_pids), time.process_time())
         info1 = backend.info()
     finally:
         backend.close()
     router, worker, client = (b - a for a, b in zip(cpu0, cpu1))
+    taken = [b["requests"] - a["requests"]
+             for a, b in zip(info0.get("routers", [info0]), info1.get("routers", [info1]))]
     busy = max(router - idle * seconds, 0.0)  # the router's CPU for the load itself
     polls = info1["polls"] - info0["polls"]
     polled = info1["polled_results"] - info0["polled_results"]
     # results per second of router CPU: what one router could carry with a core of its own
-    return {"workers": workers, "n": n, "requests": count, "results": results, "expected": count * n,
+    return {"workers": workers, "routers": routers, "requests_by_router": taken,
+            "router_util_each": [round((b - a) / seconds, 3) for a, b in zip(each0, each1)],
+            "n": n, "requests": count, "results": results, "expected": count * n,
             "duplicates": results - distinct, "max_tokens": max_tokens,
             "step_ms": fabricate.step_s * 1e3, "tokens_per_step": fabricate.tokens_per_step, "batch": batch,
             "polls": polls, "results_per_poll": round(polled / polls, 1) if polls else None,
@@ -156,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--speedup", type=int, default=1,
                    help="each fabricating worker makes this many times W2's rate (8 workers x 8: 64 workers' results "
                         "through 8 processes, for a machine that cannot run 64)")
+    p.add_argument("--routers", default="2,4", help="router counts of the extra requests/s runs (8 workers, n = 1)")
     p.add_argument("--skip-small", action="store_true", help="only the W2-rate runs")
     p.add_argument("--quick", action="store_true")
     args = p.parse_args(argv)
@@ -170,6 +175,9 @@ def main(argv: list[str] | None = None) -> int:
         for workers, n in () if args.skip_small else ((2, 1), (8, 1), (8, 8)):  # n = 8: per request and result apart
             runs.append(throughput(workers, Fabricate(), (2_000 if args.quick else 20_000) // n, 1, 512, n=n))
             print(runs[-1], flush=True)
+        for routers in () if args.skip_small else [int(k) for k in args.routers.split(",") if k]:
+            runs.append(throughput(8, Fabricate(), 2_000 if args.quick else 20_000, 1, 512, routers=routers))
+            print(runs[-1], flush=True)
         for workers in counts:
             count = workers * 256 * args.speedup * (1 if args.quick else 4)
             runs.append({**throughput(workers, w2, count, 256, 256), "speedup": args.speedup})
@@ -182,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def configuration(row: dict) -> tuple:
     """What one row measured: a newer run's row of the same configuration replaces an older one's."""
-    return row["workers"], row["n"], row["max_tokens"], row.get("speedup", 1)
+    return row["workers"], row["n"], row["max_tokens"], row.get("speedup", 1), row.get("routers", 1)
 
 
 def markdown(meta: dict, rows: list[dict]) -> list[str]:
@@ -201,13 +209,16 @@ def _markdown(lat: dict, runs: list[dict]) -> list[str]:
              "cores, so results/s is what the whole machine sustained and the router's CPU per result is the "
              "figure that carries to other machines. router results/CPU-s: what one router could carry with a "
              "core of its own. idle: the router's CPU share on the idle service (its long polls of every worker), "
-             "taken out of the net figure. Router µs/poll: its CPU over the run per poll (idle polls apart).", "",
-             "| workers | n | tokens/result | fabricated step | requests | results/s | requests/s | router CPU share "
+             "taken out of the net figure. Router µs/poll: its CPU over the run per poll (idle polls apart). With several routers "
+             "(each its share of the workers and of the requests, by prompt) the router figures are their sum, and each "
+             "router's requests and CPU share are listed.", "",
+             "| workers | routers: requests, CPU share each | n | tokens/result | fabricated step | requests | results/s | "
+             "requests/s | router CPU share "
              "(idle) | router µs/request | router µs/result (net of idle) | router results/CPU-s | workers µs/result | "
              "client µs/result | polls | results/poll | router µs/poll (idle) | lost / duplicated |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
-        lines.append(f"| {r['workers']} | {r['n']} | {r['max_tokens']} | {r['tokens_per_step']} per "
+        lines.append(f"| {r['workers']} | {_routers(r)} | {r['n']} | {r['max_tokens']} | {r['tokens_per_step']} per "
                      f"{r['step_ms']:.2f} ms | {r['requests']:,} | "
                      f"{r['results_per_s']:,} | {r['requests_per_s']:,} | {r['router_util']:.2f} "
                      f"({r['router_idle_cpu_share']:.2f}) | {r['router_us_per_request']} | "
@@ -218,6 +229,13 @@ def _markdown(lat: dict, runs: list[dict]) -> list[str]:
                      f"{r['expected'] - r['results'] + r['duplicates']} / "
                      f"{r['duplicates']} |")
     return lines
+
+
+def _routers(row: dict) -> str:
+    if row.get("routers", 1) == 1:
+        return "1"
+    return (f"{row['routers']}: {' / '.join(f'{k:,}' for k in row['requests_by_router'])}, "
+            f"{' / '.join(f'{u:.2f}' for u in row['router_util_each'])}")
 
 
 if __name__ == "__main__":

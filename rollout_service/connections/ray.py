@@ -5,18 +5,21 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 import uuid
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from rollout_service.connections.ray_cluster import ensure_ray, starts_local_ray
+from rollout_service.connections.ray_cluster import actor_env, ensure_ray, starts_local_ray
 from rollout_service.connections.capacity import resolve_auto
+from rollout_service.connections.request_shards import split
 from rollout_service.connections.remote_errors import error_text
 from rollout_service.config import ServiceConfig
+from rollout_service.results.sharded_stream import ShardedStream
 from rollout_service.results.stream import ResultStream, close_streams, hold_sleep, release_sleep, send_closes
 from rollout_service.api.types import RolloutResult
 from rollout_service.weights.push import WeightPusher
@@ -33,8 +36,11 @@ class RayConnection:
     """The client connection interface: submit, update_weights, pause, resume, abort, stats, close (plus weight
     groups, sleep/wake, colocated learners and fidelity reports)."""
 
-    def __init__(self, router: Any, name: str, owner: bool, namespace: str = "rollout_service"):
+    def __init__(self, router: Any, name: str, owner: bool, namespace: str = "rollout_service",
+                 others: list | None = None):
+        """`router`: the service's (first) router; `others`: the rest, when it runs several (else asked)."""
         self.router = router
+        self.routers = [router] + list(ray.get(router.shard_routers.remote()) if others is None else others)
         self.name = name
         self.namespace = namespace
         self._owner = owner  # a launched service is shut down by close(); a connected one is left running
@@ -43,8 +49,6 @@ class RayConnection:
 
     @classmethod
     def start_service(cls, config: str | dict | ServiceConfig | None = None, **overrides: Any) -> "RayConnection":
-        from actors.router import RouterActor
-
         cfg = ServiceConfig.load(config, **overrides)
         if cfg.detached and starts_local_ray(cfg.address):
             raise ValueError("detached: true needs a Ray cluster that outlives this process: start one with "
@@ -62,20 +66,9 @@ class RayConnection:
         # The router runs on this process's node (the learner's, or the head's for a job), never on a rollout
         # node: a lost rollout node costs its workers, not the service.
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-        router = RouterActor.options(name=cfg.name, namespace=cfg.namespace, num_cpus=0, max_restarts=0,
-                                     scheduling_strategy=here,
-                                     lifetime="detached" if cfg.detached else None).remote(cfg)
-        try:
-            err = ray.get(router.start.remote())
-        except ray.exceptions.RayActorError as e:  # the router process itself died
-            cause = getattr(e, "cause", None) or e
-            ray.kill(router)
-            raise ValueError(f"rollout service {cfg.name!r} failed to start: {error_text(cause)}") from None
-        if err is not None:
-            ray.get(router.shutdown.remote())
-            ray.kill(router)
-            raise ValueError(f"rollout service {cfg.name!r} failed to start: {err}")
-        return cls(router, cfg.name, owner=True, namespace=cfg.namespace)
+        routers = start_routers(cfg, {"namespace": cfg.namespace, "num_cpus": 0, "max_restarts": 0,
+                                      "scheduling_strategy": here, "lifetime": "detached" if cfg.detached else None})
+        return cls(routers[0], cfg.name, owner=True, namespace=cfg.namespace, others=routers[1:])
 
     @classmethod
     def connect(cls, name: str = "rollout_service", namespace: str = "rollout_service",
@@ -96,10 +89,29 @@ class RayConnection:
         the router however its consumer goes: read to the end, `close()`d, dropped unread, the client
         closed, or this process gone."""
         send_closes()
-        reply = ray.get(self.router.submit.remote(list(requests)))
-        if "errors" in reply:
-            raise ValueError("; ".join(f"request {i}: {msg}" if i >= 0 else msg for i, msg in reply["errors"]))
-        return ResultStream(self.router, reply["stream"], reply["lease_s"], self.weights.heal, owner=self)
+        items = list(requests)
+        if len(self.routers) == 1:
+            parts = {0: list(range(len(items)))}
+        else:  # each router its share (connections/request_shards.py), all or none
+            ids = [getattr(r, "request_id", None) for r in items]
+            seen = [i for i in ids if i is not None]
+            if len(set(seen)) != len(seen):
+                raise ValueError("duplicate request_id in one call")
+            parts = split(items, len(self.routers))
+        calls = [self.routers[k].submit.remote([items[i] for i in idx] if len(parts) > 1 else items)
+                 for k, idx in parts.items()]
+        streams, errors = [], []
+        for (k, idx), reply in zip(parts.items(), ray.get(calls)):
+            if "errors" in reply:
+                errors += [(idx[i] if i >= 0 else -1, msg) for i, msg in reply["errors"]]
+            else:
+                streams.append(ResultStream(self.routers[k], reply["stream"], reply["lease_s"], self.weights.heal,
+                                            owner=self))
+        if errors:
+            for s in streams:  # (a batch is taken all or none)
+                s.close()
+            raise ValueError("; ".join(f"request {i}: {msg}" if i >= 0 else msg for i, msg in sorted(errors)))
+        return streams[0] if len(streams) == 1 else ShardedStream(streams)
 
     def update_weights(self, named_tensors, version: int, transport: str = "auto", partial: bool = False,
                        check_finite: bool = True, delta: bool | str = "auto") -> str:
@@ -159,7 +171,8 @@ class RayConnection:
 
     def abort(self, request_ids: list[str]) -> list[RolloutResult]:
         """Abort now; the "abort" results (tokens so far) also end the requests' streams."""
-        return ray.get(self.router.abort.remote(list(request_ids)))
+        ids = list(request_ids)
+        return [r for part in ray.get([router.abort.remote(ids) for router in self.routers]) for r in part]
 
     def stats(self) -> list[dict]:
         return ray.get(self.router.stats.remote())
@@ -185,11 +198,60 @@ class RayConnection:
         self.weights.close()
         if self._owner:
             try:
-                ray.get(self.router.shutdown.remote())
+                ray.get(self.router.shutdown.remote())  # (the first router stops the others)
             finally:
-                ray.kill(self.router)
-            _wait_name_released(self.name, self.namespace)
+                for router in self.routers:
+                    ray.kill(router)
+            for k in range(len(self.routers)):
+                _wait_name_released(router_name(self.name, k), self.namespace)
         self.router = None
+
+
+def router_name(name: str, k: int) -> str:
+    """The actor name of a service's router k (the first one's is the service's)."""
+    return name if k == 0 else f"{name}.router{k}"
+
+
+def start_routers(cfg: ServiceConfig, options: dict, engine_factory: Callable | None = None) -> list:
+    """Start the service's routers (actors/router.py; `options`: their actor options) and their workers; returns
+    their handles, the first one's first. With several, each gets its share of the workers (actors/shards.py) and
+    the first one the others. A failure stops every one of them and raises ValueError."""
+    from actors.router import RouterActor
+    from actors.shards import share
+
+    n = cfg.routers
+    if n > cfg.num_workers:
+        raise ValueError(f"ServiceConfig.routers={n}: must be at most num_workers ({cfg.num_workers}): each router "
+                         "owns one worker at least")
+    configs = [cfg] if n == 1 else [
+        dataclasses.replace(cfg, name=router_name(cfg.name, k), routers=1, num_workers=share(cfg.num_workers, k, n),
+                            reward_workers=max(1, share(cfg.reward_workers, k, n)) if cfg.reward_workers else 0)
+        for k in range(n)]
+    extra = () if engine_factory is None else (engine_factory,)
+    options = {"runtime_env": actor_env(), **options}
+    routers = [RouterActor.options(name=c.name, **options).remote(c, *extra) for c in configs]
+    try:
+        errors = ray.get([r.start.remote() for r in routers])
+    except ray.exceptions.RayActorError as e:  # a router process itself died
+        _stop(routers)
+        raise ValueError(f"rollout service {cfg.name!r} failed to start: {error_text(getattr(e, 'cause', None) or e)}"
+                         ) from None
+    err = next((f"router {k}: {e}" if k else e for k, e in enumerate(errors) if e is not None), None)
+    if err is not None:
+        _stop(routers)
+        raise ValueError(f"rollout service {cfg.name!r} failed to start: {err}")
+    if n > 1:
+        ray.get(routers[0].attach_shards.remote(routers[1:]))
+    return routers
+
+
+def _stop(routers: list) -> None:
+    for r in routers:
+        try:
+            ray.get(r.shutdown.remote())
+        except Exception:  # (its process is gone)
+            pass
+        ray.kill(r)
 
 
 def _wait_name_released(name: str, namespace: str, timeout: float = 10.0) -> None:

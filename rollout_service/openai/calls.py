@@ -47,7 +47,8 @@ def prepare_chat(svc: Service, call: ChatCall) -> Prepared:
             ids, drifted = svc.renderer.render(call.messages, call.tools, call.tool_choice), False
         else:
             ids, drifted = prompt_for(session, call.messages, svc.renderer, call.tools, call.tool_choice)
-        return Prepared(_request(ids, call.sampling, "messages"), "messages", session, drifted, len(call.messages))
+        request = _request(ids, call.sampling, "messages", call.session_id)
+        return Prepared(request, "messages", session, drifted, len(call.messages))
     except BaseException:
         if session is not None:
             svc.sessions.end(session)
@@ -60,9 +61,12 @@ def prepare_completion(svc: Service, call: CompletionCall) -> Prepared:
     return Prepared(_request(ids, call.sampling, "prompt"), "prompt")
 
 
-def _request(ids: list[int], sampling: Any, param: str) -> RolloutRequest:
+def _request(ids: list[int], sampling: Any, param: str, session_id: str | None = None) -> RolloutRequest:
+    """The request of a call; a session's carries its id, which keeps its calls on one router of several
+    (rollout_service/connections/request_shards.py) and so on its workers' prefix cache."""
+    metadata = None if session_id is None else {"session_id": session_id}
     try:
-        return RolloutRequest(prompt=ids, sampling=sampling, apply_chat_template=False)
+        return RolloutRequest(prompt=ids, sampling=sampling, apply_chat_template=False, metadata=metadata)
     except ValueError as e:
         raise ApiError(400, f"{param}: {e}", param) from None
 

@@ -48,15 +48,31 @@ class ResultStream(Iterator[RolloutResult]):
         while not self._buffer:
             if self._done:
                 raise StopIteration
-            whole, batches, done, starved = ray.get(self.router.next_results.remote(self.sid, 1.0, self._lost))
-            if done:  # the router forgot it
-                self._done = True
-                self._finalizer.detach()
-            if starved:
-                self._on_starved()
-            fetched, self._lost = unpack(batches)
-            self._buffer.extend(whole + fetched)
+            self.take(ray.get(self.ask()))
         return self._buffer.popleft()
+
+    def ask(self) -> Any:
+        """The router's next read of this stream (an ObjectRef for take(); one at a time)."""
+        return self.router.next_results.remote(self.sid, 1.0, self._lost)
+
+    def take(self, reply: tuple) -> None:
+        whole, batches, done, starved = reply
+        if done:  # the router forgot it
+            self._done = True
+            self._finalizer.detach()
+        if starved:
+            self._on_starved()
+        fetched, self._lost = unpack(batches)
+        self._buffer.extend(whole + fetched)
+
+    def pop(self) -> RolloutResult | None:
+        """A result already read, if any (without asking the router)."""
+        return self._buffer.popleft() if self._buffer else None
+
+    @property
+    def finished(self) -> bool:
+        """Every result read and handed out."""
+        return self._done and not self._buffer
 
     @property
     def open(self) -> bool:
