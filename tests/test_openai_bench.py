@@ -12,15 +12,16 @@ def test_the_benchmark_times_every_path_on_the_same_tokens_and_releases_its_sess
     server = serve_openai(client, port=0, block=False, token=TOKEN)
     try:
         rows = measure_latency(client, server, calls=3, max_tokens=3)
-        sessions = measure_sessions(server, sessions=12, threads=4, max_tokens=2)
+        sessions = measure_sessions(server, sessions=12, threads=4, max_tokens=2, rounds=3)
     finally:
         server.stop()
     assert [r["path"] for r in rows] == ["python client", "HTTP, httpx", "HTTP, openai package"]
     for r in rows:
         assert r["calls"] == 3 and r["same_tokens"] is True and r["p10_ms"] <= r["median_ms"] <= r["p90_ms"], r
     assert rows[0]["added_median_ms"] == 0
-    assert sessions["held"] == 12 and sessions["released"] == 24 and sessions["tokens"] == 48, sessions
-    assert len(sessions["rss_mib"]) == 5 and sessions["python_kib_per_session"] > 0, sessions
+    assert sessions["held"] == 12 and sessions["released"] == 36 and sessions["tokens"] == 72, sessions
+    assert len(sessions["rss_mib"]) == 7 and sessions["python_kib_per_session"] > 0, sessions
+    assert isinstance(sessions["rss_growth_after_round_2_mib"], float)
     assert len(server.app.state.sessions) == 0
     text = "\n".join(markdown({"model": "word", "max_tokens": 3}, rows + [sessions]))
     assert "| HTTP, openai package | 3 |" in text and "| 12 | " in text

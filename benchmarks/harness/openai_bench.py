@@ -74,10 +74,11 @@ def measure_latency(client: Any, server: Any, calls: int, max_tokens: int) -> li
     return rows
 
 
-def measure_sessions(server: Any, sessions: int, threads: int, max_tokens: int, rounds: int = 2) -> dict:
-    """`rounds` rounds of `sessions` sessions, each round held at once and then released: resident memory after
-    each (bounded: a round after the first holds no more than the first did), and the Python heap the held
-    sessions take (tracemalloc: what the endpoint's session store and its callers keep, not the engine)."""
+def measure_sessions(server: Any, sessions: int, threads: int, max_tokens: int, rounds: int = 4) -> dict:
+    """`rounds` rounds of `sessions` sessions, each round held at once and then released: resident memory with
+    each round held and after it (bounded: the rounds after the second hold no more than it did, once the
+    allocator's per-thread arenas have grown), and the Python heap the held sessions take in the first round
+    (tracemalloc: what the endpoint's session store and its callers keep, not the engine)."""
     import tracemalloc
 
     import httpx
@@ -99,27 +100,30 @@ def measure_sessions(server: Any, sessions: int, threads: int, max_tokens: int, 
         return _rss_mib()
 
     rss = [settled()]
-    tracemalloc.start()
-    held_py, held, released, sampled, wall = [], [], 0, 0, 0.0
+    held_py, held, released, sampled, wall = 0, [], 0, 0, 0.0
     for k in range(rounds):
         ids = [f"bench-session-{k}-{i}" for i in range(sessions)]
-        py0 = tracemalloc.get_traced_memory()[0]
+        if k == 0:  # the heap per session, from the first round alone: tracemalloc's own records take memory
+            tracemalloc.start()
         t0 = time.perf_counter()
         with ThreadPoolExecutor(threads) as pool:
             sampled += sum(pool.map(call, ids))
         wall += time.perf_counter() - t0
         held.append(len(server.app.state.sessions))
         gc.collect()
-        held_py.append(tracemalloc.get_traced_memory()[0] - py0)
+        if k == 0:
+            held_py = tracemalloc.get_traced_memory()[0]
+            tracemalloc.stop()
         rss.append(_rss_mib())
         released += release(server.app, ids)
         rss.append(settled())
-    tracemalloc.stop()
     http.close()
+    holding = rss[1::2]
     return {"measure": "sessions", "sessions": sessions, "rounds": rounds, "threads": threads, "held": min(held),
             "released": released, "tokens": sampled, "wall_s": round(wall, 1),
             "calls_per_s": round(rounds * sessions / wall, 1), "rss_mib": [round(r, 1) for r in rss],
-            "python_kib_per_session": round(statistics.median(held_py) / 1024 / sessions, 2)}
+            "rss_growth_after_round_2_mib": round(max(holding[2:] or holding[-1:]) - holding[min(1, len(holding) - 1)], 1),
+            "python_kib_per_session": round(held_py / 1024 / sessions, 2)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -134,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=4)
     p.add_argument("--sessions", type=int, default=1000)
     p.add_argument("--threads", type=int, default=16, help="client threads of the sessions part")
+    p.add_argument("--rounds", type=int, default=4, help="rounds of the sessions part")
     p.add_argument("--out", default=None)
     p.add_argument("--tag", default="", help="a label of the run, kept in its meta")
     p.add_argument("--quick", action="store_true", help="tiny counts: a smoke run")
@@ -143,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     server = serve_openai(client, port=0, block=False, token=TOKEN)
     try:
         rows = measure_latency(client, server, calls, args.max_tokens)
-        rows.append(measure_sessions(server, sessions, args.threads, args.max_tokens))
+        rows.append(measure_sessions(server, sessions, args.threads, args.max_tokens, args.rounds))
     finally:
         server.stop()
         client.close()
@@ -166,11 +171,13 @@ def markdown(meta: dict, rows: list[dict]) -> list[str]:
     if s:
         lines += ["", f"{s['rounds']} rounds of {s['sessions']:,} sessions (one call each, {s['threads']} client "
                   "threads), each round held at once, then released. RSS: before, then per round with its sessions held and "
-                  "after their release. Python heap: what a held session keeps (tracemalloc, median round).", "",
-                  "| sessions held at once | calls/s | RSS MiB | Python heap KiB per session | released |",
-                  "|---|---|---|---|---|",
+                  "after their release; growth: the most a later round held over what the second round held. Python "
+                  "heap: what a held session keeps (tracemalloc, first round).", "",
+                  "| sessions held at once | calls/s | RSS MiB | RSS growth after round 2, MiB | Python heap KiB per "
+                  "session | released |",
+                  "|---|---|---|---|---|---|",
                   f"| {s['held']:,} | {s['calls_per_s']} | {' / '.join(map(str, s['rss_mib']))} | "
-                  f"{s['python_kib_per_session']} | {s['released']:,} |"]
+                  f"{s.get('rss_growth_after_round_2_mib', '')} | {s['python_kib_per_session']} | {s['released']:,} |"]
     return lines
 
 

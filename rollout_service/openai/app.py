@@ -54,7 +54,11 @@ class Runtime:
 
     async def next(self, it: Any, p: calls.Prepared, request: Request) -> Any:
         """The call's next sample, watching the connection meanwhile (ClientGone if it drops)."""
-        fut = asyncio.get_running_loop().run_in_executor(self.pool, calls.next_result, it, p)
+        return await self.watched(request, calls.next_result, it, p)
+
+    async def watched(self, request: Request, fn: Callable, *args: Any) -> Any:
+        """fn(*args) on the app's threads, watching the connection meanwhile (ClientGone if it drops)."""
+        fut = asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
         fut.add_done_callback(_retrieved)  # a call given up on (client gone) still ends, maybe in an error
         while True:
             done, _ = await asyncio.wait({fut}, timeout=POLL_S)
@@ -101,14 +105,13 @@ async def read_json(request: Request, limit: int) -> dict:
 
 
 async def _collect(rt: Runtime, p: calls.Prepared, request: Request) -> list:
-    it, results = await rt.run(calls.open_stream, rt.svc, p), []
+    """Every sample of the call, by index, in one go on a thread (each hop between the loop and a thread adds
+    to the call's latency)."""
     try:
-        while (r := await rt.next(it, p, request)) is not None:
-            results.append(r)
+        results = await rt.watched(request, calls.generate, rt.svc, p)
     except BaseException:
         rt.abort(p)
         raise
-    results.sort(key=lambda r: r.sample_index)
     calls.settle(rt.svc, p, results)
     return results
 
