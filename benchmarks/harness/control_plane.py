@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--out", default=None)
     p.add_argument("--tag", default="", help="a label of the run, kept in its meta")
-    p.add_argument("--workers", default="4,16,64", help="worker counts of the results/s runs")
+    p.add_argument("--workers", default="4,16,64", help="worker counts of the results/s runs (\"\": none)")
     p.add_argument("--speedup", type=int, default=1,
                    help="each fabricating worker makes this many times W2's rate (8 workers x 8: 64 workers' results "
                         "through 8 processes, for a machine that cannot run 64)")
@@ -164,11 +164,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-small", action="store_true", help="only the W2-rate runs")
     p.add_argument("--quick", action="store_true")
     args = p.parse_args(argv)
-    counts = [int(w) for w in args.workers.split(",")]
+    counts = [int(w) for w in args.workers.split(",") if w]
     w2 = Fabricate(step_s=0.0256, max_num_seqs=256 * args.speedup, tokens_per_step=10)
     runs = []
-    ray.init(num_cpus=os.cpu_count(), resources={"bench_worker": max(counts + [8])}, include_dashboard=False,
-             log_to_driver=False, namespace="rollout_service_bench")
+    ray.init(address="local", num_cpus=os.cpu_count(), resources={"bench_worker": max(counts + [8])},
+             include_dashboard=False, log_to_driver=False, namespace="rollout_service_bench")
     try:
         lat = latency(20 if args.quick else 200)
         print(lat, flush=True)

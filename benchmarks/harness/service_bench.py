@@ -22,7 +22,8 @@ def bench_cluster(num_cpus: int) -> Iterator[None]:
     """A local Ray instance for one benchmark run (it ends with the run)."""
     import ray
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-    ray.init(num_cpus=num_cpus, include_dashboard=False, namespace="rollout_service_bench", log_to_driver=False)
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, namespace="rollout_service_bench",
+             log_to_driver=False)
     try:
         yield
     finally:
