@@ -35,9 +35,9 @@ def test_token_file_is_private_and_required(server):
     assert httpx.get(server.url.removesuffix("/v1") + "/health").json() == {"status": "ok"}
 
 
-def _chat(server, session: str, messages: list, **body) -> httpx.Response:
+def _chat(server, session: str, messages: list, timeout: float = 60, **body) -> httpx.Response:
     return httpx.post(f"{server.url}/chat/completions", headers={**auth(server.token), "X-Session-Id": session},
-                      json={"model": "m", "messages": messages, "max_tokens": 4, **body}, timeout=60)
+                      json={"model": "m", "messages": messages, "max_tokens": 4, **body}, timeout=timeout)
 
 
 def test_a_dropped_stream_hurts_no_other_session(server, caplog):
@@ -59,6 +59,28 @@ def test_a_dropped_stream_hurts_no_other_session(server, caplog):
     assert "client gone mid-stream" in caplog.text  # noticed and aborted, not run to its end
     (t,) = trajectories(server.app, ["drop"])
     assert t.metadata["calls"] == 1  # the dropped call left nothing in its session
+
+
+def test_a_dropped_call_leaves_its_session_as_it_was(server):
+    """A non-streamed call whose client goes away while it waits: its session untouched, and free again."""
+    client = server.app.state.runtime.svc.client
+    first = _chat(server, "wait", Q).json()
+    history = Q + [{"role": "assistant", "content": first["choices"][0]["message"]["content"]}] + Q
+    host = client._connection.host
+    host._lock.acquire()  # as a long engine step does: the call cannot be queued until its client gives up
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            _chat(server, "wait", history, max_tokens=400, timeout=0.5)
+    finally:
+        host._lock.release()
+    deadline = time.monotonic() + 60
+    while server.app.state.sessions._sessions["wait"].busy:  # until the server saw the drop and let go
+        assert time.monotonic() < deadline, "the dropped call never let go of its session"
+        time.sleep(0.05)
+    again = _chat(server, "wait", history)
+    assert again.status_code == 200 and again.json()["drift"] is False
+    (t,) = trajectories(server.app, ["wait"])
+    assert t.metadata["calls"] == 2  # the first call and this one: the dropped call left nothing
 
 
 def test_sse_over_http(server):

@@ -104,16 +104,42 @@ async def read_json(request: Request, limit: int) -> dict:
     return body
 
 
-async def _collect(rt: Runtime, p: calls.Prepared, request: Request) -> list:
-    """Every sample of the call, by index, in one go on a thread (each hop between the loop and a thread adds
-    to the call's latency)."""
-    try:
-        results = await rt.watched(request, calls.generate, rt.svc, p)
-    except BaseException:
-        rt.abort(p)
-        raise
-    calls.settle(rt.svc, p, results)
-    return results
+class _Whole:
+    """A call answered in one body: prepared, run and recorded in one go on a thread (each hop between the loop and
+    a thread adds to its latency), while the loop watches the connection. A client gone first makes the thread
+    submit nothing; gone later, its request is aborted and its session left as it was."""
+
+    def __init__(self, rt: Runtime, call: Any, prepare: Callable):
+        self.rt, self.call, self.prepare = rt, call, prepare
+        self.p: calls.Prepared | None = None
+        self.gone = False
+
+    def run(self) -> tuple[calls.Prepared, list]:
+        svc = self.rt.svc
+        p = self.prepare(svc, self.call)
+        try:
+            self.p = p
+            if self.gone:
+                raise ClientGone()
+            it = calls.open_stream(svc, p)
+            if self.gone:  # the client left while the request was queued: the loop's abort may have come first
+                self.rt.abort(p)
+            results = calls.collect(it, p)
+            if self.gone:
+                raise ClientGone()
+            calls.settle(svc, p, results)
+            return p, results
+        finally:
+            calls.done(svc, p)
+
+    async def answer(self, request: Request) -> tuple[calls.Prepared, list]:
+        try:
+            return await self.rt.watched(request, self.run)
+        except BaseException:
+            self.gone = True
+            if self.p is not None:
+                self.rt.abort(self.p)
+            raise
 
 
 def _chat_body(rt: Runtime, p: calls.Prepared, call: Any, results: list) -> dict:
@@ -201,21 +227,21 @@ async def _events(rt: Runtime, p: calls.Prepared, call: Any, chat: bool, request
 
 async def _serve(rt: Runtime, request: Request, call: Any, prepare: Callable, to_body: Callable) -> Response:
     rt.enter()
+    if not call.stream:
+        try:
+            p, results = await _Whole(rt, call, prepare).answer(request)
+            return JSONResponse(to_body(rt, p, call, results))
+        except ClientGone:
+            return Response(status_code=499)  # nobody reads it: the connection is gone
+        finally:
+            rt.leave()
     try:
         p = await rt.run(prepare, rt.svc, call)
     except BaseException:
         rt.leave()
         raise
-    if call.stream:
-        release = _releaser(rt, p)
-        return _Stream(_events(rt, p, call, to_body is _chat_body, request, release), release)
-    try:
-        return JSONResponse(to_body(rt, p, call, await _collect(rt, p, request)))
-    except ClientGone:
-        return Response(status_code=499)  # nobody reads it: the connection is gone
-    finally:
-        calls.done(rt.svc, p)
-        rt.leave()
+    release = _releaser(rt, p)
+    return _Stream(_events(rt, p, call, to_body is _chat_body, request, release), release)
 
 
 def _model_name(client: Any, model_name: str | None) -> str:

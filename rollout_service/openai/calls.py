@@ -99,9 +99,9 @@ def next_result(it: Iterator[RolloutResult], p: Prepared) -> RolloutResult | Non
     return r
 
 
-def generate(svc: Service, p: Prepared) -> list[RolloutResult]:
+def collect(it: Iterator[RolloutResult], p: Prepared) -> list[RolloutResult]:
     """Every sample of the call, by index."""
-    it, out = open_stream(svc, p), []
+    out = []
     while (r := next_result(it, p)) is not None:
         out.append(r)
     return sorted(out, key=lambda r: r.sample_index)
