@@ -54,6 +54,7 @@ from actors.learner import group_advantages, load_policy
 from rollout_service.examples import tasks
 from rollout_service.training.mismatch import (fp32_reference_report, learner_logprobs, logprob_mismatch, model_token_mask,
                                      num_model_tokens, token_logprobs)
+from rollout_service.connections.ray_cluster import actor_env
 from rollout_service.model.registry import moe_spec
 from rollout_service.training import (InvariantForward, LearnerOutOfMemory, MasterWeights, RoutingStats, StepClock,
                                       memory_figures, replay_routing)
@@ -381,4 +382,4 @@ def _service_version(client: Any) -> int:
     return int(client.info()["policy_version"])
 
 
-GRPOActor = ray.remote(GRPOLearner)
+GRPOActor = ray.remote(runtime_env=actor_env())(GRPOLearner)  # (at the normal CPU priority, as the service's actors)

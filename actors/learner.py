@@ -14,6 +14,7 @@ import numpy as np
 import ray
 import torch
 
+from rollout_service.connections.ray_cluster import actor_env
 from rollout_service.training.mismatch import learner_logprobs, logprob_mismatch, token_logprobs
 from rollout_service.training.loss import ppo_clip_loss
 from rollout_service.api.types import RolloutResult, SamplingParams
@@ -107,4 +108,4 @@ class Learner:
         return self.client.stats()
 
 
-LearnerActor = ray.remote(Learner)
+LearnerActor = ray.remote(runtime_env=actor_env())(Learner)  # (at the normal CPU priority, as the service's actors)
