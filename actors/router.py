@@ -191,11 +191,7 @@ class Router:
             return await self.refresh.begin(payload, version, partial)
 
     async def refresh_finish(self) -> str | None:
-        async with self.control.lock:
-            err = await self.refresh.finish()
-            if err is None:
-                await self.control.after_refresh()
-            return err
+        return await self._finish(self.refresh.finish)
 
     async def refresh_cancel(self) -> None:
         await self.refresh.cancel()
@@ -209,8 +205,12 @@ class Router:
             return await self.refresh.broadcast_begin(payload, version, partial, resend, timeout_s)
 
     async def broadcast_finish(self) -> str | None:
+        return await self._finish(self.refresh.broadcast_finish)
+
+    async def _finish(self, apply: Callable[[], Any]) -> str | None:
+        """Apply a prepared refresh (the workers swap); an orphaned level-2 sleep then wakes with the weights."""
         async with self.control.lock:
-            err = await self.refresh.broadcast_finish()
+            err = await apply()
             if err is None:
                 await self.control.after_refresh()
             return err

@@ -17,7 +17,7 @@ from rollout_service.config import ServiceConfig
 from rollout_service.api.types import RolloutRequest, SamplingParams
 
 pytest_plugins = ["ray_fixtures"]
-pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
 MULTI_NODE = str(Path(__file__).resolve().parents[1] / "cluster_configs" / "multi-node.yaml")
 
 def seeded(i: int) -> SamplingParams:
@@ -27,7 +27,8 @@ def seeded(i: int) -> SamplingParams:
 
 @pytest.fixture
 def svc(rollout_nodes, tiny_model_dir):
-    cfg = ServiceConfig.load(MULTI_NODE, name="svc-nodes", placement={"strategy": "STRICT_SPREAD", "timeout_s": 20},
+    # (600 s to place and start: a worker's process start takes minutes on a loaded box)
+    cfg = ServiceConfig.load(MULTI_NODE, name="svc-nodes", placement={"strategy": "STRICT_SPREAD", "timeout_s": 600},
                              engine={"model": tiny_model_dir, "num_pages": 512})
     with RolloutClient.launch(cfg) as c:
         yield c
@@ -66,11 +67,12 @@ def test_a_killed_node_loses_nothing_and_a_node_that_joins_serves_the_current_we
     keys = [(r.request_id, r.sample_index) for r in got]
     assert sorted(keys) == sorted(want) and len(set(keys)) == len(keys), "each sample once, none lost"
     assert all(r.token_ids == want[(r.request_id, r.sample_index)] and set(r.token_versions) == {1} for r in got)
-    wait_for(lambda: svc.info()["gone"] == [False, True], "worker 1 reported gone", 30)
+    wait_for(lambda: svc.info()["gone"] == [False, True], "worker 1 reported gone", 120)
     reported_after = time.monotonic() - killed_at
     info = svc.info()
     assert victim in info["gone_reasons"][1] and "died" in info["gone_reasons"][1], info["gone_reasons"]
-    assert reported_after < 20, f"a lost node took {reported_after:.0f} s to be reported"
+    # (about 10 s quiet: Ray's health checks, 4 missed 1 s apart; far longer means the router did not listen)
+    assert reported_after < 60, f"a lost node took {reported_after:.0f} s to be reported"
     # (how many requests were resubmitted is not asserted: on a loaded machine worker 1 may deliver its last
     # result between the check above and the kill; what was on it is covered by "each sample once" above)
     assert not node_alive(victim)

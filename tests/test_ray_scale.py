@@ -22,7 +22,8 @@ NAME = "svc-scale"
 
 @pytest.fixture(scope="module")
 def svc(ray_cluster, service_config):
-    with RolloutClient.launch(service_config(name=NAME, placement={"strategy": "SPREAD", "timeout_s": 30})) as c:
+    # (the suite's 600 s to start, as a loaded box needs; the tests that want a scale to time out say so)
+    with RolloutClient.launch(service_config(name=NAME, placement={"strategy": "SPREAD", "timeout_s": 600})) as c:
         yield c
 
 
