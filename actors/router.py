@@ -332,7 +332,8 @@ class Router:
 
     def info_here(self) -> dict:
         t = self.table
-        return {"name": self.config.name, "policy_version": self.refresh.version, "num_workers": len(t),
+        return {"name": self.config.name, "model": str(self.config.engine.model),
+                "policy_version": self.refresh.version, "num_workers": len(t),
                 "alive": list(t.alive), "awaiting_weights": list(t.awaiting), "gone": list(t.gone),
                 "gone_reasons": list(t.why_gone), "draining": list(t.draining),
                 "in_flight": len(self.ledger.tracked), "streams": len(self.ledger.streams),

@@ -3,6 +3,7 @@
     rollout-service run --config cluster_configs/local-cpu.yaml   # local Ray, roll out prompts, summary
     rollout-service serve --config cluster_configs/local-cpu.yaml # a named service that outlives the command
     rollout-service serve --config ... --openai                   # ... and an OpenAI endpoint in front of it
+    rollout-service serve --config ... --openai-replicas 4        # ... served by 4 Ray Serve replicas
     rollout-service stats [--name N] [--wide | --json]            # per-worker stats of a running service
     rollout-service scale --num-workers N [--name N]              # add or remove workers of a running service
     rollout-service stop [--name N]                               # shut a running service down
@@ -12,6 +13,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import subprocess
@@ -86,6 +88,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     """Launch a detached service on a Ray cluster that outlives this command, print how to use it, exit."""
     from rollout_service.model.loader import check_source_here
 
+    if args.openai_replicas:
+        _check_replicas(args.openai_replicas)
+        args.openai = True
     overrides = {k: v for k, v in (("name", args.name), ("num_workers", args.num_workers),
                                    ("address", args.address)) if v is not None}
     config = ServiceConfig.load(args.config, detached=True, **overrides)  # before Ray is imported: a bad
@@ -116,15 +121,35 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_replicas(n: int) -> None:
+    """Refuse --openai-replicas before the service starts, not after."""
+    if n < 0:
+        raise ValueError(f"--openai-replicas {n}: must be >= 0 (0: one endpoint process in the foreground)")
+    try:
+        importlib.import_module("ray.serve")  # it imports its own dependencies: a missing one shows here
+    except ImportError as e:
+        raise ValueError(f"--openai-replicas needs Ray Serve ({e}): pip install \"rollout-service[serve]\"") from None
+
+
 def _serve_openai(args: argparse.Namespace, config: ServiceConfig, backend) -> int:
-    """The OpenAI endpoint in front of the service just started, in the foreground until Ctrl-C (the service
-    keeps running after it, as without --openai)."""
+    """The OpenAI endpoint in front of the service just started: Ray Serve replicas that outlive this command
+    (--openai-replicas), else one process in the foreground until Ctrl-C (the service keeps running after it,
+    as without --openai)."""
     from rollout_service.client import RolloutClient
     from rollout_service.openai import serve_openai
     from rollout_service.openai.auth import default_token_file
     from rollout_service.openai.server import tokenizer_for
 
     token_file = Path(args.openai_token_file).expanduser() if args.openai_token_file else default_token_file()
+    if args.openai_replicas:
+        from rollout_service.openai.replicas import serve_openai_replicas
+
+        eps = serve_openai_replicas(RolloutClient(backend), args.openai_replicas, host=args.openai_host,
+                                    port=args.openai_port, token_file=token_file, model_name=str(config.engine.model))
+        console.print(f"OpenAI endpoint: {eps.url} ({eps.replicas} Ray Serve replicas; bearer token in {token_file}); "
+                      f"it keeps running after this command, `rollout-service stop` removes it", soft_wrap=True,
+                      highlight=False)
+        return 0
     console.print(f"OpenAI endpoint: http://{args.openai_host}:{args.openai_port}/v1 (bearer token in "
                   f"{token_file}); Ctrl-C stops it, not the service", soft_wrap=True, highlight=False)
     serve_openai(RolloutClient(backend), host=args.openai_host, port=args.openai_port, token_file=token_file,
@@ -222,7 +247,12 @@ def cmd_scale(args: argparse.Namespace) -> int:
 
 def cmd_stop(args: argparse.Namespace) -> int:
     from rollout_service.connections.ray import RayConnection
-    RayConnection.connect(args.name, namespace=args.namespace, address=args.address).shutdown()
+    from rollout_service.openai.replicas import stop_openai_replicas
+
+    conn = RayConnection.connect(args.name, namespace=args.namespace, address=args.address)
+    if stop_openai_replicas(args.name):  # first: its replicas are the service's clients
+        console.print(f"stopped the OpenAI endpoint of {args.name!r}")
+    conn.shutdown()
     console.print(f"stopped rollout service {args.name!r}")
     return 0
 
@@ -277,6 +307,9 @@ def parser() -> argparse.ArgumentParser:
     sv.add_argument("--openai-port", type=int, default=8000, help="the endpoint's port (default: %(default)s)")
     sv.add_argument("--openai-token-file", help="where the endpoint's new bearer token is written, mode 0600 "
                                                 "(default: ~/.rollout_service/openai_token)")
+    sv.add_argument("--openai-replicas", type=int, default=0,
+                    help="serve the endpoint as this many Ray Serve replicas behind Serve's proxy on every node, "
+                         "outliving this command (needs ray[serve]); 0: one process, in the foreground (default)")
     st = sub.add_parser("stats", help="per-worker stats of a running service")
     add_service_args(st)
     shape = st.add_mutually_exclusive_group()

@@ -209,6 +209,8 @@ def test_bad_inputs_exit_2_with_the_reason(tmp_path, capsys):
     ok.write_text("num_workers: 1\n")
     assert cli.main(["run", "--config", str(ok), "--output", str(tmp_path)]) == 2  # before any Ray starts
     assert f"output {str(tmp_path)!r} is a folder" in capsys.readouterr().out
+    assert cli.main(["serve", "--config", str(ok), "--openai-replicas", "-1"]) == 2  # before the service starts
+    assert "--openai-replicas -1: must be >= 0" in capsys.readouterr().out
 
 
 def test_prompt_files_refuse_unknown_keys_by_file_and_line(tmp_path, ray_tmp, service_config):

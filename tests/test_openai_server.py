@@ -74,7 +74,7 @@ def test_a_dropped_call_leaves_its_session_as_it_was(server):
     finally:
         host._lock.release()
     deadline = time.monotonic() + 60
-    while server.app.state.sessions._sessions["wait"].busy:  # until the server saw the drop and let go
+    while server.app.state.sessions.busy("wait"):  # until the server saw the drop and let go
         assert time.monotonic() < deadline, "the dropped call never let go of its session"
         time.sleep(0.05)
     again = _chat(server, "wait", history)

@@ -12,6 +12,7 @@ from openai_setup import TOKEN, auth
 
 from rollout_service.openai import openai_app, release, set_reward, trajectories
 from rollout_service.openai.schemas import ApiError
+from rollout_service.api.types import RolloutResult
 from rollout_service.openai.sessions import SessionStore
 from rollout_service.results import load_results, save_results
 
@@ -165,6 +166,25 @@ def test_the_store_drops_idle_sessions():
     s = store.begin("fresh")
     store.end(s)  # a session whose only call failed is not kept
     assert len(store) == 2
+
+
+def test_a_call_whose_session_was_released_meanwhile_touches_only_its_own_hold():
+    """A learner releases a session while its call runs and a new call begins the same id: the old call's
+    settle records nothing and its end does not free the new call's hold."""
+    store = SessionStore(max_sessions=10, idle_s=100)
+    old = store.begin("s")
+    assert store.release(["s"]) == 1
+    new = store.begin("s")
+    result = RolloutResult(request_id="r", sample_index=0, prompt_token_ids=[1, 2], token_ids=[3],
+                           logprobs=[-0.5], token_versions=[0], finish_reason="stop")
+    store.settle(old, [1, 2], False, result, 1, None)
+    store.end(old)
+    assert store.busy("s")  # still the new call's
+    with pytest.raises(KeyError):
+        store.get("s")  # the old call recorded nothing
+    store.settle(new, [1, 2], False, result, 1, None)
+    store.end(new)
+    assert not store.busy("s") and store.get("s").token_ids == [3]
 
 
 def test_a_sessions_calls_carry_its_id_so_that_they_share_a_router(http, client, monkeypatch):

@@ -202,6 +202,7 @@ class RayConnection:
             finally:
                 for router in self.routers:
                     ray.kill(router)
+                _kill_named(openai_sessions_name(self.name), self.namespace)
             for k in range(len(self.routers)):
                 _wait_name_released(router_name(self.name, k), self.namespace)
         self.router = None
@@ -210,6 +211,19 @@ class RayConnection:
 def router_name(name: str, k: int) -> str:
     """The actor name of a service's router k (the first one's is the service's)."""
     return name if k == 0 else f"{name}.router{k}"
+
+
+def openai_sessions_name(name: str) -> str:
+    """The actor name of the service's OpenAI sessions (rollout_service/openai/shared_sessions.py): detached, as
+    they outlive any one endpoint process, so the service's shutdown ends them."""
+    return f"{name}.openai-sessions"
+
+
+def _kill_named(name: str, namespace: str) -> None:
+    try:
+        ray.kill(ray.get_actor(name, namespace=namespace))
+    except ValueError:  # none was started
+        pass
 
 
 def start_routers(cfg: ServiceConfig, options: dict, engine_factory: Callable | None = None) -> list:

@@ -20,9 +20,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from rollout_service.openai import calls, responses as out
 from rollout_service.openai.auth import check_bearer, resolve_token
 from rollout_service.openai.schemas import ApiError, Limits, parse_chat, parse_completion
-from rollout_service.openai.sessions import SessionStore
 from rollout_service.openai.templates import renderer_for
-from rollout_service.openai.trajectories import remember_store
+from rollout_service.openai.trajectories import remember_store, sessions_for
 
 logger = logging.getLogger("rollout_service.openai")
 POLL_S = 0.1  # how often a waiting call looks at its connection
@@ -262,7 +261,7 @@ def openai_app(client: Any, *, token: str | None = None, token_file: Any = None,
     max_tokens, calls in flight, sessions held and their idle timeout."""
     limits = Limits(**{**(vars(limits) if limits else {}), **limit_overrides})
     token, path = resolve_token(token, token_file)
-    sessions = SessionStore(limits.max_sessions, limits.session_idle_s)
+    sessions = sessions_for(client, limits)
     rt = Runtime(calls.Service(client, renderer_for(client, tokenizer), sessions, limits, _model_name(client, model_name)))
     app = FastAPI(title="rollout_service OpenAI endpoint", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.token, app.state.token_file, app.state.sessions, app.state.runtime = token, path, sessions, rt

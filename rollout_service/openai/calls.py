@@ -10,7 +10,7 @@ from typing import Any, Iterator
 
 from rollout_service.api.types import RolloutRequest, RolloutResult
 from rollout_service.openai.schemas import ApiError, ChatCall, CompletionCall, Limits
-from rollout_service.openai.sessions import Session, SessionStore, prompt_for, record
+from rollout_service.openai.sessions import Session, SessionStore, prompt_for
 from rollout_service.openai.templates import ChatRenderer
 
 
@@ -20,7 +20,7 @@ class Service:
 
     client: Any
     renderer: ChatRenderer
-    sessions: SessionStore
+    sessions: SessionStore  # or shared_sessions.RemoteSessions: the same methods
     limits: Limits
     model: str
 
@@ -110,8 +110,9 @@ def collect(it: Iterator[RolloutResult], p: Prepared) -> list[RolloutResult]:
 def settle(svc: Service, p: Prepared, results: list[RolloutResult]) -> None:
     """Record the call's sample in its session (a session call has n = 1)."""
     if p.session is not None:
-        with svc.sessions.lock:  # a learner reading the trajectory meanwhile sees it before or after, not half
-            record(p.session, p.prompt_ids, p.drifted, results[0], p.n_messages, svc.renderer)
+        r = results[0]
+        svc.sessions.settle(p.session, p.prompt_ids, p.drifted, r, p.n_messages,
+                            svc.renderer.closed_by(r.token_ids, r.finish_reason))
 
 
 def done(svc: Service, p: Prepared) -> None:

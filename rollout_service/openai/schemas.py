@@ -50,6 +50,9 @@ class ApiError(Exception):
         self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
         self.headers = headers or {}
 
+    def __reduce__(self) -> tuple:  # whole across a process boundary (the shared sessions' actor)
+        return ApiError, (self.status, self.message, self.param, self.code, self.type, self.headers)
+
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 

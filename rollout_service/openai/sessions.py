@@ -8,10 +8,16 @@ text), the recorded tokens win: only the new messages are rendered, as a continu
 and the call counts one drift. Either way the model sees, and the learner gets, the tokens really sampled.
 
 The store is bounded: at most `max_sessions`, the least recently used idle one evicted (with a log line)
-to make room; a session idle for `idle_s` is dropped. One call per session at a time (a second is a 409).
+to make room; a session idle for `idle_s` is dropped. One call per session at a time (a second is a 409):
+`begin` hands the call its session with a new `hold`, and `settle` / `end` act only while that hold is the
+session's (a session released and begun again meanwhile is another's).
+
+An endpoint served by several processes keeps its sessions in one Ray actor (shared_sessions.py), a
+SessionStore behind the same methods.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -41,10 +47,26 @@ class Session:
     reward: float | None = None
     busy: bool = False
     last_used: float = 0.0
+    hold: int = 0  # which call holds it (SessionStore.begin)
 
     @property
     def recorded(self) -> list[int]:
         return (self.prompt_ids or []) + self.token_ids
+
+    def view(self) -> "Session":
+        """What a call needs to build its prompt (the recorded tokens, where the history stands) and its hold;
+        not the log-probs, versions or turns."""
+        return Session(self.session_id, self.prompt_ids, list(self.token_ids), messages_seen=self.messages_seen,
+                       closed_by=self.closed_by, busy=self.busy, hold=self.hold)
+
+    def as_result(self) -> RolloutResult:
+        """The session as the learner gets it (trajectories.py says what each field holds)."""
+        return RolloutResult(
+            request_id=self.session_id, sample_index=0, prompt_token_ids=list(self.prompt_ids or []),
+            token_ids=list(self.token_ids), logprobs=list(self.logprobs), token_versions=list(self.versions),
+            finish_reason=self.turns[-1]["finish_reason"], loss_mask=list(self.mask),
+            turns=[dict(t) for t in self.turns], reward=self.reward,
+            metadata={"session_id": self.session_id, "drift": self.drift, "calls": len(self.turns)})
 
     def _extend(self, ids: list[int], logprobs: list[float], versions: list[int], mask: int) -> None:
         self.token_ids += ids
@@ -71,7 +93,7 @@ def prompt_for(session: Session, messages: list[dict], renderer: ChatRenderer, t
 
 
 def record(session: Session, prompt_ids: list[int], drifted: bool, result: RolloutResult, n_messages: int,
-           renderer: ChatRenderer) -> None:
+           closed_by: int | None) -> None:
     """Add a finished call to its session: the tokens added before it (mask 0), then those it sampled."""
     if session.prompt_ids is None:
         session.prompt_ids = list(prompt_ids)
@@ -86,7 +108,7 @@ def record(session: Session, prompt_ids: list[int], drifted: bool, result: Rollo
                           "finish_reason": result.finish_reason, "reward": None, "drift": drifted})
     session.drift += drifted
     session.messages_seen = n_messages + 1
-    session.closed_by = renderer.closed_by(result.token_ids, result.finish_reason)
+    session.closed_by = closed_by
 
 
 class SessionStore:
@@ -99,6 +121,7 @@ class SessionStore:
             raise ValueError(f"session_idle_s={idle_s!r}: must be > 0 seconds")
         self.max_sessions, self.idle_s, self._clock = max_sessions, idle_s, clock
         self._sessions: OrderedDict[str, Session] = OrderedDict()
+        self._holds = itertools.count(1)
         self.lock = threading.RLock()  # held while a session changes or is read whole (record, trajectories)
 
     def __len__(self) -> int:
@@ -116,16 +139,41 @@ class SessionStore:
             elif s.busy:
                 raise ApiError(409, f"session_id: session {session_id!r} has a call in flight; a session's calls "
                                     "take turns", "session_id", "session_busy")
-            s.busy, s.last_used = True, now
+            s.busy, s.last_used, s.hold = True, now, next(self._holds)
             self._sessions.move_to_end(session_id)
             return s
+
+    def _held(self, session: Session) -> Session | None:
+        """The stored session while the call that began `session` (a view of it, maybe) still holds it."""
+        s = self._sessions.get(session.session_id)
+        return s if s is not None and s.busy and s.hold == session.hold else None
+
+    def settle(self, session: Session, prompt_ids: list[int], drifted: bool, result: RolloutResult, n_messages: int,
+               closed_by: int | None) -> None:
+        """Record the held session's finished call (a session released meanwhile records nothing)."""
+        with self.lock:  # a learner reading the trajectory meanwhile sees it before or after, not half
+            s = self._held(session)
+            if s is None:
+                logger.info(f"openai sessions: session {session.session_id!r} was released during its call; "
+                            "the call's tokens are not recorded")
+                return
+            record(s, prompt_ids, drifted, result, n_messages, closed_by)
 
     def end(self, session: Session) -> None:
         """The call holding `session` is over (recorded or failed); a session no call ever finished is dropped."""
         with self.lock:
-            session.busy, session.last_used = False, self._clock()
-            if session.prompt_ids is None and self._sessions.get(session.session_id) is session:
-                del self._sessions[session.session_id]
+            s = self._held(session)
+            if s is None:
+                return
+            s.busy, s.last_used = False, self._clock()
+            if s.prompt_ids is None:
+                del self._sessions[s.session_id]
+
+    def busy(self, session_id: str) -> bool:
+        """Whether a call holds this session now."""
+        with self.lock:
+            s = self._sessions.get(session_id)
+            return s is not None and s.busy
 
     def _expire(self, now: float) -> None:
         for sid in [sid for sid, s in self._sessions.items() if not s.busy and now - s.last_used > self.idle_s]:
@@ -152,15 +200,22 @@ class SessionStore:
                 raise KeyError(f"no session {session_id!r} (never used, released, expired or evicted)")
             return s
 
-    def read(self, session_id: str, view: Callable[[Session], Any]) -> Any:
-        """view(session), the session unchanged meanwhile; KeyError as get()."""
+    def trajectories(self, session_ids: list[str]) -> list[RolloutResult]:
+        """Each session as_result(), in order; KeyError as get(), ValueError for one with a call in flight."""
         with self.lock:
-            return view(self.get(session_id))
+            return [_settled(self.get(sid)) for sid in session_ids]
 
     def set_reward(self, session_id: str, value: float | None) -> None:
-        self.get(session_id).reward = value
+        with self.lock:
+            self.get(session_id).reward = value
 
     def release(self, session_ids: list[str]) -> int:
         """Forget these sessions (unknown ids are ignored); returns how many were held."""
         with self.lock:
             return sum(self._sessions.pop(sid, None) is not None for sid in session_ids)
+
+
+def _settled(s: Session) -> RolloutResult:
+    if s.busy:
+        raise ValueError(f"session {s.session_id!r} has a call in flight: read its trajectory after the call returns")
+    return s.as_result()

@@ -10,21 +10,42 @@ finish_reason, and `drift`: whether its history had to be continued from the rec
 what `set_reward` gave; `metadata` = {"session_id", "drift" (the count), "calls"}; `finish_reason` that of
 the last call.
 
-`client_or_app`: the FastAPI app `openai_app` returned, or the client it was built on (its latest app).
+`client_or_app`: the FastAPI app `openai_app` returned, or the client it was built on (its latest app); for
+a Ray service, any client of it (the sessions live in the service's actor: shared_sessions.py).
 """
 from __future__ import annotations
 
+import sys
 import weakref
 from typing import Any, Iterable
 
 from rollout_service.api.types import RolloutResult
 from rollout_service.api.values import is_real
-from rollout_service.openai.sessions import Session, SessionStore
+from rollout_service.openai.schemas import Limits
+from rollout_service.openai.sessions import SessionStore
 
-_STORES: "weakref.WeakKeyDictionary[Any, SessionStore]" = weakref.WeakKeyDictionary()  # client -> its app's
+_STORES: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()  # client -> its app's store
 
 
-def remember_store(client: Any, store: SessionStore) -> None:
+def _ray_connection(client: Any) -> Any:
+    """The client's RayConnection, or None (a local client; Ray is not imported for one)."""
+    ray_connections = sys.modules.get("rollout_service.connections.ray")
+    conn = getattr(client, "_connection", None)
+    return conn if ray_connections is not None and isinstance(conn, ray_connections.RayConnection) else None
+
+
+def sessions_for(client: Any, limits: Limits) -> Any:
+    """Where an endpoint on `client` keeps its sessions: in this process for a local client (a SessionStore),
+    in the service's actor for a Ray client (a RemoteSessions: every endpoint process and the learner share
+    them)."""
+    conn = _ray_connection(client)
+    if conn is None:
+        return SessionStore(limits.max_sessions, limits.session_idle_s)
+    from rollout_service.openai.shared_sessions import RemoteSessions
+    return RemoteSessions.attach(conn.name, conn.namespace, limits)
+
+
+def remember_store(client: Any, store: Any) -> None:
     """Let `trajectories(client, ...)` find the sessions of the app built on `client` (the latest one)."""
     try:
         _STORES[client] = store
@@ -32,7 +53,8 @@ def remember_store(client: Any, store: SessionStore) -> None:
         pass
 
 
-def store_of(client_or_app: Any) -> SessionStore:
+def store_of(client_or_app: Any) -> Any:
+    """The sessions of an app, of the client it was built on, or of a Ray service (any client of it)."""
     if isinstance(client_or_app, SessionStore):
         return client_or_app
     state = getattr(client_or_app, "state", None)
@@ -42,6 +64,13 @@ def store_of(client_or_app: Any) -> SessionStore:
             store = _STORES.get(client_or_app)
         except TypeError:
             store = None
+    conn = _ray_connection(client_or_app) if store is None else None
+    if conn is not None:
+        from rollout_service.openai.shared_sessions import RemoteSessions
+        store = RemoteSessions.find(conn.name, conn.namespace)
+        if store is None:
+            raise ValueError(f"no OpenAI sessions for service {conn.name!r}: no endpoint has served it "
+                             "(`rollout-service serve --openai`, or client.serve_openai())")
     if store is None:
         raise ValueError(f"no OpenAI sessions for this {type(client_or_app).__name__}: pass the app openai_app() "
                          "returned, or the client it was built on")
@@ -56,29 +85,15 @@ def _ids(session_ids: str | Iterable[str]) -> list[str]:
     return ids
 
 
-def as_result(s: Session) -> RolloutResult:
-    return RolloutResult(
-        request_id=s.session_id, sample_index=0, prompt_token_ids=list(s.prompt_ids or []),
-        token_ids=list(s.token_ids), logprobs=list(s.logprobs), token_versions=list(s.versions),
-        finish_reason=s.turns[-1]["finish_reason"], loss_mask=list(s.mask), turns=[dict(t) for t in s.turns],
-        reward=s.reward, metadata={"session_id": s.session_id, "drift": s.drift, "calls": len(s.turns)})
-
-
 def trajectories(client_or_app: Any, session_ids: str | Iterable[str]) -> list[RolloutResult]:
     """One RolloutResult per session id, in their order (see the module's docstring); ValueError naming an id
     that has no finished call (never used, released, expired or evicted), or one with a call in flight
     (its trajectory is not settled yet)."""
     store = store_of(client_or_app)
     try:
-        return [store.read(sid, _settled) for sid in _ids(session_ids)]
+        return store.trajectories(_ids(session_ids))
     except KeyError as e:
         raise ValueError(str(e).strip("'\"")) from None
-
-
-def _settled(s: Session) -> RolloutResult:
-    if s.busy:
-        raise ValueError(f"session {s.session_id!r} has a call in flight: read its trajectory after the call returns")
-    return as_result(s)
 
 
 def set_reward(client_or_app: Any, session_id: str, value: float | None) -> None:
