@@ -21,7 +21,7 @@ from rollout_service.connections.ray import RayConnection
 from rollout_service.api.types import SamplingParams
 
 pytest_plugins = ["ray_fixtures"]
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(120)]
+pytestmark = pytest.mark.ray
 
 NAME, NAMESPACE, LEASE_S = "svc-colocate", "rollout_service", 3.0
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)

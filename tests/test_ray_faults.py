@@ -17,7 +17,7 @@ from rollout_service.connections.ray import RayConnection
 from rollout_service.api.types import RolloutRequest, SamplingParams
 
 pytest_plugins = ["ray_fixtures"]
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(180)]
+pytestmark = pytest.mark.ray
 
 NAME = "svc-faults"
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -74,7 +74,6 @@ def running(backend: RayConnection, k: int) -> bool:
     return sum(s["running"] or 0 for s in backend.stats()) >= k
 
 
-@pytest.mark.timeout(300)
 def test_refreshes_faster_than_a_request_cannot_starve_it(ray_cluster, service_config):
     """max_staleness 0 and a refresh every few milliseconds: no request could finish on one version. After
     PIN_AFTER_REGENERATIONS regenerations the request is pinned and refreshes wait for it (at most

@@ -11,7 +11,7 @@ from rollout_service.client import RolloutClient
 from rollout_service.config import ServiceConfig
 
 pytest_plugins = ["ray_fixtures"]
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
+pytestmark = pytest.mark.ray
 SHAPE = Shape(episodes=8, turns=3, prompt=64, obs=48, new=8, vocab=256)
 
 

@@ -16,7 +16,7 @@ from rollout_service.client import RolloutClient
 from rollout_service.api.types import RolloutRequest, SamplingParams
 
 pytest_plugins = ["ray_fixtures"]
-pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
 NAME = "svc-scale"
 
 

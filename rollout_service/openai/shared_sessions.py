@@ -57,6 +57,9 @@ class SessionsActor:
     def count(self) -> int:
         return len(self.store)
 
+    def bounds(self) -> tuple[int, float]:
+        return self.store.max_sessions, self.store.idle_s
+
 
 class RemoteSessions:
     """The SessionStore methods the endpoint and the learner use, answered by a service's SessionsActor."""
@@ -72,6 +75,11 @@ class RemoteSessions:
         actor = ray.remote(SessionsActor).options(
             name=openai_sessions_name(service), namespace=namespace, get_if_exists=True, lifetime="detached",
             num_cpus=0, max_restarts=-1, runtime_env=actor_env()).remote(limits.max_sessions, limits.session_idle_s)
+        held = tuple(ray.get(actor.bounds.remote()))
+        if held != (limits.max_sessions, limits.session_idle_s):  # an earlier endpoint started it
+            logger.warning(f"openai sessions: service {service!r} keeps its sessions with max_sessions={held[0]}, "
+                           f"session_idle_s={held[1]:g}, as the endpoint that first served it asked; this one's "
+                           f"({limits.max_sessions}, {limits.session_idle_s:g}) do not apply")
         return cls(actor, service)
 
     @classmethod
