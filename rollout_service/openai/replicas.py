@@ -82,7 +82,8 @@ def serve_openai_replicas(client: Any, replicas: int = 2, host: str = "127.0.0.1
     `num_cpus` each replica reserves; `limits` / `limit_overrides` as openai_app's (max_in_flight is per
     replica; the session bounds are the service's, set by the first endpoint that serves it). Returns once
     every replica answers, within `timeout_s`. Serve runs once per cluster: host, port and proxy_location
-    apply when this starts it (a running Serve keeps its own)."""
+    apply when this starts it (a running Serve keeps its own). The replicas are clients of the service: stop()
+    them before the service's owner closes it (`rollout-service stop` does both, in that order)."""
     conn = getattr(client, "_connection", None)
     if not (isinstance(replicas, int) and not isinstance(replicas, bool) and replicas >= 1):
         raise ValueError(f"replicas={replicas!r}: must be an int >= 1")
