@@ -99,61 +99,41 @@ def test_a_session_loses_nothing_to_a_worker_killed_during_its_call(api, svc):
     assert len(t.logprobs) == len(t.token_ids) == len(t.token_versions)
 
 
-def _replica_actors() -> list:
-    import ray
-    return [ray.get_actor(a["name"], namespace=a["namespace"])
-            for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith("SERVE_REPLICA::")]
 
-
-def test_ray_serve_replicas_share_a_session_that_outlives_every_replica(svc, tok):
-    """The endpoint as two Ray Serve replicas: a session's first call, then every replica killed (Serve starts
-    new ones), then its next call: the new replica never saw the session, yet continues it from the recorded
-    tokens, and the learner's own client reads the trajectory (sessions live in the service's actor)."""
+def test_ray_serve_replicas_and_the_uvicorn_endpoint_share_the_services_sessions(api, svc):
+    """The endpoint as two Ray Serve replicas beside the uvicorn one of `api` (this process): one session's calls
+    alternate between the two, so every call after the first is served by a process that did not serve the one
+    before it, yet continues from the recorded tokens; and the learner's own client reads the trajectory (the
+    sessions live in the service's actor, not in any endpoint process)."""
     import openai
-    import ray
     from ray import serve
     from ray_fixtures import free_ports
 
     from rollout_service.openai.replicas import serve_openai_replicas
 
-    eps = serve_openai_replicas(svc, replicas=2, port=free_ports(1)[0], token=TOKEN, num_cpus=0, proxy_location="HeadOnly")
+    here, _ = api
+    eps = serve_openai_replicas(svc, replicas=2, port=free_ports(1)[0], token=TOKEN, num_cpus=0,
+                                proxy_location="HeadOnly")
     try:
-        assert eps.url.endswith("/v1") and len(_replica_actors()) == 2
-        client = openai.OpenAI(base_url=eps.url, api_key=TOKEN, max_retries=0, timeout=300)
-        history, sampled = list(Q), []
-        first = _chat(client, history, "replicas", max_tokens=5)
-        prompt = first.model_extra["prompt_token_ids"]
-        want = svc.generate(prompt, SamplingParams(max_tokens=5, seed=7, temperature=1.0))[0]
-        assert first.choices[0].model_extra["token_ids"] == want.token_ids  # token-exact through Serve too
-        sampled.append(want.token_ids)
+        status = serve.status().applications[f"{svc._connection.name}-openai"].deployments["openai"]
+        assert eps.url.endswith("/v1") and status.replica_states.get("RUNNING") == 2
+        there = openai.OpenAI(base_url=eps.url, api_key=TOKEN, max_retries=0, timeout=300)
+        history, sampled, prompts = list(Q), [], []
+        for client in (here, there, here):
+            out = _chat(client, history, "both", max_tokens=5)
+            assert out.model_extra["drift"] is False
+            prompts.append(out.model_extra["prompt_token_ids"])
+            sampled.append(out.choices[0].model_extra["token_ids"])
+            history += [{"role": "assistant", "content": out.choices[0].message.content}] + Q
+        want = svc.generate(prompts[1], SamplingParams(max_tokens=5, seed=7, temperature=1.0))[0]
+        assert sampled[1] == want.token_ids  # token-exact through Serve too
+        for k in (1, 2):  # the replica continued this process's call, and this process the replica's
+            assert prompts[k][:len(prompts[k - 1]) + len(sampled[k - 1])] == prompts[k - 1] + sampled[k - 1]
 
-        for replica in _replica_actors():
-            ray.kill(replica, no_restart=True)
-        wait_for(lambda: serve.status().applications[f"{svc._connection.name}-openai"].deployments["openai"]
-                 .replica_states.get("RUNNING", 0) == 2 and len(_replica_actors()) == 2, "Serve replacing both replicas", 600)
-
-        history += [{"role": "assistant", "content": first.choices[0].message.content}] + Q
-        second = _chat_retried(client, history, "replicas", max_tokens=5)
-        assert second.model_extra["drift"] is False
-        assert second.model_extra["prompt_token_ids"][:len(prompt) + 5] == prompt + sampled[0]
-        sampled.append(second.choices[0].model_extra["token_ids"])
-
-        (t,) = svc.trajectories(["replicas"])  # the learner's client, not a replica's
-        assert t.metadata["calls"] == 2 and [tid for tid, m in zip(t.token_ids, t.loss_mask) if m] == sampled[0] + sampled[1]
+        (t,) = svc.trajectories(["both"])  # the learner's client, not an endpoint's
+        assert t.metadata["calls"] == 3 and [tid for tid, m in zip(t.token_ids, t.loss_mask) if m] == sum(sampled, [])
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=eps.url, api_key="wrong", max_retries=0).models.list()
     finally:
         eps.stop()
         serve.shutdown()
-
-
-def _chat_retried(client, messages: list, session: str, **kw):
-    """A call the Serve proxy may first route to a replica it has not yet seen die: a 5xx, then a retry."""
-    import openai
-
-    for attempt in range(5):
-        try:
-            return _chat(client, messages, session, **kw)
-        except openai.InternalServerError:
-            if attempt == 4:
-                raise
