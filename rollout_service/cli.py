@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import subprocess
@@ -125,10 +124,8 @@ def _check_replicas(n: int) -> None:
     """Refuse --openai-replicas before the service starts, not after."""
     if n < 0:
         raise ValueError(f"--openai-replicas {n}: must be >= 0 (0: one endpoint process in the foreground)")
-    try:
-        importlib.import_module("ray.serve")  # it imports its own dependencies: a missing one shows here
-    except ImportError as e:
-        raise ValueError(f"--openai-replicas needs Ray Serve ({e}): pip install \"rollout-service[serve]\"") from None
+    from rollout_service.openai.replicas import serve_module
+    serve_module()
 
 
 def _serve_openai(args: argparse.Namespace, config: ServiceConfig, backend) -> int:

@@ -259,7 +259,7 @@ def openai_app(client: Any, *, token: str | None = None, token_file: Any = None,
     (default: the in-process engine's; a Ray client needs it given). `model_name`: what /v1/models lists.
     `limits` or keyword overrides of its fields (schemas.Limits): body bytes, n × max_tokens, n, default
     max_tokens, calls in flight, sessions held and their idle timeout."""
-    limits = Limits(**{**(vars(limits) if limits else {}), **limit_overrides})
+    limits = Limits.of(limits, **limit_overrides)
     token, path = resolve_token(token, token_file)
     sessions = sessions_for(client, limits)
     rt = Runtime(calls.Service(client, renderer_for(client, tokenizer), sessions, limits, _model_name(client, model_name)))

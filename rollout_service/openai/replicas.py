@@ -25,6 +25,7 @@ import ray
 from rollout_service.connections.ray_cluster import actor_env
 from rollout_service.openai.auth import resolve_token
 from rollout_service.openai.schemas import Limits
+from rollout_service.openai.trajectories import ray_connection_of
 
 START_TIMEOUT_S = 600.0  # replicas import torch and load a tokenizer each: minutes on a busy CPU node
 # Serve kills a proxy not ready within 5 s (three times in a row, and serve.start fails with it): on a node whose
@@ -51,11 +52,12 @@ class OpenAIReplicas:
         stop_openai_replicas(self.service)
 
 
-def _serve() -> Any:
+def serve_module() -> Any:
+    """ray.serve; ValueError saying what to install where it (or one of its own dependencies) is missing."""
     try:
         from ray import serve
     except ImportError as e:
-        raise RuntimeError(f"OpenAI replicas need Ray Serve ({e}): pip install \"rollout-service[serve]\"") from None
+        raise ValueError(f"OpenAI replicas need Ray Serve ({e}): pip install \"rollout-service[serve]\"") from None
     return serve
 
 
@@ -84,14 +86,14 @@ def serve_openai_replicas(client: Any, replicas: int = 2, host: str = "127.0.0.1
     every replica answers, within `timeout_s`. Serve runs once per cluster: host, port and proxy_location
     apply when this starts it (a running Serve keeps its own). The replicas are clients of the service: stop()
     them before the service's owner closes it (`rollout-service stop` does both, in that order)."""
-    conn = getattr(client, "_connection", None)
+    conn = ray_connection_of(client)
     if not (isinstance(replicas, int) and not isinstance(replicas, bool) and replicas >= 1):
         raise ValueError(f"replicas={replicas!r}: must be an int >= 1")
-    if not hasattr(conn, "namespace") or not hasattr(conn, "router"):
+    if conn is None:
         raise ValueError("OpenAI replicas serve a Ray service: pass a client of one (RolloutClient.launch / "
                          "connect); a local client is served by serve_openai()")
-    serve = _serve()
-    limits = Limits(**{**(vars(limits) if limits else {}), **limit_overrides})
+    serve = serve_module()
+    limits = Limits.of(limits, **limit_overrides)
     token, path = resolve_token(token, token_file)
     model = client.info()["model"]
     _start(serve, proxy_location, host, port)

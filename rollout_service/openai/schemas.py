@@ -40,6 +40,11 @@ class Limits:
                 raise ValueError(f"openai limits: {name}={v!r} must be a positive "
                                  f"{'number' if name == 'session_idle_s' else 'int'}")
 
+    @classmethod
+    def of(cls, limits: "Limits | None", **overrides: Any) -> "Limits":
+        """`limits` (default: the defaults) with some fields replaced, checked again."""
+        return cls(**{**(vars(limits) if limits else {}), **overrides})
+
 
 class ApiError(Exception):
     """An HTTP error in OpenAI's shape. `param`: the body field at fault (None when none is)."""

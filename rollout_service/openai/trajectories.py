@@ -27,7 +27,7 @@ from rollout_service.openai.sessions import SessionStore
 _STORES: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()  # client -> its app's store
 
 
-def _ray_connection(client: Any) -> Any:
+def ray_connection_of(client: Any) -> Any:
     """The client's RayConnection, or None (a local client; Ray is not imported for one)."""
     ray_connections = sys.modules.get("rollout_service.connections.ray")
     conn = getattr(client, "_connection", None)
@@ -38,7 +38,7 @@ def sessions_for(client: Any, limits: Limits) -> Any:
     """Where an endpoint on `client` keeps its sessions: in this process for a local client (a SessionStore),
     in the service's actor for a Ray client (a RemoteSessions: every endpoint process and the learner share
     them)."""
-    conn = _ray_connection(client)
+    conn = ray_connection_of(client)
     if conn is None:
         return SessionStore(limits.max_sessions, limits.session_idle_s)
     from rollout_service.openai.shared_sessions import RemoteSessions
@@ -64,7 +64,7 @@ def store_of(client_or_app: Any) -> Any:
             store = _STORES.get(client_or_app)
         except TypeError:
             store = None
-    conn = _ray_connection(client_or_app) if store is None else None
+    conn = ray_connection_of(client_or_app) if store is None else None
     if conn is not None:
         from rollout_service.openai.shared_sessions import RemoteSessions
         store = RemoteSessions.find(conn.name, conn.namespace)
