@@ -115,6 +115,12 @@ class Dispatcher:
         if t is not None:
             self.ledger.deliver(t, r)
 
+    def on_deltas(self, deltas: list) -> None:
+        """Token deltas of running samples: each to its request's stream, if it comes from the request's newest
+        dispatch and its sample is not delivered yet (others are late: dropped)."""
+        for d in deltas:
+            self.ledger.deliver_delta(d)
+
     def on_header(self, h: Header, payload) -> None:
         """A polled result's header: its stream gets the payload's ref and the result's place in it."""
         t = self._accept(h.job_id, h.sample_index, h.finish_reason, h.oldest_version)

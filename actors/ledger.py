@@ -10,6 +10,9 @@ place in it (rollout_service/results/payloads.py): the client fetches those. A s
 refs ends only at the client's next read, which reports the samples whose payload was lost (its node died): they
 are missing again, and the router generates them anew.
 
+Token deltas (requests with stream_tokens) go to their stream beside its results, renamed to the client's request
+id and numbered by the dispatch they come from (TokenDelta.attempt); those of an older dispatch are dropped.
+
 A stream is leased: reading it or renewing it (the client process does so while it holds the stream)
 extends the lease; a stream whose lease ran out has lost its client and is cancelled by the router.
 """
@@ -24,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollout_service.results.payloads import Batch, Header
+from rollout_service.api.deltas import TokenDelta
 from rollout_service.api.types import RolloutRequest, RolloutResult
 
 
@@ -52,6 +56,7 @@ class Stream:
     requests: dict[str, RolloutRequest]   # by request id, until the stream ends (a lost payload reopens one)
     # whole, or (payload, header, client request id)
     results: list[RolloutResult | tuple[Any, Header, str]] = field(default_factory=list)
+    deltas: list[TokenDelta] = field(default_factory=list)
     delivered: int = 0
     event: asyncio.Event = field(default_factory=asyncio.Event)
     renewed: float = field(default_factory=time.monotonic)  # when its client last read or renewed it
@@ -158,6 +163,16 @@ class Ledger:
         """A polled result, left in its payload for the client to fetch."""
         self._append(t, h.sample_index, (payload, h, t.request.request_id))
 
+    def deliver_delta(self, d: TokenDelta) -> None:
+        t = self.owner(d.request_id)
+        if t is None or t.jobs[-1] != d.request_id or d.sample_index in t.delivered:
+            return
+        s = self.streams.get(t.stream)
+        if s is not None:
+            d.request_id, d.attempt = t.request.request_id, len(t.jobs) - 1
+            s.deltas.append(d)
+            s.event.set()
+
     def _append(self, t: Tracked, sample_index: int, item: RolloutResult | tuple[Any, Header, str]) -> None:
         t.delivered.add(sample_index)
         self._charge(t)
@@ -232,21 +247,24 @@ class Ledger:
         """Per worker, the outstanding cost (cost_estimate per missing sample) of the requests it runs."""
         return [self._loads.get(i, 0) for i in range(num_workers)]
 
-    async def next_results(self, sid: str, timeout: float) -> tuple[list[RolloutResult], list[Batch], bool]:
-        """The stream's results since the last call (waiting up to `timeout` for one): those held whole, the others
-        as payload batches; and whether the stream is complete (it is then forgotten). A call that hands out
-        batches never completes it: the client's next call, which reports what it could not fetch, does."""
+    async def next_results(self, sid: str, timeout: float
+                           ) -> tuple[list[RolloutResult], list[Batch], bool, list[TokenDelta]]:
+        """The stream's results since the last call (waiting up to `timeout` for one, or for a token delta): those
+        held whole, the others as payload batches; whether the stream is complete (it is then forgotten); and
+        its token deltas. A call that hands out batches never completes it: the client's next call, which
+        reports what it could not fetch, does."""
         s = self.streams.get(sid)
         if s is None:
             raise ValueError(f"unknown stream {sid!r}: finished, closed, or cancelled when its client stopped "
                              "renewing it")
         s.renewed = time.monotonic()
-        if not s.results and s.delivered < s.expected:
+        if not s.results and not s.deltas and s.delivered < s.expected:
             try:
                 await asyncio.wait_for(s.event.wait(), timeout)
             except asyncio.TimeoutError:
                 pass
         items, s.results = s.results, []
+        deltas, s.deltas = s.deltas, []
         s.event.clear()
         whole = [x for x in items if isinstance(x, RolloutResult)]
         batches: dict[tuple[int, str | None], Batch] = {}
@@ -258,4 +276,4 @@ class Ledger:
         done = s.delivered >= s.expected and not batches
         if done:
             del self.streams[sid]
-        return whole, list(batches.values()), done
+        return whole, list(batches.values()), done, deltas

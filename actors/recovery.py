@@ -63,7 +63,7 @@ class Recovery:
         try:
             head, payload = w.handles[i].poll.options(num_returns=2).remote(
                 0.5, self.quarantine.confirmation(i, w.incarnation[i]), max(MIN_BATCH_S, len(w) / MAX_POLLS_PER_S))
-            incarnation, headers, running = await head
+            incarnation, headers, running, deltas = await head
         except ACTOR_DOWN:
             if not self.watching(i, generation):
                 return  # the router ended it (removed)
@@ -75,6 +75,8 @@ class Recovery:
         self.quarantine.read(i, incarnation, running)
         self.counters["polls"] += 1
         self.counters["polled_results"] += len(headers)
+        if deltas:  # (first: a sample's last delta came before its result)
+            self.dispatcher.on_deltas(deltas)
         for h in headers:  # the payload stays unread: it goes to the client (rollout_service/results/payloads.py)
             try:
                 self.dispatcher.on_header(h, payload)

@@ -3,7 +3,7 @@
 The actor is threaded (max_concurrency > 1): while the host's thread steps, other calls (submit, poll, abort,
 weights, pause, stats) are served, each landing between two engine steps. Finished results wait in an outbox
 that the router drains with `poll` (a long poll: it returns as soon as something finished, or as soon as user
-code starts or ends: actors/quarantine.py). A result whose request names a reward function (or the service's
+code starts or ends: actors/quarantine.py), with the new tokens of requests that stream them (TokenDelta). A result whose request names a reward function (or the service's
 default one) gets its reward first, in this process's reward threads or in the service's reward actors
 (actors/reward_pool.py). `stats` and `health` do not wait for a step.
 
@@ -28,6 +28,7 @@ from actors.reward_pool import RewardPool
 from rollout_service.host import EngineHost
 from rollout_service.model.weight_update import model_dtype
 from rollout_service.results.payloads import Header, pack
+from rollout_service.api.deltas import TokenDelta
 from rollout_service.api.types import RolloutRequest, RolloutResult
 from rollout_service.weights.cuda_ipc import visible_gpus
 from rollout_service.weights.group import GroupSpec
@@ -57,6 +58,7 @@ class RolloutWorker:
         self.last_refresh: dict[str, float] = {}  # seconds of each phase of the last refresh, for stats()
         self._cv = threading.Condition()          # guards the outbox; poll waits on it
         self._outbox: list[RolloutResult] = []
+        self._deltas: list[TokenDelta] = []     # new tokens of requests with stream_tokens, polled with the outbox
         self._groups: dict[str, list] = {}     # job id -> [its delivery group, samples still to come]
         self._last_batch = 0.0                 # when poll last returned results
         self._stop = False
@@ -66,12 +68,17 @@ class RolloutWorker:
         rewards = ({"reward_start": RewardPool(reward_actors).start, "reward_parts": len(reward_actors)}
                    if reward_actors else {})  # one batch of results per reward actor at a time
         self.host = EngineHost(engine, self._deliver, reward, guard=self._watch.running,
-                               name=f"engine-{worker_index}", **rewards)
+                               name=f"engine-{worker_index}", on_deltas=self._deliver_deltas, **rewards)
         self.engine = engine
 
     def _deliver(self, results: list[RolloutResult]) -> None:
         with self._cv:
             self._outbox.extend(results)
+            self._cv.notify_all()
+
+    def _deliver_deltas(self, deltas: list[TokenDelta]) -> None:
+        with self._cv:
+            self._deltas.extend(deltas)
             self._cv.notify_all()
 
     # -- requests ---------------------------------------------------------------------------------
@@ -93,19 +100,19 @@ class RolloutWorker:
 
     @ray.method(num_returns=2)
     def poll(self, timeout: float = 1.0, confirmed: tuple[str | None, int] | None = None, batch_s: float = 0.0
-             ) -> tuple[tuple[str, list[Header], dict], dict]:
-        """Wait up to `timeout` s for finished results, or for user code to start or end; returns
-        ((incarnation, the results' headers, the user code running: actors/quarantine.py), the results' payload)
-        and clears the results. Results found less than `batch_s` after the last ones returned wait out the rest of
-        it, with others joining them, unless the engine has nothing else to finish. `confirmed`: (incarnation,
-        change) of the last user-code report the router has read."""
+             ) -> tuple[tuple[str, list[Header], dict, list[TokenDelta]], dict]:
+        """Wait up to `timeout` s for finished results (or token deltas), or for user code to start or end;
+        returns ((incarnation, the results' headers, the user code running: actors/quarantine.py, the token
+        deltas), the results' payload) and clears them. Results found less than `batch_s` after the last ones
+        returned wait out the rest of it, with others joining them, unless the engine has nothing else to
+        finish. `confirmed`: (incarnation, change) of the last user-code report the router has read."""
         deadline = time.monotonic() + timeout
         with self._cv:
             if confirmed is not None and confirmed[0] == self.incarnation:
                 self._watch.confirm(confirmed[1])
             while not self._stop and not self._watch.unreported:
                 now = time.monotonic()
-                if not self._outbox:
+                if not self._outbox and not self._deltas:
                     left = deadline - now
                 else:  # a lone result (nothing else running) goes at once
                     left = self._last_batch + batch_s - now if self.host.busy else 0
@@ -113,8 +120,9 @@ class RolloutWorker:
                     break
                 self._cv.wait(left)
             out, self._outbox = self._outbox, []
+            deltas, self._deltas = self._deltas, []
             report = self._watch.report()
-            if out:
+            if out or deltas:
                 self._last_batch = time.monotonic()
             results = [r for r in out if isinstance(r, RolloutResult)]
             groups = {r.request_id: self._group_of(r.request_id) for r in results}
@@ -124,7 +132,7 @@ class RolloutWorker:
                   "outbox that are not results", flush=True)
         if not self.host.alive:  # the router restarts the worker; the requests it held go to the others
             raise RuntimeError(f"worker {self.worker_index} engine loop failed: {self.host.error or 'it ended'}")
-        return (self.incarnation, headers, report), payload
+        return (self.incarnation, headers, report, deltas), payload
 
     def _group_of(self, job_id: str) -> str | None:
         """The job's delivery group, forgotten with its last sample. (with self._cv held)"""

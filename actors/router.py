@@ -130,21 +130,22 @@ class Router:
         return reply
 
     async def next_results(self, sid: str, timeout: float = 1.0, lost: list[tuple[str, int]] = ()
-                           ) -> tuple[list[RolloutResult], list, bool, bool]:
+                           ) -> tuple[list[RolloutResult], list, bool, bool, list]:
         """Results of stream `sid` delivered since the last call (waits up to `timeout` for one): those the router
         holds whole, and payload batches for the client to fetch (rollout_service/results/payloads.py); whether
         the stream is complete (it is then forgotten); whether no worker can serve until the learner pushes
-        weights (a restarted worker after a broadcast refresh). `lost`: the (request_id, sample_index) of the
-        last call's batches whose payload the client could not fetch: they are generated again."""
+        weights (a restarted worker after a broadcast refresh); the token deltas of its requests with
+        stream_tokens. `lost`: the (request_id, sample_index) of the last call's batches whose payload the
+        client could not fetch: they are generated again."""
         if lost:
             self.counters["payloads_lost"] += len(lost)
             self._log(f"stream {sid}: {len(lost)} result(s) lost with their node before the client read them; "
                       "generating them again")
             self.dispatcher.regenerate_lost(self.ledger.reopen(sid, lost))
-        whole, batches, done = await self.ledger.next_results(sid, timeout)
+        whole, batches, done, deltas = await self.ledger.next_results(sid, timeout)
         if not whole and not batches and not done and all(self.table.gone):
             raise RuntimeError("every rollout worker is dead; the stream cannot finish")
-        return whole, batches, done, not any(self.table.alive) and any(self.table.awaiting)
+        return whole, batches, done, not any(self.table.alive) and any(self.table.awaiting), deltas
 
     async def close_stream(self, sid: str) -> None:
         await self.dispatcher.close_stream(sid)

@@ -1,8 +1,9 @@
 """rollout_service: a distributed rollout service for RL post-training of language models."""
+from rollout_service.api.deltas import TokenDelta
 from rollout_service.api.types import RolloutRequest, RolloutResult, SamplingParams
 
-__all__ = ["RolloutClient", "RolloutRequest", "RolloutResult", "SamplingParams", "logprob_mismatch",
-           "mismatch_report"]
+__all__ = ["RolloutClient", "RolloutRequest", "RolloutResult", "SamplingParams", "TokenDelta",
+           "logprob_mismatch", "mismatch_report"]
 __version__ = "0.1.0"
 
 

@@ -16,6 +16,7 @@ from rollout_service.fidelity import check_fidelity
 from rollout_service.prompts import prompt_items
 from rollout_service.rewards.functions import resolve
 from rollout_service.score_requests import score_requests
+from rollout_service.api.deltas import TokenDelta
 from rollout_service.api.types import EpisodeParams, Prompt, RolloutRequest, RolloutResult, SamplingParams
 from rollout_service.api.values import is_int, is_number
 from rollout_service.weights.buckets import named_items
@@ -39,6 +40,13 @@ def _checked_request(i: int, prompt: Any, sampling: SamplingParams, apply_chat_t
     except ValueError as e:
         what = f"request {i} ({prompt.request_id!r})" if isinstance(prompt, RolloutRequest) else f"prompt {i}"
         raise ValueError(f"{what}: {e}") from None
+
+
+def _streaming(i: int, req: RolloutRequest) -> RolloutRequest:
+    try:
+        return replace(req, stream_tokens=True)
+    except ValueError as e:
+        raise ValueError(f"request {i} ({req.request_id!r}): {e}") from None
 
 
 def _check_seconds(what: str, v: Any, least: float) -> None:
@@ -117,10 +125,19 @@ class RolloutClient:
         return reqs
 
     def stream(self, prompts: Any, sampling: SamplingParams | None = None, apply_chat_template: bool = True,
-               metadata: Seq[Any] | None = None, reward: str | None = None) -> Iterator[RolloutResult]:
+               metadata: Seq[Any] | None = None, reward: str | None = None, *, tokens: bool = False
+               ) -> Iterator[RolloutResult | TokenDelta]:
         """Yield each sample's result as soon as it finishes. `reward`: a reward function
-        ("module:function") the service runs on each finished result (RolloutResult.reward)."""
-        return self._open.submit(self.requests(prompts, sampling, apply_chat_template, metadata, reward))
+        ("module:function") the service runs on each finished result (RolloutResult.reward). `tokens`: also
+        yield each running sample's new tokens as TokenDeltas, a few per engine step (per worker poll over
+        Ray), before its result; the result is what counts (a sample generated again after a worker died
+        starts over with the next `attempt`)."""
+        if not isinstance(tokens, bool):
+            raise ValueError(f"tokens={tokens!r}: must be a bool")
+        reqs = self.requests(prompts, sampling, apply_chat_template, metadata, reward)
+        if tokens:
+            reqs = [_streaming(i, r) for i, r in enumerate(reqs)]
+        return self._open.submit(reqs)
 
     def generate(self, prompts: Any, sampling: SamplingParams | None = None, apply_chat_template: bool = True,
                  metadata: Seq[Any] | None = None, reward: str | None = None) -> list[RolloutResult]:

@@ -14,22 +14,26 @@ from typing import Any, Callable, Iterator
 
 from rollout_service.ops import omp_pool
 from rollout_service.rewards.runner import REWARD_THREADS, RewardBook, RewardRunner, Starter
+from rollout_service.api.deltas import TokenDelta
 from rollout_service.api.types import RolloutRequest, RolloutResult
 from rollout_service.user_code import Guard, describe_error, unguarded
 
 OnResults = Callable[[list[RolloutResult]], None]
+OnDeltas = Callable[[list[TokenDelta]], None]
 
 
 class EngineHost:
     def __init__(self, engine: Any, on_results: OnResults, reward: str | None = None,
                  reward_start: Starter | None = None, reward_parts: int = REWARD_THREADS,
-                 guard: Guard = unguarded, name: str = "engine"):
+                 guard: Guard = unguarded, name: str = "engine", on_deltas: OnDeltas | None = None):
         """`reward`: the default reward function for requests that name none; `reward_start`/`reward_parts`:
         where rewards are computed (default: this process's threads); `guard`: how user code (rewards in
-        this process, environments) is entered (actors/quarantine.py)."""
+        this process, environments) is entered (actors/quarantine.py); `on_deltas`: where the new tokens of
+        requests with stream_tokens go after each step (on the stepping thread; None drops them)."""
         self.engine = engine
         engine.user_code = guard
         self._on_results = on_results
+        self._on_deltas = on_deltas
         self._lock = threading.Lock()      # guards the engine
         self._cv = threading.Condition()   # guards paused/stop/wakeups and wakes the loop
         self._paused = False
@@ -76,10 +80,13 @@ class EngineHost:
                     if self.engine.is_sleeping:  # sleep() landed since the check above
                         continue
                     finished = self.engine.step()
+                    deltas = self.engine.token_deltas() if self._on_deltas else []
                     self.steps += 1
             except BaseException as e:  # an engine bug must be visible, not a silent hang
                 self.error = f"{type(e).__name__}: {e}"
                 raise
+            if deltas:  # (before the step's results: a sample's last delta precedes its result)
+                self._on_deltas(deltas)
             if finished:
                 done = self._rewards.finished(finished, self._reward_of)
                 if done:

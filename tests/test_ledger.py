@@ -11,6 +11,7 @@ import random
 
 from actors.ledger import Ledger
 from rollout_service.results.payloads import pack
+from rollout_service.api.deltas import TokenDelta
 from rollout_service.api.types import RolloutRequest, RolloutResult, SamplingParams
 
 
@@ -53,12 +54,12 @@ def test_a_stream_handed_payloads_ends_at_the_next_read():
     payload = object()
     deliver_all(ledger, ts, payload)
     assert not ledger.tracked, "every sample delivered"
-    whole, batches, done = asyncio.run(ledger.next_results(sid, 0.01))
+    whole, batches, done, _ = asyncio.run(ledger.next_results(sid, 0.01))
     assert whole == [] and not done
     [(ref, group, entries)] = batches
     assert ref is payload and group == "sid"
     assert sorted((rid, k) for _, rid, k in entries) == [("r0", 0), ("r0", 1), ("r1", 0), ("r1", 1)]
-    assert asyncio.run(ledger.next_results(sid, 0.01)) == ([], [], True)
+    assert asyncio.run(ledger.next_results(sid, 0.01)) == ([], [], True, [])
     assert sid not in ledger.streams
 
 
@@ -71,10 +72,10 @@ def test_lost_samples_are_missing_again_and_the_stream_waits_for_them():
     assert [t.request.request_id for t in again] == ["r1"] and again[0].missing == 2
     assert ledger.tracked["r1"] is again[0] and again[0].worker is None  # waits for a dispatch
     assert ledger.reopen(sid, [("r1", 0)]) == [], "already missing"
-    whole, batches, done = asyncio.run(ledger.next_results(sid, 0.01))
+    whole, batches, done, _ = asyncio.run(ledger.next_results(sid, 0.01))
     assert (whole, batches, done) == ([], [], False), "two samples to come"
     deliver_all(ledger, again, object())
-    whole, batches, done = asyncio.run(ledger.next_results(sid, 0.01))
+    whole, batches, done, _ = asyncio.run(ledger.next_results(sid, 0.01))
     assert not done and sorted(k for _, rid, k in batches[0][2]) == [0, 1]
     assert asyncio.run(ledger.next_results(sid, 0.01))[2]
 
@@ -89,8 +90,26 @@ def test_a_lost_sample_whose_id_is_in_flight_in_another_stream_ends_with_an_erro
     asyncio.run(ledger.next_results(sid, 0.01))
     other, _ = ledger.open_stream(requests(n=1)[:1])  # "r0" again, the first one being finished
     assert ledger.reopen(sid, [("r0", 0)]) == []
-    whole, batches, done = asyncio.run(ledger.next_results(sid, 0.01))
+    whole, batches, done, _ = asyncio.run(ledger.next_results(sid, 0.01))
     assert done and batches == [] and whole[0].finish_reason == "abort" and "in flight again" in whole[0].error
+
+
+def test_token_deltas_reach_their_stream_from_the_newest_dispatch_only():
+    """A delta goes to the client's stream under the client's request id, numbered by its dispatch; a delta of
+    an older dispatch (the request was generated again) or of a delivered sample is late: dropped."""
+    ledger = Ledger()
+    sid, [t] = ledger.open_stream(requests(n=2)[:1])
+    first = ledger.new_job(t, 0, 0).request_id
+    ledger.deliver_delta(TokenDelta(first, 0, 0, [7, 8], [-0.1, -0.2], [0, 0]))
+    second = ledger.new_job(t, 1, 0).request_id  # its worker died: generated again elsewhere
+    ledger.deliver_delta(TokenDelta(first, 0, 2, [9], [-0.3], [0]))  # late, from the dead dispatch
+    ledger.deliver_delta(TokenDelta(second, 1, 0, [4], [-0.4], [0]))
+    [h], _ = pack([result(second, 1, [0])], lambda j: sid)
+    ledger.deliver_ref(t, h, object())
+    ledger.deliver_delta(TokenDelta(second, 1, 1, [5], [-0.5], [0]))  # its sample is delivered
+    *_, deltas = asyncio.run(ledger.next_results(sid, 0.01))
+    assert [(d.request_id, d.sample_index, d.start, d.token_ids, d.attempt) for d in deltas] == [
+        ("r0", 0, 0, [7, 8], 0), ("r0", 1, 0, [4], 1)]
 
 
 def test_the_loads_kept_up_to_date_match_a_count_over_the_book():

@@ -87,6 +87,34 @@ def test_stream_concatenates_to_the_plain_answer_and_ends_with_done(http):
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == plain["usage"]
 
 
+def _pieces(chunks: list, index: int) -> list:
+    return [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["index"] == index]
+
+
+def test_a_stream_shows_each_token_as_sampled_and_nothing_a_stop_string_cuts(http):
+    """Chunks carry a choice's text a token at a time with that token's logprobs, adding up to the plain
+    answer's text and logprobs. With a stop string, text that may be the start of one waits: the plain answer,
+    cut where the stop string begins, still equals the chunks, over seeds where it cut and where it did not."""
+    body = {"messages": USER, "n": 2, "max_tokens": 8, "seed": 5, "logprobs": True, "top_logprobs": 2}
+    plain = post(http, "/v1/chat/completions", body).json()
+    chunks = [json.loads(e) for e in _events(post(http, "/v1/chat/completions", {**body, "stream": True}).text)[:-1]]
+    for want in plain["choices"]:
+        got = _pieces(chunks, want["index"])
+        assert sum(1 for c in got if c["delta"].get("content")) == 8, "one chunk per token"
+        assert "".join(c["delta"].get("content", "") for c in got) == want["message"]["content"]
+        assert [e for c in got if c["logprobs"] for e in c["logprobs"]["content"]] == want["logprobs"]["content"]
+        assert got[-1]["finish_reason"] == "length" and got[-1]["token_ids"] == want["token_ids"]
+    reasons = set()
+    for seed in range(8):
+        body = {"messages": USER, "max_tokens": 5, "seed": seed, "stop": ["no yes"]}
+        want = post(http, "/v1/chat/completions", body).json()["choices"][0]
+        stream = [json.loads(e) for e in _events(post(http, "/v1/chat/completions", {**body, "stream": True}).text)[:-1]]
+        got = _pieces(stream, 0)
+        assert "".join(c["delta"].get("content", "") for c in got) == want["message"]["content"], seed
+        reasons.add(want["finish_reason"])
+    assert reasons == {"stop", "length"}, "seeds where the stop string cut the text and where it did not"
+
+
 def test_tools_are_rendered_by_the_template(http, tok):
     tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
     r = post(http, "/v1/chat/completions", {"messages": USER, "tools": tools, "tool_choice": "auto", "max_tokens": 2})

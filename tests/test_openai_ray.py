@@ -60,6 +60,15 @@ def test_a_chat_call_equals_the_services_own_generate(api, svc, tok):
     for choice, res in zip(out.choices, want):
         assert choice.model_extra["token_ids"] == res.token_ids
         assert np.array_equal(np.float32([t.logprob for t in choice.logprobs.content]), res.logprobs)
+    stream = client.chat.completions.create(model="m", messages=Q, n=2, max_tokens=6, seed=5, temperature=1.0,
+                                            stream=True)
+    pieces = {0: [], 1: []}
+    for chunk in stream:
+        for c in chunk.choices:
+            if c.delta.content:
+                pieces[c.index].append(c.delta.content)
+    for choice in out.choices:  # token by token through the router, adding up to the whole answer
+        assert len(pieces[choice.index]) > 1 and "".join(pieces[choice.index]) == choice.message.content
 
 
 def _holding_worker(svc) -> int | None:

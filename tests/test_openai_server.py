@@ -90,7 +90,10 @@ def test_sse_over_http(server):
     assert events[-1] == "[DONE]"
     plain = httpx.post(f"{server.url}/completions", headers=auth(server.token), timeout=60,
                        json={"model": "m", "prompt": "user : yes", "max_tokens": 3, "seed": 1}).json()
-    assert json.loads(events[0])["choices"][0]["text"] == plain["choices"][0]["text"]
+    chunks = [json.loads(e)["choices"][0] for e in events[:-1]]
+    assert [c["text"] for c in chunks if c["text"]] == ["3", " no", " yes"], "a chunk per token, as sampled"
+    assert "".join(c["text"] for c in chunks) == plain["choices"][0]["text"]
+    assert chunks[-1]["finish_reason"] == "length" and chunks[-1]["token_ids"] == plain["choices"][0]["token_ids"]
 
 
 def test_the_openai_package_as_client(server):

@@ -12,8 +12,9 @@ import ray
 import torch
 
 from ray_fixtures import cpu_engine
+from test_token_stream import check_previews
 from rollout_service.client import RolloutClient
-from rollout_service.api.types import RolloutRequest, SamplingParams
+from rollout_service.api.types import RolloutRequest, RolloutResult, SamplingParams
 
 pytest_plugins = ["ray_fixtures"]
 pytestmark = pytest.mark.ray
@@ -90,6 +91,16 @@ def test_stream_yields_each_result_once_as_it_finishes(client):
     short_seen = [t for r, t in arrivals if r.request_id.startswith("s")]
     assert max(short_seen) < first_long_done, "short results must reach the client before the long ones finish"
     assert all(len(r.token_ids) == 300 for r, _ in arrivals if r.request_id.startswith("l"))
+
+
+def test_token_deltas_come_through_the_router_before_their_results(client, local):
+    """stream(..., tokens=True) over Ray: the workers' deltas reach the client in order, before their results,
+    and are the results' slices; the results are those of the in-process engine."""
+    reqs = _requests(_prompts(4, seed=5), n=2, temperature=1.0, max_tokens=24, ignore_eos=True, logprobs=1)
+    items = list(client.stream(reqs, tokens=True))
+    results = sorted((x for x in items if isinstance(x, RolloutResult)), key=lambda r: (r.request_id, r.sample_index))
+    assert [r.token_ids for r in results] == [r.token_ids for r in local.generate(reqs)]
+    assert check_previews(items, results) >= 8, "deltas came while the samples ran"
 
 
 def test_pause_resume_abort(client):
@@ -204,10 +215,19 @@ def test_worker_killed_mid_batch_all_results_once_and_restarted_worker_catches_u
     lengths = [20 + 30 * i for i in range(10)]  # staggered: the first result comes while the rest still run
     reqs = [RolloutRequest(p, SamplingParams(n=2, max_tokens=lengths[i], ignore_eos=True, seed=i), request_id=f"k{i}")
             for i, p in enumerate(_prompts(10, seed=3))]
-    it = client.stream(reqs)
-    got = [next(it)]
+    it = client.stream(reqs, tokens=True)  # (the deltas of a request generated again: tests/test_ledger.py)
+    items = []
+    while not any(isinstance(x, RolloutResult) for x in items):
+        items.append(next(it))
     ray.kill(workers[0], no_restart=False)  # Ray restarts it (max_restarts) with an empty engine
-    got += list(it)
+    items += list(it)
+    got = [x for x in items if isinstance(x, RolloutResult)]
+    newest = {}
+    for d in (x for x in items if not isinstance(x, RolloutResult)):
+        newest[d.request_id, d.sample_index] = max(d.attempt, newest.get((d.request_id, d.sample_index), 0))
+    assert max(newest.values()) >= 1, "the requests of the killed worker streamed again from their next attempt"
+    check_previews([x for x in items if isinstance(x, RolloutResult)
+                    or x.attempt == newest[x.request_id, x.sample_index]], got)
     keys = [(r.request_id, r.sample_index) for r in got]
     assert len(keys) == len(set(keys)) == 20
     assert all(len(r.token_ids) == lengths[int(r.request_id[1:])] for r in got)

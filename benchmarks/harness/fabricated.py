@@ -67,6 +67,9 @@ class FabricatedEngine:
     def has_unfinished(self) -> bool:
         return bool(self._waiting) or self._running > 0
 
+    def token_deltas(self) -> list:
+        return []  # a request with stream_tokens gets its result alone, as if it had run in one step
+
     def abort(self, request_ids: list[str]) -> list[RolloutResult]:
         ids = set(request_ids)
         out = [self._result(s, k, 0, "abort") for s, k in self._waiting if s.request_id in ids]

@@ -120,6 +120,14 @@ def check_completion(completion: Any, sampling: Any, episode: Any) -> list[int] 
     return [int(t) for t in completion]
 
 
+def check_stream_tokens(stream_tokens: Any, completion: Any, episode: Any) -> None:
+    if not isinstance(stream_tokens, bool):
+        raise ValueError(f"RolloutRequest.stream_tokens={stream_tokens!r}: must be a bool")
+    if stream_tokens and (completion is not None or episode is not None):
+        raise ValueError("RolloutRequest.stream_tokens: only a plain completion streams its tokens (not a scored "
+                         "completion, not an episode)")
+
+
 def engine_device(device: str | None) -> "torch.device":
     """EngineConfig.device as a torch.device (None: cuda when visible, else cpu); ValueError in one line when it
     names CUDA and no CUDA device is visible (torch's own error is an assertion deep in its init)."""

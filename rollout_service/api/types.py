@@ -15,7 +15,8 @@ from typing import Any, Union
 import msgpack
 import numpy as np
 
-from rollout_service.api.checks import check_completion, check_metadata, check_reward_name, check_text
+from rollout_service.api.checks import (check_completion, check_metadata, check_reward_name, check_stream_tokens,
+                                        check_text)
 from rollout_service.api.values import MAX_INT32, is_int, is_real
 from rollout_service.api.wire import (FINISH_REASONS, WIRE_SCHEMA_VERSION, SHORT, TO_WIRE, check_result_record, checked_routing,
                                   from_i32, need, packb, reject_unknown, routing_from_wire, tuple_key, unpack_record)
@@ -159,7 +160,7 @@ def _checked_messages(messages: list | tuple) -> list[ChatMessage]:
 
 
 _REQUEST_KEYS = {"prompt", "sampling", "request_id", "metadata", "apply_chat_template", "reward", "completion",
-                 "submitted_version"}
+                 "submitted_version", "stream_tokens"}
 
 
 @dataclass
@@ -197,7 +198,7 @@ class RolloutRequest:
     `completion`: token ids to score instead of generating (RolloutClient.score): the result carries their
     teacher-forced log-probs under `sampling`'s distribution (temperature, logprobs_mode, top-k), finish_reason
     "scored". `submitted_version`: the policy version the request was submitted under (the service sets it;
-    engines admit and preempt the oldest first)."""
+    engines admit and preempt the oldest first). `stream_tokens`: TokenDeltas as it runs (api/deltas.py)."""
 
     prompt: Prompt | None
     sampling: SamplingParams = field(default_factory=SamplingParams)
@@ -208,9 +209,11 @@ class RolloutRequest:
     episode: EpisodeParams | None = None
     completion: list[int] | None = None
     submitted_version: int | None = None
+    stream_tokens: bool = False
 
     def __post_init__(self) -> None:
         self.completion = check_completion(self.completion, self.sampling, self.episode)
+        check_stream_tokens(self.stream_tokens, self.completion, self.episode)
         if self.submitted_version is not None and not (is_int(self.submitted_version)
                                                        and 0 <= self.submitted_version <= MAX_INT32):
             raise ValueError(f"RolloutRequest.submitted_version={self.submitted_version!r}: must be None or an int "
@@ -249,7 +252,7 @@ class RolloutRequest:
                              "object) travels pickled, not as a msgpack/dict record")
         return {"request_id": self.request_id, "prompt": self.prompt, "sampling": self.sampling.to_dict(),
                 "metadata": self.metadata, "apply_chat_template": self.apply_chat_template, "reward": self.reward,
-                "completion": self.completion, "submitted_version": self.submitted_version}
+                "completion": self.completion, "submitted_version": self.submitted_version, "stream_tokens": self.stream_tokens}
 
     @classmethod
     def from_dict(cls, d: Any) -> "RolloutRequest":
@@ -261,7 +264,8 @@ class RolloutRequest:
                    sampling=SamplingParams() if sampling is None else SamplingParams.from_dict(sampling),
                    request_id=uuid.uuid4().hex if rid is None else rid, metadata=d.get("metadata"),
                    apply_chat_template=d.get("apply_chat_template", True), reward=d.get("reward"),
-                   completion=d.get("completion"), submitted_version=d.get("submitted_version"))
+                   completion=d.get("completion"), submitted_version=d.get("submitted_version"),
+                   stream_tokens=d.get("stream_tokens", False))
 
     def to_msgpack(self) -> bytes:
         return msgpack.packb({"schema": WIRE_SCHEMA_VERSION, "kind": "request", **self.to_dict()})
@@ -393,3 +397,4 @@ class RolloutResult:
             return NotImplemented
         a, b = self.to_dict(), other.to_dict()
         return a == b
+

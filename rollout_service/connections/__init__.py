@@ -5,13 +5,15 @@ from __future__ import annotations
 
 from typing import Any, Iterator, Protocol
 
+from rollout_service.api.deltas import TokenDelta
 from rollout_service.api.types import RolloutRequest, RolloutResult
 
 
 class Connection(Protocol):
-    def submit(self, requests: list[RolloutRequest]) -> Iterator[RolloutResult]:
+    def submit(self, requests: list[RolloutRequest]) -> Iterator[RolloutResult | TokenDelta]:
         """Queue the requests, all or none (ValueError naming a bad one); then yield each sample's result as it
-        finishes, each (request_id, sample_index) once. A stream dropped unread stops its requests."""
+        finishes, each (request_id, sample_index) once, and before it, for a request with stream_tokens, its
+        TokenDeltas. A stream dropped unread stops its requests."""
 
     def abort(self, request_ids: list[str]) -> list[RolloutResult]:
         """Finish these requests now: their "abort" results (tokens so far), which also end their streams."""

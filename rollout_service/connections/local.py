@@ -15,6 +15,7 @@ from typing import Any, Iterator
 from rollout_service.fidelity import FidelityLog
 from rollout_service.host import EngineHost
 from rollout_service.ops import omp_pool
+from rollout_service.api.deltas import TokenDelta
 from rollout_service.api.types import RolloutRequest, RolloutResult
 from rollout_service.weights.delta_sender import check_delta, delta_refusal
 
@@ -23,12 +24,12 @@ WAIT_S = 0.05  # a stream's reader looks at the host this often while it waits (
 
 class LocalConnection:
     def __init__(self, engine: Any, reward: str | None = None):
-        self.host = EngineHost(engine, self._post, reward, name="engine")
+        self.host = EngineHost(engine, self._post, reward, name="engine", on_deltas=self._post)
         self.engine = engine
         self.fidelity = FidelityLog()
         self._closed = False
         self._cv = threading.Condition()  # guards _done and _open; notified when results arrive
-        self._done: dict[str, list[RolloutResult]] = defaultdict(list)  # results not yet read by their stream
+        self._done: dict[str, list[RolloutResult | TokenDelta]] = defaultdict(list)  # not yet read by their stream
         self._open: dict[str, object] = {}  # request id -> the stream (a token) that reads its results
         self._forgotten: deque[tuple[list[str], object]] = deque()  # streams gone (filled by finalizers)
 
@@ -37,7 +38,7 @@ class LocalConnection:
         return self.host.reward
 
     # -- requests ---------------------------------------------------------------------------------
-    def submit(self, requests: list[RolloutRequest]) -> Iterator[RolloutResult]:
+    def submit(self, requests: list[RolloutRequest]) -> Iterator[RolloutResult | TokenDelta]:
         if self.host.paused:
             raise RuntimeError("the rollout client is paused: call resume() first")
         if self.engine.is_sleeping:
@@ -59,7 +60,7 @@ class LocalConnection:
         weakref.finalize(stream, self._forgotten.append, (ids, token))
         return stream
 
-    def _read(self, ids: set[str], remaining: int) -> Iterator[RolloutResult]:
+    def _read(self, ids: set[str], remaining: int) -> Iterator[RolloutResult | TokenDelta]:
         while remaining:
             with self._cv:
                 got = [res for rid in ids & self._done.keys() for res in self._done.pop(rid)]
@@ -68,7 +69,7 @@ class LocalConnection:
                     omp_pool.release()  # this thread waits: the engine's thread gets the CPUs (ops/omp_pool.py)
                     self._cv.wait(WAIT_S)
             for res in got:
-                remaining -= 1
+                remaining -= isinstance(res, RolloutResult)  # (a TokenDelta is a preview of one)
                 yield res
 
     def _check_open(self, remaining: int) -> None:
@@ -78,8 +79,9 @@ class LocalConnection:
         if not self.host.alive:
             raise RuntimeError(f"the engine failed ({self.host.error}): {remaining} results never came")
 
-    def _post(self, results: list[RolloutResult]) -> None:
-        """Hand results to the streams that read them (results nobody reads any more are dropped)."""
+    def _post(self, results: list[RolloutResult] | list[TokenDelta]) -> None:
+        """Hand results (or token deltas) to the streams that read them (those nobody reads any more are
+        dropped)."""
         with self._cv:
             while self._forgotten:
                 ids, token = self._forgotten.popleft()

@@ -47,6 +47,7 @@ from rollout_service.model.loader import load_model
 from rollout_service.ops.backend import resolve_backend
 from rollout_service.prompts import PromptProcessor
 from rollout_service.results.receipts import receipt_of
+from rollout_service.api.deltas import TokenDelta
 from rollout_service.api.types import RolloutRequest, RolloutResult
 from rollout_service.user_code import Guard, unguarded
 
@@ -207,7 +208,7 @@ class Engine:
             if isinstance(seq, EpisodeGroup):
                 self.requests.post(self.episodes.start(seq))  # episodes whose environment failed at once
                 return
-            self.requests.add(seq, req.metadata)
+            self.requests.add(seq, req.metadata, req.stream_tokens)
             self.scheduler.add(seq)
 
     @property
@@ -242,6 +243,11 @@ class Engine:
             except Exception as e:
                 self.isolation.isolate(e)
             return self.episodes.collect(self.requests.take())  # finished turns move their episodes on
+
+    def token_deltas(self) -> list[TokenDelta]:
+        """New tokens of the running samples of requests with stream_tokens, since the last call."""
+        with self._lock:
+            return self.requests.deltas()
 
     def run_until_done(self) -> list[RolloutResult]:
         out: list[RolloutResult] = []

@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from rollout_service.api.deltas import TokenDelta
 from rollout_service.api.types import RolloutResult
 from rollout_service.engine.sequence import Sequence
 
@@ -22,6 +23,7 @@ class _Request:
     metadata: Any
     seqs: list[Sequence]
     num_pending: int  # samples not yet finished (an unforked prompt stands for all of its samples)
+    streamed: dict[int, int] | None = None  # stream_tokens: sample index -> output tokens handed out as deltas
 
 
 class RequestTable:
@@ -30,6 +32,7 @@ class RequestTable:
         self._release = release
         self._requests: dict[str, _Request] = {}
         self._outbox: list[RolloutResult] = []
+        self._streaming: set[str] = set()  # requests whose running samples hand out TokenDeltas
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._requests
@@ -40,8 +43,10 @@ class RequestTable:
     def ids(self) -> list[str]:
         return list(self._requests)
 
-    def add(self, seq: Sequence, metadata: Any) -> None:
-        self._requests[seq.request_id] = _Request(metadata, [seq], seq.sampling.n)
+    def add(self, seq: Sequence, metadata: Any, stream_tokens: bool = False) -> None:
+        self._requests[seq.request_id] = _Request(metadata, [seq], seq.sampling.n, {} if stream_tokens else None)
+        if stream_tokens:
+            self._streaming.add(seq.request_id)
 
     def seqs(self, request_id: str) -> list[Sequence]:
         """The request's sequences (a copy; empty once every sample finished)."""
@@ -62,7 +67,19 @@ class RequestTable:
         state.num_pending -= len(indices)
         if state.num_pending == 0:
             del self._requests[seq.request_id]
+            self._streaming.discard(seq.request_id)
         return results
+
+    def deltas(self) -> list[TokenDelta]:
+        """The tokens the running samples of streaming requests sampled since the last call. A finished sample
+        has none: its result carries them all."""
+        out = []
+        for rid in self._streaming:
+            state = self._requests[rid]
+            for seq in state.seqs:
+                if seq.num_samples == 1 and not seq.is_finished:
+                    out += _delta(seq, state.streamed)
+        return out
 
     def finish_to_outbox(self, seq: Sequence, reason: str, error: str | None = None) -> None:
         self._outbox += self.finish(seq, reason, error)
@@ -81,3 +98,13 @@ class RequestTable:
     def take_through(self, collect: Callable[[list[RolloutResult]], list[RolloutResult]]) -> None:
         """Pass the outbox through `collect` now (the episodes move finished turns on), keeping what it returns."""
         self._outbox = collect(self._outbox)
+
+
+def _delta(seq: Sequence, streamed: dict[int, int]) -> list[TokenDelta]:
+    start, end = streamed.get(seq.sample_index, 0), len(seq.output_token_ids)
+    if end <= start:
+        return []
+    streamed[seq.sample_index] = end
+    top = seq.output_top[start:end] if seq.sampling.logprobs else None
+    return [TokenDelta(seq.request_id, seq.sample_index, start, seq.output_token_ids[start:end],
+                       [float(x) for x in seq.output_logprobs[start:end]], seq.token_versions[start:end], top)]

@@ -17,10 +17,12 @@ from typing import Any, AsyncIterator, Callable
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from rollout_service.api.deltas import TokenDelta
 from rollout_service.openai import calls, responses as out
 from rollout_service.openai.auth import check_bearer, resolve_token
 from rollout_service.openai.schemas import ApiError, Limits, parse_chat, parse_completion
 from rollout_service.openai.templates import renderer_for
+from rollout_service.openai.token_stream import CallStream, Diverged
 from rollout_service.openai.trajectories import remember_store, sessions_for
 
 logger = logging.getLogger("rollout_service.openai")
@@ -193,17 +195,23 @@ def _releaser(rt: Runtime, p: calls.Prepared) -> Callable[[], None]:
 
 async def _events(rt: Runtime, p: calls.Prepared, call: Any, chat: bool, request: Request,
                   release: Callable[[], None]) -> AsyncIterator[bytes]:
-    """The SSE stream of one call: role chunks at once (chat), each sample's chunk as it finishes, the usage
-    chunk if asked for, then `data: [DONE]`. An error after the stream began is an error event."""
+    """The SSE stream of one call: role chunks at once (chat), each choice's text as it is sampled (a chat
+    call offered tools: each choice whole once done), the usage chunk if asked for, then `data: [DONE]`. An
+    error after the stream began is an error event."""
     rid, model, results, finished, failed = out.new_id("chatcmpl" if chat else "cmpl"), rt.svc.model, [], False, False
+    pieces = None if chat and call.tools else CallStream(rt.svc.renderer, call.sampling.stop, chat, call.logprobs,
+                                                           rid, model)
     try:
         for i in range(call.sampling.n if chat else 0):
             yield out.sse(out.chat_role_chunk(i, rid, model))
-        it = await rt.run(calls.open_stream, rt.svc, p)
+        it = await rt.run(calls.open_stream, rt.svc, p, pieces is not None)
         while (r := await rt.next(it, p, request)) is not None:
+            if isinstance(r, TokenDelta):
+                if (chunk := pieces.on_delta(r)) is not None:
+                    yield out.sse(chunk)
+                continue
             results.append(r)
-            yield out.sse(out.chat_chunk(r, rt.svc.renderer, call.logprobs, rid, model, _offered(call, p))
-                          if chat else out.completion_chunk(r, rt.svc.renderer, call.logprobs, rid, model))
+            yield out.sse(_last_chunk(rt, r, call, p, chat, pieces, rid))
         finished = True
         calls.settle(rt.svc, p, results)  # after the chunks went out: a client gone before them left no record
         if call.include_usage:
@@ -222,6 +230,19 @@ async def _events(rt: Runtime, p: calls.Prepared, call: Any, chat: bool, request
             if not failed:
                 logger.info(f"openai: client gone mid-stream; request {p.request.request_id} aborted")
         release()
+
+
+def _last_chunk(rt: Runtime, r: Any, call: Any, p: calls.Prepared, chat: bool, pieces: CallStream | None,
+                rid: str) -> dict:
+    """A finished choice's chunk: the rest of its text, or (not token-streamed) all of it."""
+    if pieces is not None:
+        try:
+            return pieces.on_result(r)
+        except Diverged as e:
+            raise ApiError(503, str(e), None, "regenerated", "server_error", {"Retry-After": "1"}) from None
+    renderer, model = rt.svc.renderer, rt.svc.model
+    return (out.chat_chunk(r, renderer, call.logprobs, rid, model, _offered(call, p)) if chat
+            else out.completion_chunk(r, renderer, call.logprobs, rid, model))
 
 
 async def _serve(rt: Runtime, request: Request, call: Any, prepare: Callable, to_body: Callable) -> Response:

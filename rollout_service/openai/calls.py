@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterator
 
+from rollout_service.api.deltas import TokenDelta
 from rollout_service.api.types import RolloutRequest, RolloutResult
 from rollout_service.openai.schemas import ApiError, ChatCall, CompletionCall, Limits
 from rollout_service.openai.sessions import Session, SessionStore, prompt_for
@@ -80,20 +81,21 @@ def _refused(e: Exception, param: str) -> ApiError:
                     {"Retry-After": "1"})
 
 
-def open_stream(svc: Service, p: Prepared) -> Iterator[RolloutResult]:
+def open_stream(svc: Service, p: Prepared, tokens: bool = False) -> Iterator[RolloutResult | TokenDelta]:
+    """The call's samples as they finish; with `tokens`, their new tokens before (TokenDelta)."""
     try:
-        return svc.client.stream(p.request)
+        return svc.client.stream(p.request, tokens=tokens)
     except (ValueError, RuntimeError) as e:
         raise _refused(e, p.param) from None
 
 
-def next_result(it: Iterator[RolloutResult], p: Prepared) -> RolloutResult | None:
-    """The next finished sample (None after the last); an aborted one is a 503."""
+def next_result(it: Iterator[RolloutResult | TokenDelta], p: Prepared) -> RolloutResult | TokenDelta | None:
+    """The next finished sample or token delta (None after the last); an aborted sample is a 503."""
     try:
         r = next(it, None)
     except (ValueError, RuntimeError) as e:
         raise _refused(e, p.param) from None
-    if r is not None and r.finish_reason == "abort":
+    if isinstance(r, RolloutResult) and r.finish_reason == "abort":
         raise ApiError(503, f"the service aborted the request ({r.error or 'no reason given'})", None, "aborted", "server_error",
                        {"Retry-After": "1"})
     return r

@@ -38,24 +38,42 @@ def _entry(renderer: ChatRenderer, token_id: int, logprob: float) -> dict:
     return {"token": text, "logprob": float(logprob), "bytes": list(text.encode("utf-8"))}
 
 
+Span = tuple[list[int], list[float], "list[dict[int, float]] | None"]  # token ids, log-probs, top alternatives
+
+
+def _span(r: RolloutResult) -> Span:
+    return r.token_ids, r.logprobs.tolist(), r.top_logprobs
+
+
 def chat_logprobs(r: RolloutResult, renderer: ChatRenderer) -> dict:
+    return chat_logprobs_of(_span(r), renderer)
+
+
+def chat_logprobs_of(span: Span, renderer: ChatRenderer) -> dict:
+    ids, lps, tops = span
     content = []
-    for i, (t, lp) in enumerate(zip(r.token_ids, r.logprobs.tolist())):
-        top = (r.top_logprobs or [{}] * len(r.token_ids))[i]
+    for i, (t, lp) in enumerate(zip(ids, lps)):
+        top = (tops or [{}] * len(ids))[i]
         content.append({**_entry(renderer, t, lp),
                         "top_logprobs": [_entry(renderer, k, v) for k, v in sorted(top.items(), key=lambda kv: -kv[1])]})
     return {"content": content}
 
 
 def completion_logprobs(r: RolloutResult, renderer: ChatRenderer) -> dict:
-    tokens = [renderer.token_text(t) for t in r.token_ids]
-    offsets, at = [], 0
+    return completion_logprobs_of(_span(r), renderer)
+
+
+def completion_logprobs_of(span: Span, renderer: ChatRenderer, offset: int = 0) -> dict:
+    """`offset`: where the span's first token starts in the choice's text (a streamed chunk's)."""
+    ids, lps, top_list = span
+    tokens = [renderer.token_text(t) for t in ids]
+    offsets, at = [], offset
     for s in tokens:
         offsets.append(at)
         at += len(s)
     tops = [{renderer.token_text(k): float(v) for k, v in sorted(top.items(), key=lambda kv: -kv[1])}
-            for top in (r.top_logprobs or [{}] * len(tokens))]
-    return {"tokens": tokens, "token_logprobs": r.logprobs.tolist(), "top_logprobs": tops, "text_offset": offsets}
+            for top in (top_list or [{}] * len(tokens))]
+    return {"tokens": tokens, "token_logprobs": list(lps), "top_logprobs": tops, "text_offset": offsets}
 
 
 def _extras(r: RolloutResult) -> dict:
@@ -102,15 +120,16 @@ def sse(data: Any) -> bytes:
 
 
 def chat_role_chunk(index: int, rid: str, model: str) -> dict:
-    """A choice's first chunk, sent at once: the role (its text follows when the sample is done)."""
+    """A choice's first chunk, sent at once: the role (its text follows as it is sampled, or, for a call given
+    tools, when the sample is done)."""
     choice = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
     return envelope("chat.completion.chunk", rid, model, choices=[choice])
 
 
 def chat_chunk(r: RolloutResult, renderer: ChatRenderer, logprobs: bool, rid: str, model: str,
                offered: Tools = Tools()) -> dict:
-    """A finished choice's text (and tool calls), with its logprobs, token ids, versions and finish reason. The
-    service hands back whole samples, so a choice's text is one delta."""
+    """A finished choice's text (and tool calls), with its logprobs, token ids, versions and finish reason, as
+    one delta: a call given tools is streamed whole, since its text may be read as tool calls only once done."""
     delta, reason = _turn(r, renderer, offered)
     if "tool_calls" in delta:  # a stream's calls carry their place in the list
         delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(delta["tool_calls"])]
@@ -121,3 +140,19 @@ def chat_chunk(r: RolloutResult, renderer: ChatRenderer, logprobs: bool, rid: st
 
 def completion_chunk(r: RolloutResult, renderer: ChatRenderer, logprobs: bool, rid: str, model: str) -> dict:
     return envelope("text_completion", rid, model, choices=[completion_choice(r, renderer, logprobs)])
+
+
+def chat_piece_chunk(index: int, text: str, logprobs: dict | None, rid: str, model: str,
+                     r: RolloutResult | None = None) -> dict:
+    """A token-streamed chat choice's next text (and its tokens' logprobs); with `r`, the last chunk: its
+    finish reason, token ids and policy versions (of the whole sample)."""
+    choice = {"index": index, "delta": {"content": text}, "logprobs": logprobs,
+              "finish_reason": None if r is None else finish_reason(r), **({} if r is None else _extras(r))}
+    return envelope("chat.completion.chunk", rid, model, choices=[choice])
+
+
+def completion_piece_chunk(index: int, text: str, logprobs: dict | None, rid: str, model: str,
+                           r: RolloutResult | None = None) -> dict:
+    choice = {"index": index, "text": text, "logprobs": logprobs,
+              "finish_reason": None if r is None else finish_reason(r), **({} if r is None else _extras(r))}
+    return envelope("text_completion", rid, model, choices=[choice])

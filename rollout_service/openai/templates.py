@@ -75,6 +75,12 @@ class ChatRenderer:
     def check_ids(self, ids: list[int]) -> list[int]:
         return self._checked(ids, "prompt")
 
+    def decode(self, ids: list[int]) -> str:
+        """Sampled tokens as text, as the engine decodes a result's (special tokens left out)."""
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
     def token_text(self, token_id: int) -> str:
         """One token as text (a byte-level piece of a longer character decodes to U+FFFD, as in OpenAI's)."""
         if self.tokenizer is None:

@@ -25,17 +25,18 @@ from typing import Any, Callable, Iterator
 import ray
 
 from rollout_service.results.payloads import unpack
+from rollout_service.api.deltas import TokenDelta
 from rollout_service.api.types import RolloutResult
 
 _TICK_S = 0.5  # how often the thread sends queued closes and checks whether leases are due
 
 
-class ResultStream(Iterator[RolloutResult]):
+class ResultStream(Iterator[RolloutResult | TokenDelta]):
     def __init__(self, router: Any, sid: str, lease_s: float, on_starved: Callable[[], Any], owner: Any):
         self.router, self.sid, self.lease_s = router, sid, float(lease_s)
         self.owner = owner              # the client it was submitted through (closed with it)
         self._on_starved = on_starved  # no worker can serve until the learner re-sends its last broadcast
-        self._buffer: deque[RolloutResult] = deque()
+        self._buffer: deque[RolloutResult | TokenDelta] = deque()
         self._lost: list[tuple[str, int]] = []  # samples of the last read whose payload could not be fetched
         self._done = False
         self._finalizer = weakref.finalize(self, _pending.append, (router, sid))
@@ -44,7 +45,7 @@ class ResultStream(Iterator[RolloutResult]):
     def __iter__(self) -> "ResultStream":
         return self
 
-    def __next__(self) -> RolloutResult:
+    def __next__(self) -> RolloutResult | TokenDelta:
         while not self._buffer:
             if self._done:
                 raise StopIteration
@@ -56,16 +57,17 @@ class ResultStream(Iterator[RolloutResult]):
         return self.router.next_results.remote(self.sid, 1.0, self._lost)
 
     def take(self, reply: tuple) -> None:
-        whole, batches, done, starved = reply
+        whole, batches, done, starved, deltas = reply
         if done:  # the router forgot it
             self._done = True
             self._finalizer.detach()
         if starved:
             self._on_starved()
         fetched, self._lost = unpack(batches)
+        self._buffer.extend(deltas)  # (first: they came before these results)
         self._buffer.extend(whole + fetched)
 
-    def pop(self) -> RolloutResult | None:
+    def pop(self) -> RolloutResult | TokenDelta | None:
         """A result already read, if any (without asking the router)."""
         return self._buffer.popleft() if self._buffer else None
 

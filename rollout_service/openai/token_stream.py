@@ -1,0 +1,111 @@
+"""Token-by-token streaming of a call's choices: the text each choice has shown, grown from the TokenDeltas the
+service hands out while its sample runs, and the rest of it from the sample's result, which is what counts.
+
+Text goes out only once it cannot change: a token that ends inside a multi-byte character waits for the next
+one, and with stop strings the last (longest stop - 1) characters wait, since the engine cuts the text where a
+stop string begins and that string may still be forming. So the chunks of a choice add up to its result's text.
+The one case where they cannot: a sample generated again (its worker died, or its tokens went stale) whose new
+text does not extend what was shown; the call then ends with an error (ChoiceStream.finish raises Diverged) and
+its session records nothing.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from rollout_service.api.deltas import TokenDelta
+from rollout_service.api.types import RolloutResult
+from rollout_service.openai import responses as out
+from rollout_service.openai.templates import ChatRenderer
+
+PARTIAL_CHAR = "\ufffd"  # what a token ending inside a multi-byte character decodes to
+
+
+class Diverged(Exception):
+    pass
+
+
+class ChoiceStream:
+    """One choice's stream: its current attempt's tokens, the text shown and how many tokens' log-probs went out."""
+
+    def __init__(self, decode: Callable[[list[int]], str], stops: list[str]):
+        self._decode = decode
+        self._hold = max((len(s) for s in stops), default=1) - 1
+        self.attempt = 0
+        self.tokens: list[int] = []
+        self.shown = ""
+        self.logged = 0  # tokens whose log-probs a chunk carried
+
+    def delta(self, d: TokenDelta) -> tuple[str, range]:
+        """The text this delta lets out (maybe "") and the token positions whose log-probs go with it."""
+        if d.attempt != self.attempt:  # generated again: its tokens start over
+            self.attempt, self.tokens = d.attempt, []
+        if d.start != len(self.tokens):
+            return "", range(0)  # (deltas of one attempt come in order: never seen)
+        self.tokens += d.token_ids
+        text = self._decode(self.tokens).rstrip(PARTIAL_CHAR)
+        ready = text[:max(0, len(text) - self._hold)]
+        piece = ready[len(self.shown):] if ready.startswith(self.shown) else ""
+        self.shown += piece
+        return piece, self._logs(len(self.tokens))
+
+    def finish(self, r: RolloutResult) -> tuple[str, range]:
+        """The rest of the choice's text and of its log-probs, from its result."""
+        if not r.text.startswith(self.shown):
+            raise Diverged(f"choice {r.sample_index} was generated again after its worker failed, and the new sample "
+                           f"differs from the text already streamed: call again (a call with stream false is "
+                           f"answered whole)")
+        piece, self.shown = r.text[len(self.shown):], r.text
+        return piece, self._logs(len(r.token_ids))
+
+    def _logs(self, end: int) -> range:
+        span, self.logged = range(self.logged, max(end, self.logged)), max(end, self.logged)
+        return span
+
+
+class CallStream:
+    """The chunks of one token-streamed call (a completion, or a chat call offered no tools), by sample index."""
+
+    def __init__(self, renderer: ChatRenderer, stops: list[str], chat: bool, logprobs: bool, rid: str, model: str):
+        self._renderer, self._stops, self._chat, self._logprobs = renderer, stops, chat, logprobs
+        self._rid, self._model = rid, model
+        self._choices: dict[int, ChoiceStream] = {}
+        self._offsets: dict[int, int] = {}  # completions: where the next chunk's logprobs start in the text
+
+    def on_delta(self, d: TokenDelta) -> dict | None:
+        """The chunk this delta makes, or None when it lets out nothing yet."""
+        piece, span = self._choice(d.sample_index).delta(d)
+        if not piece and not (self._logprobs and span):
+            return None
+        return self._chunk(d.sample_index, piece, span_of(d, span) if self._logprobs else None)
+
+    def on_result(self, r: RolloutResult) -> dict:
+        """The choice's last chunk (Diverged if a sample generated again no longer extends what was shown)."""
+        piece, span = self._choice(r.sample_index).finish(r)
+        return self._chunk(r.sample_index, piece, result_span(r, span) if self._logprobs else None, r)
+
+    def _choice(self, index: int) -> ChoiceStream:
+        if index not in self._choices:
+            self._choices[index] = ChoiceStream(self._renderer.decode, self._stops)
+        return self._choices[index]
+
+    def _chunk(self, index: int, piece: str, span: out.Span | None, r: RolloutResult | None = None) -> dict:
+        if self._chat:
+            logprobs = None if span is None else out.chat_logprobs_of(span, self._renderer)
+            return out.chat_piece_chunk(index, piece, logprobs, self._rid, self._model, r)
+        logprobs = None
+        if span is not None:
+            logprobs = out.completion_logprobs_of(span, self._renderer, self._offsets.get(index, 0))
+            self._offsets[index] = sum(map(len, logprobs["tokens"]), self._offsets.get(index, 0))
+        return out.completion_piece_chunk(index, piece, logprobs, self._rid, self._model, r)
+
+
+def span_of(d: TokenDelta, span: range) -> out.Span:
+    """The token ids, log-probs and top alternatives of positions `span` within delta `d`."""
+    lo, hi = span.start - d.start, span.stop - d.start
+    top = None if d.top_logprobs is None else d.top_logprobs[lo:hi]
+    return d.token_ids[lo:hi], d.logprobs[lo:hi], top
+
+
+def result_span(r: RolloutResult, span: range) -> out.Span:
+    top = None if r.top_logprobs is None else r.top_logprobs[span.start:span.stop]
+    return r.token_ids[span.start:span.stop], r.logprobs[span.start:span.stop].tolist(), top
