@@ -243,11 +243,10 @@ def cmd_scale(args: argparse.Namespace) -> int:
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
-    from rollout_service.connections.ray import RayConnection
-    from rollout_service.openai.replicas import stop_openai_replicas
+    from rollout_service.connections.ray import RayConnection, stop_openai_app
 
     conn = RayConnection.connect(args.name, namespace=args.namespace, address=args.address)
-    if stop_openai_replicas(args.name):  # first: its replicas are the service's clients
+    if stop_openai_app(args.name):  # (shutdown would too, first: its replicas are the service's clients)
         console.print(f"stopped the OpenAI endpoint of {args.name!r}")
     conn.shutdown()
     console.print(f"stopped rollout service {args.name!r}")

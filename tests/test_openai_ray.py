@@ -143,6 +143,9 @@ def test_ray_serve_replicas_and_the_uvicorn_endpoint_share_the_services_sessions
         assert t.metadata["calls"] == 3 and [tid for tid, m in zip(t.token_ids, t.loss_mask) if m] == sum(sampled, [])
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=eps.url, api_key="wrong", max_retries=0).models.list()
+        app = f"{svc._connection.name}-openai"
+        svc.close()  # (the module's last test) the owner closing its service removes its endpoint replicas too
+        assert app not in serve.status().applications
     finally:
-        eps.stop()
+        eps.stop()  # (nothing left to remove once the service closed)
         serve.shutdown()

@@ -197,6 +197,7 @@ class RayConnection:
         release_sleep(self._holder)  # a sleep it asked for ends once the service sees no renewal
         self.weights.close()
         if self._owner:
+            _stop_openai_app(self.name)  # (first: its replicas are clients of the service)
             try:
                 ray.get(self.router.shutdown.remote())  # (the first router stops the others)
             finally:
@@ -217,6 +218,35 @@ def openai_sessions_name(name: str) -> str:
     """The actor name of the service's OpenAI sessions (rollout_service/openai/shared_sessions.py): detached, as
     they outlive any one endpoint process, so the service's shutdown ends them."""
     return f"{name}.openai-sessions"
+
+
+def openai_app_name(name: str) -> str:
+    """The Ray Serve application of the service's OpenAI endpoint replicas (rollout_service/openai/replicas.py)."""
+    return f"{name}-openai"
+
+
+def stop_openai_app(name: str) -> bool:
+    """Remove the service's endpoint replicas; False if none run (or Ray Serve is not installed)."""
+    try:  # Serve's controller, by its name in Ray 2.x: asking for it costs nothing where Serve never started
+        ray.get_actor("SERVE_CONTROLLER_ACTOR", namespace="serve")
+        from ray import serve
+        from ray.serve.exceptions import RayServeException
+    except (ValueError, ImportError):
+        return False
+    try:
+        running = openai_app_name(name) in serve.status().applications
+    except RayServeException:  # Serve shut down meanwhile
+        return False
+    if running:
+        serve.delete(openai_app_name(name))
+    return running
+
+
+def _stop_openai_app(name: str) -> None:
+    try:
+        stop_openai_app(name)
+    except Exception as e:  # the service's own shutdown must go on
+        print(f"[rollout_service] could not remove the OpenAI endpoint replicas of {name!r}: {e}", flush=True)
 
 
 def _kill_named(name: str, namespace: str) -> None:

@@ -4,7 +4,7 @@ Serve's proxy (on every node by default) takes the connections and spreads the c
 each an openai_app on its own client of the service. A session's calls may land on any replica: the sessions
 live in the service's actor (shared_sessions.py), so a replica holds no state a call needs, and one that dies
 is restarted by Serve while the others go on. The deployment outlives the process that made it (as a detached
-service does); `rollout-service stop` or OpenAIReplicas.stop() removes it.
+service does); `rollout-service stop`, OpenAIReplicas.stop() or the service's owner closing it removes it.
 
 Needs Ray Serve (`pip install "rollout-service[serve]"`, i.e. ray[serve]).
 """
@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 import ray
 
+from rollout_service.connections.ray import openai_app_name, stop_openai_app
 from rollout_service.connections.ray_cluster import actor_env
 from rollout_service.openai.auth import resolve_token
 from rollout_service.openai.schemas import Limits
@@ -31,11 +32,6 @@ START_TIMEOUT_S = 600.0  # replicas import torch and load a tokenizer each: minu
 # Serve kills a proxy not ready within 5 s (three times in a row, and serve.start fails with it): on a node whose
 # CPUs are busy (rollout workers, a learner) starting one takes longer. Seconds, for the controller's env.
 SERVE_PATIENCE = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "120", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60"}
-
-
-def app_name(service: str) -> str:
-    """The Serve application of a service's endpoint."""
-    return f"{service}-openai"
 
 
 @dataclass
@@ -49,7 +45,7 @@ class OpenAIReplicas:
     replicas: int
 
     def stop(self) -> None:
-        stop_openai_replicas(self.service)
+        stop_openai_app(self.service)
 
 
 def serve_module() -> Any:
@@ -101,7 +97,7 @@ def serve_openai_replicas(client: Any, replicas: int = 2, host: str = "127.0.0.1
         serve.ingress(_builder(conn.name, conn.namespace, token, model, model_name, limits))(),
         name="openai", num_replicas=replicas, max_ongoing_requests=limits.max_in_flight,
         health_check_timeout_s=120, ray_actor_options={"num_cpus": num_cpus, "runtime_env": actor_env()})
-    serve.run(ingress.bind(), name=app_name(conn.name), route_prefix="/", blocking=False)
+    serve.run(ingress.bind(), name=openai_app_name(conn.name), route_prefix="/", blocking=False)
     url = f"http://{_reachable(host)}:{port}"
     _wait_healthy(url, timeout_s)
     return OpenAIReplicas(f"{url}/v1", token, path, conn.name, replicas)
@@ -137,18 +133,3 @@ def _wait_healthy(url: str, timeout_s: float) -> None:
         time.sleep(0.5)
     raise RuntimeError(f"OpenAI replicas: {url}/health did not answer within {timeout_s:g} s ({last})")
 
-
-def stop_openai_replicas(service: str) -> bool:
-    """Remove the service's endpoint deployment; False if none runs (or Serve is not installed)."""
-    try:
-        from ray import serve
-        from ray.serve.exceptions import RayServeException
-    except ImportError:
-        return False
-    try:
-        running = app_name(service) in serve.status().applications
-    except RayServeException:  # no Serve on this cluster
-        return False
-    if running:
-        serve.delete(app_name(service))
-    return running
