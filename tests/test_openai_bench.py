@@ -1,8 +1,9 @@
 """WO, the OpenAI endpoint's benchmark (benchmarks/harness/openai_bench.py), on the tests' word model: every path
-gives the Python client's tokens, and the sessions part holds and then releases every session it made."""
+gives the Python client's tokens, a streamed answer comes token by token and adds up to the whole one, and the
+sessions part holds and then releases every session it made."""
 from __future__ import annotations
 
-from benchmarks.harness.openai_bench import TOKEN, markdown, measure_latency, measure_sessions
+from benchmarks.harness.openai_bench import TOKEN, markdown, measure_latency, measure_sessions, measure_streaming
 from rollout_service.openai import serve_openai
 
 pytest_plugins = ["openai_setup"]
@@ -12,6 +13,7 @@ def test_the_benchmark_times_every_path_on_the_same_tokens_and_releases_its_sess
     server = serve_openai(client, port=0, block=False, token=TOKEN)
     try:
         rows = measure_latency(client, server, calls=3, max_tokens=3)
+        streaming = measure_streaming(server, calls=2, max_tokens=6)
         sessions = measure_sessions(server, sessions=12, threads=4, max_tokens=2, rounds=3)
     finally:
         server.stop()
@@ -23,5 +25,7 @@ def test_the_benchmark_times_every_path_on_the_same_tokens_and_releases_its_sess
     assert len(sessions["rss_mib"]) == 7 and sessions["python_kib_per_session"] > 0, sessions
     assert isinstance(sessions["rss_growth_after_round_2_mib"], float)
     assert len(server.app.state.sessions) == 0
-    text = "\n".join(markdown({"model": "word", "max_tokens": 3}, rows + [sessions]))
-    assert "| HTTP, openai package | 3 |" in text and "| 12 | " in text
+    assert streaming["same_text"] is True and streaming["text_chunks"] == 6, streaming
+    assert streaming["first_text_median_ms"] <= streaming["stream_end_median_ms"], streaming
+    text = "\n".join(markdown({"model": "word", "max_tokens": 3}, rows + [streaming, sessions]))
+    assert "| HTTP, openai package | 3 |" in text and "| 12 | " in text and "| 6 | True |" in text

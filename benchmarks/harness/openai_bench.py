@@ -5,6 +5,8 @@ One in-process engine (local mode) serves both paths, so the engine's own time i
   `client.generate` on its rendered token ids, and through the endpoint over HTTP (uvicorn on 127.0.0.1) with a
   bare httpx client and with the official `openai` package, interleaved call by call; "added" is the median of
   each call's difference from the Python call next to it, so that the machine's drift cancels;
+- streaming: a longer answer (`--stream-tokens` greedy tokens) with the `openai` package, whole and streamed,
+  interleaved: the streamed call's time to its first text and to its end against the whole call's;
 - sessions: `--sessions` sessions, each one call with its own session id, from `--threads` client threads,
   all held at once: the process's resident memory before, with all of them held, and after `release`.
 
@@ -74,6 +76,38 @@ def measure_latency(client: Any, server: Any, calls: int, max_tokens: int) -> li
     return rows
 
 
+def measure_streaming(server: Any, calls: int, max_tokens: int) -> dict:
+    """The same greedy chat call whole and streamed (the `openai` package), interleaved: when the streamed one
+    shows its first text and ends, against the whole one's end; and whether its chunks add up to the whole text."""
+    from openai import OpenAI
+
+    sdk = OpenAI(base_url=server.url, api_key=TOKEN, max_retries=0, timeout=120)
+    kw = {"model": "m", "messages": MESSAGES, "temperature": 0.0, "max_tokens": max_tokens}
+
+    def streamed() -> tuple[float, str, int]:
+        t0, first, pieces = time.perf_counter(), None, []
+        for chunk in sdk.chat.completions.create(stream=True, **kw):
+            for c in chunk.choices:
+                if c.delta.content:
+                    first = first if first is not None else (time.perf_counter() - t0) * 1000
+                    pieces.append(c.delta.content)
+        return first, "".join(pieces), len(pieces)
+
+    whole, first, done, same, chunks = [], [], [], True, 0
+    for i in range(calls + 2):  # two warm-up rounds
+        ms, out = _timed(lambda: sdk.chat.completions.create(**kw).choices[0].message.content)
+        end_ms, (first_ms, text, n) = _timed(streamed)
+        if i >= 2:
+            whole.append(ms)
+            first.append(first_ms)
+            done.append(end_ms)
+            same, chunks = same and text == out, max(chunks, n)
+    return {"measure": "streaming", "calls": calls, "max_tokens": max_tokens,
+            "whole_median_ms": round(statistics.median(whole), 2),
+            "first_text_median_ms": round(statistics.median(first), 2),
+            "stream_end_median_ms": round(statistics.median(done), 2), "text_chunks": chunks, "same_text": same}
+
+
 def measure_sessions(server: Any, sessions: int, threads: int, max_tokens: int, rounds: int = 4) -> dict:
     """`rounds` rounds of `sessions` sessions, each round held at once and then released: resident memory with
     each round held and after it (bounded: the rounds after the second hold no more than it did, once the
@@ -136,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--calls", type=int, default=100, help="timed calls per path")
     p.add_argument("--max-tokens", type=int, default=4)
+    p.add_argument("--stream-tokens", type=int, default=64, help="greedy tokens of the streaming part's answer")
     p.add_argument("--sessions", type=int, default=1000)
     p.add_argument("--threads", type=int, default=16, help="client threads of the sessions part")
     p.add_argument("--rounds", type=int, default=4, help="rounds of the sessions part")
@@ -148,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     server = serve_openai(client, port=0, block=False, token=TOKEN)
     try:
         rows = measure_latency(client, server, calls, args.max_tokens)
+        rows.append(measure_streaming(server, max(3, calls // 5), args.stream_tokens))
         rows.append(measure_sessions(server, sessions, args.threads, args.max_tokens, args.rounds))
     finally:
         server.stop()
@@ -156,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         print(r)
     write_results(results_dir(args.out, args.quick), "openai-endpoint", meta, rows, markdown, args.tag)
-    return 0 if all(r.get("same_tokens", True) for r in rows) else 1
+    return 0 if all(r.get("same_tokens", True) and r.get("same_text", True) for r in rows) else 1
 
 
 def markdown(meta: dict, rows: list[dict]) -> list[str]:
@@ -167,6 +203,14 @@ def markdown(meta: dict, rows: list[dict]) -> list[str]:
              "|---|---|---|---|---|---|---|"]
     lines += [f"| {r['path']} | {r['calls']} | {r['median_ms']} | {r['p10_ms']} | {r['p90_ms']} | "
               f"{r['added_median_ms']} | {r['same_tokens']} |" for r in rows if r["measure"] == "latency"]
+    st = next((r for r in rows if r["measure"] == "streaming"), None)
+    if st:
+        lines += ["", f"Streaming: a chat call of {st['max_tokens']} greedy tokens with the `openai` package, whole and "
+                  f"with `stream: true`, {st['calls']} of each, interleaved (medians).", "",
+                  "| whole call ms | streamed: first text ms | streamed: end ms | text chunks | same text |",
+                  "|---|---|---|---|---|",
+                  f"| {st['whole_median_ms']} | {st['first_text_median_ms']} | {st['stream_end_median_ms']} | "
+                  f"{st['text_chunks']} | {st['same_text']} |"]
     s = next((r for r in rows if r["measure"] == "sessions"), None)
     if s:
         lines += ["", f"{s['rounds']} rounds of {s['sessions']:,} sessions (one call each, {s['threads']} client "
