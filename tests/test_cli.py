@@ -20,6 +20,7 @@ from rollout_service.results.file import load_results
 pytest_plugins = ["ray_fixtures"]
 REPO = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "rollout_service.cli"]
+SERVED_NAMESPACE = "svc-serve-flags"
 
 
 @pytest.fixture
@@ -79,45 +80,6 @@ def test_run_rolls_out_writes_msgpack_and_prints_metrics(ray_cluster, tiny_yaml,
     assert results[2].metadata == "m1"
 
 
-@pytest.mark.ray
-def test_stats_of_a_running_service(ray_cluster, service_config, capsys):
-    from rollout_service.connections.ray import RayConnection
-    b = RayConnection.start_service(service_config(name="svc-stats"))
-    try:
-        assert cli.main(["stats", "--name", "svc-stats"]) == 0
-        out = capsys.readouterr().out
-        assert "policy version 0" in out and out.count("True") >= 2
-        # another process (another Ray job) attaches to the named service
-        proc = subprocess.run([sys.executable, "-m", "rollout_service.cli", "stats", "--name", "svc-stats",
-                               "--address", ray_cluster.address], cwd=REPO, capture_output=True, text=True,
-                              timeout=120)
-        assert proc.returncode == 0 and "policy version 0" in proc.stdout, proc.stdout + proc.stderr[-2000:]
-        _stats_fit_80_columns_and_say_more_on_request(ray_cluster.address)
-    finally:
-        b.close()
-    assert cli.main(["stats", "--name", "svc-stats"]) == 2
-    assert "no rollout service named 'svc-stats'" in capsys.readouterr().out
-
-
-def _stats_fit_80_columns_and_say_more_on_request(address: str) -> None:
-    """In an 80-column terminal every header and value is whole; --wide and --json give the rest."""
-    def stats(*flags: str) -> str:
-        proc = subprocess.run(CLI + ["stats", "--name", "svc-stats", "--address", address, *flags], cwd=REPO,
-                              env={**os.environ, "COLUMNS": "80"}, capture_output=True, text=True, timeout=120)
-        assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
-        return proc.stdout
-
-    table = stats()
-    assert "…" not in table and max(map(len, table.splitlines())) <= 80, table
-    for header in ("worker", "alive", "queued", "running", "KV pages", "used/total", "tok/s", "version"):
-        assert header in table, (header, table)
-    wide = stats("--wide")
-    assert "…" not in wide and all(h in wide for h in ("device", "MiB", "generated", "prefilled", "hit %", "accept %")), wide
-    got = json.loads(stats("--json"))
-    assert [w["worker"] for w in got["workers"]] == [0, 1] and got["info"]["policy_version"] == 0
-    assert all("generated_tokens" in w and "prefix_cache" in w for w in got["workers"])
-
-
 def test_help_says_what_every_option_does_and_its_default(tmp_path, ray_tmp):
     def help_of(command: str) -> str:
         proc = _cli([command, "--help"], tmp_path, ray_tmp, timeout=60)
@@ -135,21 +97,56 @@ def test_help_says_what_every_option_does_and_its_default(tmp_path, ray_tmp):
 
 
 @pytest.mark.ray
-def test_serve_prints_only_the_flags_that_differ_from_the_defaults(ray_cluster, service_config, tmp_path, ray_tmp):
+def test_serve_prints_only_the_flags_that_differ_from_the_defaults(ray_cluster, service_config, tmp_path, ray_tmp,
+                                                                     capsys):
+    """The served service is also the one whose stats this process and others read (one service start for both)."""
     cfg = tmp_path / "svc.yaml"
-    config = service_config(namespace="svc-serve-flags")
+    config = service_config(namespace=SERVED_NAMESPACE, num_workers=1)
     del config["name"]  # the default name
     cfg.write_text(yaml.safe_dump(config))
-    proc = _cli(["serve", "--config", str(cfg), "--num-workers", "1", "--address", ray_cluster.address], tmp_path,
-                ray_tmp, timeout=180)
+    # --num-workers overrides the config's one worker: the stats show two
+    proc = _cli(["serve", "--config", str(cfg), "--num-workers", "2", "--address", ray_cluster.address], tmp_path,
+                ray_tmp, timeout=600)
     try:
         out = proc.stdout + proc.stderr
         assert proc.returncode == 0 and "rollout service 'rollout_service' is serving" in out, out[-3000:]
         assert " --name " not in out  # the default name needs no flag
-        assert "rollout-service stats --namespace svc-serve-flags --address " in out
+        assert f"rollout-service stats --namespace {SERVED_NAMESPACE} --address " in out
+        _stats_of_a_running_service(ray_cluster.address, capsys)
     finally:
-        stop = _cli(["stop", "--namespace", "svc-serve-flags", "--address", ray_cluster.address], tmp_path, ray_tmp)
+        stop = _cli(["stop", "--namespace", SERVED_NAMESPACE, "--address", ray_cluster.address], tmp_path, ray_tmp)
     assert stop.returncode == 0 and "stopped rollout service 'rollout_service'" in stop.stdout, stop.stdout
+    assert cli.main(["stats", "--namespace", SERVED_NAMESPACE]) == 2
+    assert "no rollout service named 'rollout_service'" in capsys.readouterr().out
+
+
+def _stats_of_a_running_service(address: str, capsys) -> None:
+    """Stats of the served two-worker service from this process, then from others (other Ray jobs)."""
+    assert cli.main(["stats", "--namespace", SERVED_NAMESPACE]) == 0
+    out = capsys.readouterr().out
+    assert "policy version 0" in out and out.count("True") >= 2
+    _stats_fit_80_columns_and_say_more_on_request(address)
+
+
+def _stats_fit_80_columns_and_say_more_on_request(address: str) -> None:
+    """In an 80-column terminal every header and value is whole; --wide and --json give the rest."""
+    def stats(*flags: str) -> str:
+        proc = subprocess.run(CLI + ["stats", "--namespace", SERVED_NAMESPACE, "--address", address, *flags],
+                              cwd=REPO, env={**os.environ, "COLUMNS": "80"}, capture_output=True, text=True,
+                              timeout=120)
+        assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
+        return proc.stdout
+
+    table = stats()  # (another process attaching to the service by its name and namespace)
+    assert "policy version 0" in table
+    assert "…" not in table and max(map(len, table.splitlines())) <= 80, table
+    for header in ("worker", "alive", "queued", "running", "KV pages", "used/total", "tok/s", "version"):
+        assert header in table, (header, table)
+    wide = stats("--wide")
+    assert "…" not in wide and all(h in wide for h in ("device", "MiB", "generated", "prefilled", "hit %", "accept %")), wide
+    got = json.loads(stats("--json"))
+    assert [w["worker"] for w in got["workers"]] == [0, 1] and got["info"]["policy_version"] == 0
+    assert all("generated_tokens" in w and "prefix_cache" in w for w in got["workers"])
 
 
 def test_stats_without_a_ray_cluster_is_one_line(tmp_path, ray_tmp):
