@@ -156,7 +156,7 @@ def test_stats_without_a_ray_cluster_is_one_line(tmp_path, ray_tmp):
     assert out.startswith("error: no Ray cluster at 127.0.0.1:") and "ray start --head" in out
 
 
-def test_a_bad_model_is_refused_before_ray_starts(tmp_path, ray_tmp, service_config):
+def test_a_bad_model_is_refused_before_ray_starts(tmp_path, ray_tmp, service_config, capsys):
     """The driver judges the model source first, where it can: every worker would run on this machine (a
     new local Ray instance), or the source is a bare name. A path on a cluster is left to its workers."""
     bad = tmp_path / "bad.yaml"
@@ -175,8 +175,9 @@ def test_a_bad_model_is_refused_before_ray_starts(tmp_path, ray_tmp, service_con
                                                f"path, relative to {tmp_path})", out[-20:]
     typo = tmp_path / "typo.yaml"
     typo.write_text(yaml.safe_dump(service_config(name="svc-typo", engine={"model": "smollm2-135"})))
-    proc = _cli(["serve", "--config", str(typo), "--address", _no_port()], tmp_path, ray_tmp)
-    assert proc.returncode == 2 and "unknown model source 'smollm2-135'" in proc.stdout, proc.stdout + proc.stderr
+    # serve judges a bare name before it imports Ray or reads the address: this process can ask it
+    assert cli.main(["serve", "--config", str(typo), "--address", _no_port()]) == 2
+    assert "unknown model source 'smollm2-135'" in capsys.readouterr().out
     proc = _cli(["serve", "--config", str(bad), "--address", _no_port()], tmp_path, ray_tmp, timeout=60)
     assert proc.returncode == 1 and "no Ray cluster at" in proc.stdout, proc.stdout + proc.stderr
 
