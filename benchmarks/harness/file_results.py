@@ -12,8 +12,8 @@ import os
 import sys
 from pathlib import Path
 
-from benchmarks.harness import (control_plane, openai_bench, prefix_routing, rl_semantics, speculative_bench, staleness,
-                                summary)
+from benchmarks.harness import (control_plane, openai_bench, openai_serve_bench, prefix_routing, rl_semantics,
+                                speculative_bench, staleness, summary)
 from benchmarks.harness.report import render_run
 from benchmarks.harness.result_files import harness_unit, harness_workload, read, runs_of, save_newest
 from benchmarks.harness.service_bench import run_markdown, whole_run
@@ -22,6 +22,7 @@ from benchmarks.harness.service_bench import run_markdown, whole_run
 SIDE = {"control-plane": (control_plane.markdown, control_plane.configuration),
         "prefix-routing": (prefix_routing.markdown, whole_run),
         "openai-endpoint": (openai_bench.markdown, whole_run),
+        "openai-serve": (openai_serve_bench.markdown, whole_run),
         "rl-semantics": (rl_semantics.markdown, whole_run),
         "ws-speculative": (speculative_bench.markdown, speculative_bench.by_model),
         "ws-speculative-invariant": (speculative_bench.markdown, speculative_bench.by_model),
