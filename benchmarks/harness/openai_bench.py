@@ -57,6 +57,15 @@ def measure_latency(client: Any, server: Any, calls: int, max_tokens: int) -> li
         "HTTP, openai package": lambda: sdk.chat.completions.create(
             model="m", messages=MESSAGES, temperature=0.0, max_tokens=max_tokens).choices[0].model_extra["token_ids"],
     }
+    try:
+        return interleaved(paths, calls)
+    finally:
+        http.close()
+
+
+def interleaved(paths: dict[str, Callable[[], list[int]]], calls: int) -> list[dict]:
+    """Each path's call timed `calls` times, the paths in turn; "added": the median of each call's difference from
+    the first path's call next to it (the machine's drift cancels); "same_tokens": its tokens are the first's."""
     times: dict[str, list[float]] = {p: [] for p in paths}
     tokens: dict[str, list[int]] = {}
     for i in range(calls + 5):  # the first 5 rounds warm every path up
@@ -64,16 +73,11 @@ def measure_latency(client: Any, server: Any, calls: int, max_tokens: int) -> li
             ms, tokens[name] = _timed(call)
             if i >= 5:
                 times[name].append(ms)
-    http.close()
-    base = times["python client"]
-    rows = []
-    for name, ts in times.items():
-        added = [t - b for t, b in zip(ts, base)]
-        rows.append({"measure": "latency", "path": name, "calls": len(ts), "median_ms": round(statistics.median(ts), 2),
-                     "p10_ms": _quantile(ts, 0.1), "p90_ms": _quantile(ts, 0.9),
-                     "added_median_ms": round(statistics.median(added), 2),
-                     "same_tokens": tokens[name] == tokens["python client"]})
-    return rows
+    first = next(iter(paths))
+    return [{"measure": "latency", "path": name, "calls": len(ts), "median_ms": round(statistics.median(ts), 2),
+             "p10_ms": _quantile(ts, 0.1), "p90_ms": _quantile(ts, 0.9),
+             "added_median_ms": round(statistics.median([t - b for t, b in zip(ts, times[first])]), 2),
+             "same_tokens": tokens[name] == tokens[first]} for name, ts in times.items()]
 
 
 def measure_streaming(server: Any, calls: int, max_tokens: int) -> dict:
@@ -110,8 +114,8 @@ def measure_streaming(server: Any, calls: int, max_tokens: int) -> dict:
 
 def measure_sessions(server: Any, sessions: int, threads: int, max_tokens: int, rounds: int = 4) -> dict:
     """`rounds` rounds of `sessions` sessions, each round held at once and then released: resident memory with
-    each round held and after it (bounded: the rounds after the second hold no more than it did, once the
-    allocator's per-thread arenas have grown), and the Python heap the held sessions take in the first round
+    each round held and after it (bounded: flat over the second half of the rounds, once the allocator's
+    per-thread arenas have grown), and the Python heap the held sessions take in the first round
     (tracemalloc: what the endpoint's session store and its callers keep, not the engine)."""
     import tracemalloc
 
@@ -157,6 +161,7 @@ def measure_sessions(server: Any, sessions: int, threads: int, max_tokens: int, 
             "released": released, "tokens": sampled, "wall_s": round(wall, 1),
             "calls_per_s": round(rounds * sessions / wall, 1), "rss_mib": [round(r, 1) for r in rss],
             "rss_growth_after_round_2_mib": round(max(holding[2:] or holding[-1:]) - holding[min(1, len(holding) - 1)], 1),
+            "rss_held_band_mib": round(max(holding[len(holding) // 2:]) - min(holding[len(holding) // 2:]), 1),
             "python_kib_per_session": round(held_py / 1024 / sessions, 2)}
 
 
@@ -173,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stream-tokens", type=int, default=64, help="greedy tokens of the streaming part's answer")
     p.add_argument("--sessions", type=int, default=1000)
     p.add_argument("--threads", type=int, default=16, help="client threads of the sessions part")
-    p.add_argument("--rounds", type=int, default=4, help="rounds of the sessions part")
+    p.add_argument("--rounds", type=int, default=8, help="rounds of the sessions part")
     p.add_argument("--out", default=None)
     p.add_argument("--tag", default="", help="a label of the run, kept in its meta")
     p.add_argument("--quick", action="store_true", help="tiny counts: a smoke run")
@@ -215,13 +220,15 @@ def markdown(meta: dict, rows: list[dict]) -> list[str]:
     if s:
         lines += ["", f"{s['rounds']} rounds of {s['sessions']:,} sessions (one call each, {s['threads']} client "
                   "threads), each round held at once, then released. RSS: before, then per round with its sessions held and "
-                  "after their release; growth: the most a later round held over what the second round held. Python "
+                  "after their release; growth: the most a later round held over what the second round held; band: "
+                  "the spread of what the rounds of the second half held (flat once the allocator settled). Python "
                   "heap: what a held session keeps (tracemalloc, first round).", "",
-                  "| sessions held at once | calls/s | RSS MiB | RSS growth after round 2, MiB | Python heap KiB per "
-                  "session | released |",
-                  "|---|---|---|---|---|---|",
+                  "| sessions held at once | calls/s | RSS MiB | RSS growth after round 2, MiB | held RSS band, second "
+                  "half, MiB | Python heap KiB per session | released |",
+                  "|---|---|---|---|---|---|---|",
                   f"| {s['held']:,} | {s['calls_per_s']} | {' / '.join(map(str, s['rss_mib']))} | "
-                  f"{s.get('rss_growth_after_round_2_mib', '')} | {s['python_kib_per_session']} | {s['released']:,} |"]
+                  f"{s.get('rss_growth_after_round_2_mib', '')} | {s.get('rss_held_band_mib', '')} | "
+                  f"{s['python_kib_per_session']} | {s['released']:,} |"]
     return lines
 
 

@@ -17,11 +17,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import statistics
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterator
 
-from benchmarks.harness.openai_bench import MESSAGES, TOKEN, _quantile, _timed
+from benchmarks.harness.openai_bench import MESSAGES, TOKEN, interleaved
 
 
 def measure_latency(client: Any, urls: dict[str, str], ids: list[int], calls: int, max_tokens: int) -> list[dict]:
@@ -37,20 +36,11 @@ def measure_latency(client: Any, urls: dict[str, str], ids: list[int], calls: in
     for name, http in https.items():
         paths[name] = lambda http=http: http.post("/chat/completions", json=body).raise_for_status().json()[
             "choices"][0]["token_ids"]
-    times: dict[str, list[float]] = {p: [] for p in paths}
-    tokens: dict[str, list[int]] = {}
-    for i in range(calls + 5):  # the first 5 rounds warm every path up
-        for name, call in paths.items():
-            ms, tokens[name] = _timed(call)
-            if i >= 5:
-                times[name].append(ms)
-    for http in https.values():
-        http.close()
-    base = times["Ray client"]
-    return [{"measure": "latency", "path": name, "calls": len(ts), "median_ms": round(statistics.median(ts), 2),
-             "p10_ms": _quantile(ts, 0.1), "p90_ms": _quantile(ts, 0.9),
-             "added_median_ms": round(statistics.median([t - b for t, b in zip(ts, base)]), 2),
-             "same_tokens": tokens[name] == tokens["Ray client"]} for name, ts in times.items()]
+    try:
+        return interleaved(paths, calls)
+    finally:
+        for http in https.values():
+            http.close()
 
 
 def measure_rate(name: str, url: str, sessions: int, threads: int, max_tokens: int) -> dict:
