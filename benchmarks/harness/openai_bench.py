@@ -200,14 +200,18 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if all(r.get("same_tokens", True) and r.get("same_text", True) for r in rows) else 1
 
 
+def latency_table(rows: list[dict]) -> list[str]:
+    """The latency rows (interleaved()'s) as a markdown table."""
+    return ["| path | calls | median ms | p10 ms | p90 ms | added ms (median) | same tokens |",
+            "|---|---|---|---|---|---|---|"] + [
+        f"| {r['path']} | {r['calls']} | {r['median_ms']} | {r['p10_ms']} | {r['p90_ms']} | {r['added_median_ms']} | "
+        f"{r['same_tokens']} |" for r in rows if r["measure"] == "latency"]
+
+
 def markdown(meta: dict, rows: list[dict]) -> list[str]:
     lines = [f"One local engine ({meta['model']}, CPU float32) behind both paths; a chat call of "
              f"{meta['max_tokens']} greedy new tokens. added: the median of each call's difference from the Python "
-             "call next to it.", "",
-             "| path | calls | median ms | p10 ms | p90 ms | added ms (median) | same tokens |",
-             "|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['path']} | {r['calls']} | {r['median_ms']} | {r['p10_ms']} | {r['p90_ms']} | "
-              f"{r['added_median_ms']} | {r['same_tokens']} |" for r in rows if r["measure"] == "latency"]
+             "call next to it.", "", *latency_table(rows)]
     st = next((r for r in rows if r["measure"] == "streaming"), None)
     if st:
         lines += ["", f"Streaming: a chat call of {st['max_tokens']} greedy tokens with the `openai` package, whole and "

@@ -20,7 +20,7 @@ import contextlib
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterator
 
-from benchmarks.harness.openai_bench import MESSAGES, TOKEN, interleaved
+from benchmarks.harness.openai_bench import MESSAGES, TOKEN, interleaved, latency_table
 
 
 def measure_latency(client: Any, urls: dict[str, str], ids: list[int], calls: int, max_tokens: int) -> list[dict]:
@@ -145,11 +145,7 @@ def markdown(meta: dict, rows: list[dict]) -> list[str]:
     lines = [f"One Ray service (1 CPU worker, {meta['model']} float32) behind every path; a chat call of "
              f"{meta['max_tokens']} greedy new tokens; the uvicorn endpoint runs in the benchmark's process, Serve's "
              f"{meta['replicas']} replicas and its proxy in their own. added: the median of each call's difference "
-             "from the Ray client's call next to it.", "",
-             "| path | calls | median ms | p10 ms | p90 ms | added ms (median) | same tokens |",
-             "|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['path']} | {r['calls']} | {r['median_ms']} | {r['p10_ms']} | {r['p90_ms']} | "
-              f"{r['added_median_ms']} | {r['same_tokens']} |" for r in rows if r["measure"] == "latency"]
+             "from the Ray client's call next to it.", "", *latency_table(rows)]
     rated = [r for r in rows if r["measure"] == "rate"]
     if rated:
         lines += ["", f"Session calls (one call per session id, {rated[0]['threads']} client threads), each endpoint "
