@@ -88,3 +88,30 @@ def test_bad_streaming_input_is_refused_naming_it(llama):
         with pytest.raises(ValueError, match=r"request 0 .*only a plain completion"):
             c.stream([episode], tokens=True)
         assert len(c.generate([[1, 2]], SamplingParams(max_tokens=2))) == 1  # still serving
+
+
+def test_streamed_text_adds_up_to_the_decode_of_every_token_of_a_real_tokenizer(smollm2):
+    """The endpoint's incremental text (openai/token_stream.py: a window of the last tokens decoded per delta) on
+    the embedded model's byte-level BPE, over text whose characters span several tokens (accents, CJK, emoji) and
+    deltas of 1 to 5 tokens: what it shows before the result is a prefix of the whole decode, every delta's text
+    is final (the result adds only the rest), and a stop string's start is held back until it cannot be one."""
+    import random
+
+    from rollout_service.openai.token_stream import ChoiceStream
+
+    _, tok = smollm2
+    decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731 - the engine's decode
+    ids = tok("Ça coûte 3 € — 東京で寿司 🍣🍣, naïve café!\n\nDone: 42 + 17 = 59 🎉 ünïcödé " * 3)["input_ids"]
+    whole = decode(ids)
+    rng = random.Random(0)
+    for stops in ([], ["59 🎉"]):
+        choice, at, shown = ChoiceStream(decode, stops), 0, ""
+        while at < len(ids):
+            k = min(rng.randint(1, 5), len(ids) - at)
+            piece, _ = choice.delta(TokenDelta("r", 0, at, ids[at:at + k], [0.0] * k, [0] * k))
+            shown, at = shown + piece, at + k
+            assert whole.startswith(shown) and "\ufffd" not in shown
+            assert not stops or "59 🎉"[:-1] not in shown[len(shown) - 3:], "a stop string's start was shown"
+        assert len(shown) >= len(whole) - max(map(len, stops), default=0) - 8, "text held back for no reason"
+        rest, _ = choice.finish(RolloutResult("r", 0, [1], ids, [0.0] * len(ids), [0] * len(ids), "length", whole))
+        assert shown + rest == whole

@@ -25,41 +25,58 @@ class Diverged(Exception):
 
 
 class ChoiceStream:
-    """One choice's stream: its current attempt's tokens, the text shown and how many tokens' log-probs went out."""
+    """One choice's stream: its current attempt's tokens and their text, the text shown, and how many tokens'
+    log-probs went out. The text grows by decoding a window of the last tokens only (each delta's tokens after
+    those of the one before, diffed against the decode of those alone), so a long answer costs linear time,
+    not a decode of all its tokens at every delta."""
 
     def __init__(self, decode: Callable[[list[int]], str], stops: list[str]):
         self._decode = decode
         self._hold = max((len(s) for s in stops), default=1) - 1
         self.attempt = 0
         self.tokens: list[int] = []
+        self.text = ""       # the text of self.tokens[:self._read]
+        self._prefix = 0     # the window's first token: context for those from _read on
+        self._read = 0
         self.shown = ""
         self.logged = 0  # tokens whose log-probs a chunk carried
 
     def delta(self, d: TokenDelta) -> tuple[str, range]:
         """The text this delta lets out (maybe "") and the token positions whose log-probs go with it."""
         if d.attempt != self.attempt:  # generated again: its tokens start over
-            self.attempt, self.tokens = d.attempt, []
+            self.attempt, self.tokens, self.text, self._prefix, self._read = d.attempt, [], "", 0, 0
         if d.start != len(self.tokens):
             return "", range(0)  # (deltas of one attempt come in order: never seen)
         self.tokens += d.token_ids
-        text = self._decode(self.tokens).rstrip(PARTIAL_CHAR)
-        ready = text[:max(0, len(text) - self._hold)]
+        self.text += self._new_text()
+        ready = self.text[:max(0, len(self.text) - self._hold)]
         piece = ready[len(self.shown):] if ready.startswith(self.shown) else ""
         self.shown += piece
         return piece, self._logs(len(self.tokens))
 
+    def _new_text(self) -> str:
+        """The text the tokens from _read on add, once it cannot change (not ending inside a character). Decoded
+        with the window's earlier tokens before them, as a tokenizer may write a token differently at the
+        start of a text (a SentencePiece word's leading space)."""
+        before = self._decode(self.tokens[self._prefix:self._read])
+        after = self._decode(self.tokens[self._prefix:])
+        if len(after) <= len(before) or after.endswith(PARTIAL_CHAR) or not after.startswith(before):
+            return ""  # wait for the next tokens
+        self._prefix, self._read = self._read, len(self.tokens)
+        return after[len(before):]
+
     def finish(self, r: RolloutResult) -> tuple[str, range]:
         """The rest of the choice's text and of its log-probs, from its result."""
         if not r.text.startswith(self.shown):
-            raise Diverged(f"choice {r.sample_index} was generated again after its worker failed, and the new sample "
-                           f"differs from the text already streamed: call again (a call with stream false is "
-                           f"answered whole)")
+            raise Diverged(f"choice {r.sample_index} was generated again (its worker failed, or its tokens went "
+                           f"stale), and the new sample differs from the text already streamed: call again (a call "
+                           f"with stream false is answered whole)")
         piece, self.shown = r.text[len(self.shown):], r.text
         return piece, self._logs(len(r.token_ids))
 
     def _logs(self, end: int) -> range:
-        span, self.logged = range(self.logged, max(end, self.logged)), max(end, self.logged)
-        return span
+        start, self.logged = self.logged, max(end, self.logged)
+        return range(start, self.logged)
 
 
 class CallStream:
