@@ -3,9 +3,9 @@
 The actor is threaded (max_concurrency > 1): while the host's thread steps, other calls (submit, poll, abort,
 weights, pause, stats) are served, each landing between two engine steps. Finished results wait in an outbox
 that the router drains with `poll` (a long poll: it returns as soon as something finished, or as soon as user
-code starts or ends: actors/quarantine.py), with the new tokens of requests that stream them (TokenDelta). A result whose request names a reward function (or the service's
-default one) gets its reward first, in this process's reward threads or in the service's reward actors
-(actors/reward_pool.py). `stats` and `health` do not wait for a step.
+code starts or ends: actors/quarantine.py), with the new tokens of requests that stream them (TokenDelta). A
+result whose request names a reward function (or the service's default one) gets its reward first, in this
+process's reward threads or in the service's reward actors (actors/reward_pool.py). `stats` and `health` do not wait for a step.
 
 An engine that fails to build does not fail the constructor: that would make Ray print the traceback and a
 crash dump of every attempt and restart the actor into the same failure. The actor stays up, does nothing,

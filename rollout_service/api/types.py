@@ -397,4 +397,3 @@ class RolloutResult:
             return NotImplemented
         a, b = self.to_dict(), other.to_dict()
         return a == b
-
