@@ -2,9 +2,11 @@
 
 One in-process engine (local mode) serves both paths, so the engine's own time is the same in each:
 - latency: the same chat call (the embedded model's chat template, greedy, a few new tokens) as
-  `client.generate` on its rendered token ids, and through the endpoint over HTTP (uvicorn on 127.0.0.1) with a
-  bare httpx client and with the official `openai` package, interleaved call by call; "added" is the median of
-  each call's difference from the Python call next to it, so that the machine's drift cancels;
+  `client.generate` on its rendered token ids and on its messages (rendered by the client, like for like), and
+  through the endpoint over HTTP (uvicorn on 127.0.0.1) with a bare httpx client and with the official `openai`
+  package, interleaved call by call; "added" is the median of each call's difference from the token-ids call next
+  to it, so that the machine's drift cancels; "outside the engine" is each call's time less its engine's own
+  (its result's timings), so that the engine's run, which varies by several ms from call to call, cancels too;
 - streaming: a longer answer (`--stream-tokens` greedy tokens) with the `openai` package, whole and streamed,
   interleaved: the streamed call's time to its first text and to its end against the whole call's;
 - sessions: `--sessions` sessions, each one call with its own session id, from `--threads` client threads,
@@ -40,44 +42,99 @@ def _quantile(xs: list[float], q: float) -> float:
     return round(sorted(xs)[min(len(xs) - 1, int(q * len(xs)))], 2)
 
 
+class EngineClock:
+    """The engine's own time of the call just made (its result's timings: submitted to finished), whichever path made
+    it: the Python paths hand it their results, the endpoint's calls are read through `wrap`, the client the app
+    holds. A call's time outside the engine is its wall time less this: the engine's run, whose length varies by
+    several ms from call to call on a busy box, cancels out of it."""
+
+    def __init__(self) -> None:
+        self.last: float | None = None
+
+    def note(self, results: list) -> list:
+        t = results[-1].timings
+        self.last = (t["finished"] - t["queued"]) * 1000
+        return results
+
+    def take(self) -> float | None:
+        last, self.last = self.last, None
+        return last
+
+    def wrap(self, client: Any) -> Any:
+        clock = self
+
+        class Clocked:
+            def __getattr__(self, name: str) -> Any:
+                return getattr(client, name)
+
+            def stream(self, *args: Any, **kwargs: Any) -> Any:
+                return clock._read(client.stream(*args, **kwargs))  # submitted now, as the client's own stream
+        return Clocked()
+
+    def _read(self, it: Any) -> Any:
+        for r in it:
+            if hasattr(r, "timings"):
+                self.note([r])
+            yield r
+
+
 def measure_latency(client: Any, server: Any, calls: int, max_tokens: int) -> list[dict]:
     import httpx
     from openai import OpenAI
 
     from rollout_service import SamplingParams
-    ids = server.app.state.runtime.svc.renderer.render(MESSAGES)  # what the endpoint sends the service
+    svc = server.app.state.runtime.svc
+    clock = EngineClock()
+    svc.client = clock.wrap(svc.client)
+    ids = svc.renderer.render(MESSAGES)  # what the endpoint sends the service
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     body = {"model": "m", "messages": MESSAGES, "temperature": 0.0, "max_tokens": max_tokens}
     http = httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60)
     sdk = OpenAI(base_url=server.url, api_key=TOKEN, max_retries=0, timeout=60)
     paths: dict[str, Callable[[], list[int]]] = {
-        "python client": lambda: client.generate([ids], sp, apply_chat_template=False)[0].token_ids,
+        "python client, token ids": lambda: clock.note(client.generate([ids], sp, apply_chat_template=False))[0]
+        .token_ids,
+        "python client, messages": lambda: clock.note(client.generate([MESSAGES], sp))[0].token_ids,
         "HTTP, httpx": lambda: http.post("/chat/completions", json=body).raise_for_status().json()
         ["choices"][0]["token_ids"],
         "HTTP, openai package": lambda: sdk.chat.completions.create(
             model="m", messages=MESSAGES, temperature=0.0, max_tokens=max_tokens).choices[0].model_extra["token_ids"],
     }
     try:
-        return interleaved(paths, calls)
+        return interleaved(paths, calls, clock.take)
     finally:
         http.close()
+        svc.client = client
 
 
-def interleaved(paths: dict[str, Callable[[], list[int]]], calls: int) -> list[dict]:
+def interleaved(paths: dict[str, Callable[[], list[int]]], calls: int,
+                engine_ms: Callable[[], float | None] = lambda: None) -> list[dict]:
     """Each path's call timed `calls` times, the paths in turn; "added": the median of each call's difference from
-    the first path's call next to it (the machine's drift cancels); "same_tokens": its tokens are the first's."""
+    the first path's call next to it (the machine's drift cancels); "same_tokens": its tokens are the first's.
+    `engine_ms()`: the engine's time of the call just made, if known: then "outside_ms" is the median of each call's
+    time less its engine's, and "added_outside_ms" that median less the first path's."""
     times: dict[str, list[float]] = {p: [] for p in paths}
+    outside: dict[str, list[float]] = {p: [] for p in paths}
     tokens: dict[str, list[int]] = {}
     for i in range(calls + 5):  # the first 5 rounds warm every path up
         for name, call in paths.items():
             ms, tokens[name] = _timed(call)
+            engine = engine_ms()
             if i >= 5:
                 times[name].append(ms)
+                if engine is not None:
+                    outside[name].append(ms - engine)
     first = next(iter(paths))
-    return [{"measure": "latency", "path": name, "calls": len(ts), "median_ms": round(statistics.median(ts), 2),
+    rows = [{"measure": "latency", "path": name, "calls": len(ts), "median_ms": round(statistics.median(ts), 2),
              "p10_ms": _quantile(ts, 0.1), "p90_ms": _quantile(ts, 0.9),
              "added_median_ms": round(statistics.median([t - b for t, b in zip(ts, times[first])]), 2),
              "same_tokens": tokens[name] == tokens[first]} for name, ts in times.items()]
+    if all(len(o) == calls for o in outside.values()):
+        base = statistics.median(outside[first])
+        for row in rows:
+            row["outside_ms"] = round(statistics.median(outside[row["path"]]), 2)
+            row["added_outside_ms"] = round(row["outside_ms"] - base, 2) + 0.0  # (no "-0.0")
+    return rows
 
 
 def measure_streaming(server: Any, calls: int, max_tokens: int) -> dict:
@@ -201,17 +258,21 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def latency_table(rows: list[dict]) -> list[str]:
-    """The latency rows (interleaved()'s) as a markdown table."""
-    return ["| path | calls | median ms | p10 ms | p90 ms | added ms (median) | same tokens |",
-            "|---|---|---|---|---|---|---|"] + [
+    """The latency rows (interleaved()'s) as a markdown table (with the times outside the engine where measured)."""
+    rows = [r for r in rows if r["measure"] == "latency"]
+    clocked = all("outside_ms" in r for r in rows)
+    extra = (" outside the engine ms (median) | added outside the engine ms |", "---|---|") if clocked else ("", "")
+    return [f"| path | calls | median ms | p10 ms | p90 ms | added ms (median) |{extra[0]} same tokens |",
+            f"|---|---|---|---|---|---|{extra[1]}---|"] + [
         f"| {r['path']} | {r['calls']} | {r['median_ms']} | {r['p10_ms']} | {r['p90_ms']} | {r['added_median_ms']} | "
-        f"{r['same_tokens']} |" for r in rows if r["measure"] == "latency"]
+        + (f"{r['outside_ms']} | {r['added_outside_ms']} | " if clocked else "") + f"{r['same_tokens']} |" for r in rows]
 
 
 def markdown(meta: dict, rows: list[dict]) -> list[str]:
     lines = [f"One local engine ({meta['model']}, CPU float32) behind both paths; a chat call of "
              f"{meta['max_tokens']} greedy new tokens. added: the median of each call's difference from the Python "
-             "call next to it.", "", *latency_table(rows)]
+             "call on token ids next to it; outside the engine: the median of each call's time less the engine's own "
+             "(submitted to finished), and that median less the token-ids call's.", "", *latency_table(rows)]
     st = next((r for r in rows if r["measure"] == "streaming"), None)
     if st:
         lines += ["", f"Streaming: a chat call of {st['max_tokens']} greedy tokens with the `openai` package, whole and "
