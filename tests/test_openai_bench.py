@@ -17,10 +17,14 @@ def test_the_benchmark_times_every_path_on_the_same_tokens_and_releases_its_sess
         sessions = measure_sessions(server, sessions=12, threads=4, max_tokens=2, rounds=3)
     finally:
         server.stop()
-    assert [r["path"] for r in rows] == ["python client", "HTTP, httpx", "HTTP, openai package"]
+    assert [r["path"] for r in rows] == ["python client, token ids", "python client, messages", "HTTP, httpx",
+                                         "HTTP, openai package"]
     for r in rows:
         assert r["calls"] == 3 and r["same_tokens"] is True and r["p10_ms"] <= r["median_ms"] <= r["p90_ms"], r
-    assert rows[0]["added_median_ms"] == 0
+        # each call's engine time was read (the endpoint's through its client), and is part of its wall time
+        assert 0 < r["outside_ms"] < r["median_ms"], r
+    assert rows[0]["added_median_ms"] == 0 and rows[0]["added_outside_ms"] == 0
+    assert server.app.state.runtime.svc.client is client  # the clock's wrapper taken off again
     assert sessions["held"] == 12 and sessions["released"] == 36 and sessions["tokens"] == 72, sessions
     assert len(sessions["rss_mib"]) == 7 and sessions["python_kib_per_session"] > 0, sessions
     assert isinstance(sessions["rss_growth_after_round_2_mib"], float) and sessions["rss_held_band_mib"] >= 0
