@@ -239,9 +239,10 @@ class RolloutClient:
         tensor must be finite and pass the canary (each weight on a fixed unit-RMS input gives outputs within
         1e6: a finite 3e38 would turn every later token NaN; rollout_service/weights/canary.py);
         `check_finite=False` skips both. `delta`: "auto" (the object store and a broadcast send, in the engine's
-        dtype, only the elements that changed since the learner's last push, bit for bit the same weights; the
-        learner keeps a copy of that push: rollout_service/weights/delta_sender.py), True (refused where a delta
-        can never go: partial, CUDA IPC, FP8 engines) or False (dense, as given; frees that copy). In-process the
+        dtype, only the elements that changed since the learner's last push, bit for bit the same weights, unless
+        dense pushes have been faster on this service, as on one box they can be; the learner keeps a copy of that
+        push: rollout_service/weights/delta_sender.py), True (a delta whenever the base allows; refused where a
+        delta can never go: partial, CUDA IPC, FP8 engines) or False (dense, as given; frees that copy). In-process the
         weights are copied in place whatever `delta` says. Returns the transport used."""
         connection = self._open
         if not isinstance(transport, str) or transport not in TRANSPORTS:

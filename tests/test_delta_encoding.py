@@ -11,7 +11,8 @@ import torch
 from rollout_service.weights import Buckets, named_items, plan
 from rollout_service.weights.delta import (BucketCode, DeltaPlan, SKIP, apply, code_count, decode, decode_positions,
                                            encode, encode_positions)
-from rollout_service.weights.delta_sender import DeltaSender, check_delta, delta_dtype, delta_refusal
+from rollout_service.weights.delta_sender import (PROBE_EVERY, DeltaSender, PushPace, check_delta, delta_dtype,
+                                                 delta_refusal)
 from rollout_service.weights.delta_values import _from_ordered, decode_values, encode_values, ordered, values_nbytes
 from tiny_models import tiny_hf_model
 
@@ -285,3 +286,26 @@ def test_buckets_of_many_tensors_at_every_density_decode_to_the_new_weights(seed
     apply(decode(manifest, delta, buffers, dict(base.views())), weights)
     for k, v in new.items():
         assert torch.equal(weights[k].view(torch.int16), v.to(BF16).view(torch.int16)), k
+
+
+def test_auto_times_both_kinds_then_sends_the_faster_and_retries_the_slower_every_few_pushes():
+    pace = PushPace()
+    assert pace.prefer_delta()  # nothing timed: a delta is tried (the first push is dense anyway: no base)
+    pace.note(False, 1.0)
+    assert pace.prefer_delta()  # dense timed, delta not yet
+    pace.note(True, 3.0)  # slower
+    dense = 0
+    while not pace.prefer_delta():
+        pace.note(False, 1.0)
+        dense += 1
+    assert dense == PROBE_EVERY  # then the delta once more
+    pace.note(True, 0.2)  # faster now, but its figure (an EMA: 1.6) still says slower
+    assert not pace.prefer_delta()
+    fresh = PushPace()
+    fresh.note(False, 1.0)
+    fresh.note(True, 0.3)
+    kinds = []
+    for _ in range(PROBE_EVERY + 2):
+        kinds.append(fresh.prefer_delta())
+        fresh.note(kinds[-1], 0.3 if kinds[-1] else 1.0)
+    assert kinds.count(False) == 1 and kinds[-1]  # one dense push to time it again, deltas around it

@@ -79,8 +79,9 @@ def learner(make_tiny_llama):
 
 
 def push(svc, state, **kw) -> dict:
+    """A push as a delta wherever its base allows (delta=True: "auto" would pick by timing, tested apart)."""
     version = svc.info()["policy_version"] + 1
-    svc.update_weights(state, version, **kw)
+    svc.update_weights(state, version, **{"delta": True, **kw})
     return dict(svc._connection.weights.last_push)
 
 
@@ -129,6 +130,20 @@ def test_a_delta_whose_base_is_missing_goes_dense_to_every_worker(svc, digest, l
     assert svc.weights_digests() == [digest(state)] * 2
     state = next(learner)
     assert push(svc, state)["delta"]
+    assert svc.weights_digests() == [digest(state)] * 2
+
+
+def test_auto_sends_a_delta_or_dense_whichever_has_been_faster(svc, digest, learner):
+    pusher = svc._connection.weights
+    push(svc, next(learner), transport="object_store")
+    pace = pusher.paces["object_store"]  # (timings set by hand: the test must not hang on this box's speed)
+    pace.seconds, pace.last_probe = {True: 60.0, False: 1.0}, pace.pushes  # deltas have been slower
+    state = next(learner)
+    assert not push(svc, state, transport="object_store", delta="auto")["delta"]
+    assert svc.weights_digests() == [digest(state)] * 2
+    pace.seconds, pace.last_probe = {True: 0.001, False: 60.0}, pace.pushes
+    state = next(learner)
+    assert push(svc, state, transport="object_store", delta="auto")["delta"]  # the dense push kept the base current
     assert svc.weights_digests() == [digest(state)] * 2
 
 

@@ -2,7 +2,8 @@
 
 A learner (this process, delta_learner.py) trains the bench model in place and, after every optimizer step,
 refreshes a one-worker service (refresh_service_bench.one_worker_service: bf16 engine weights, the object store)
-with update_weights' default delta="auto" (rollout_service/weights/delta_sender.py): per step, the seconds of the
+with update_weights(..., delta=True) (rollout_service/weights/delta_sender.py; the default "auto" would go dense
+on a box where dense pushes have been faster, and WD measures the delta): per step, the seconds of the
 call and the bytes the sender put in the object store, beside the bytes of the same push dense (both from its
 `last_push`). The first push (before the first step) has no base: it is dense and not counted. After the last step
 the same weights go dense (delta=False, cast to bf16 inside the timed call) three times to the same worker: the
@@ -136,7 +137,7 @@ def _step(i: int, client, pusher, learner: Learner, batches: Batches, reference,
     trained = learner.step(results, rewards)
     state, version = learner.state(), next(versions)
     t0 = time.perf_counter()
-    client.update_weights(state, version, transport="object_store")
+    client.update_weights(state, version, transport="object_store", delta=True)
     delta_s = time.perf_counter() - t0
     sent = pusher.last_push
     row = {"step": i, "delta": sent["delta"], "delta_s": round(delta_s, 4), "delta_bytes": sent["wire_bytes"],

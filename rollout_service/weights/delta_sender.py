@@ -2,9 +2,12 @@
 
 `update_weights(..., delta=)`:
   "auto" (default): a push through the object store or a broadcast is sent in the engine's dtype and, once the
-         learner holds the base the workers run, as a delta (delta.py); a partial push, CUDA IPC (which copies no
-         bytes) and FP8 engines (which quantize on apply) are sent dense, as given, and free the base;
-  True:  as "auto", but a push that can never be a delta (partial, CUDA IPC, an FP8 engine) is refused, saying why;
+         learner holds the base the workers run, as a delta (delta.py) unless dense pushes have been faster on
+         this service (PushPace: on one box a dense push only crosses shared memory, and finding the changes can
+         cost more than it saves); a partial push, CUDA IPC (which copies no bytes) and FP8 engines (which
+         quantize on apply) are sent dense, as given, and free the base;
+  True:  a delta whenever the base allows, however long it takes; a push that can never be a delta (partial, CUDA
+         IPC, an FP8 engine) is refused, saying why;
   False: dense, as given; the base is freed.
 A push with no base yet (the first one, the first after a dense push of another kind) is dense and fills the
 base. When the service does not run the base's version (another client pushed, a push failed part-way) or some
@@ -31,6 +34,35 @@ from rollout_service.weights.buckets import Buckets, Manifest, reuse_or_allocate
 from rollout_service.weights.delta import DeltaPlan, encode
 
 DELTA_MODES = ("auto", True, False)
+PROBE_EVERY = 8      # under "auto", the kind that has been slower is timed again once every this many pushes
+PACE_WEIGHT = 0.5    # weight of a push's seconds in its kind's running figure (an EMA)
+
+
+class PushPace:
+    """Seconds per push of each kind, delta and dense in the engine's dtype (the same pipeline), on one service:
+    which one delta="auto" sends. Both are timed before the choice is made (a delta first: the first push is
+    dense anyway); then the faster goes, and the other once every PROBE_EVERY pushes, since a delta's cost follows
+    the learning rate and a dense push's the network between learner and workers."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[bool, float] = {}
+        self.pushes = 0
+        self.last_probe = 0
+
+    def prefer_delta(self) -> bool:
+        delta, dense = self.seconds.get(True), self.seconds.get(False)
+        if delta is None or dense is None:
+            return delta is None
+        faster = delta <= dense
+        return faster if self.pushes - self.last_probe < PROBE_EVERY else not faster
+
+    def note(self, delta: bool, seconds: float) -> None:
+        """A push of that kind took `seconds` (pack, send and every worker's apply)."""
+        old = self.seconds.get(delta)
+        self.seconds[delta] = seconds if old is None else old + PACE_WEIGHT * (seconds - old)
+        self.pushes += 1
+        if len(self.seconds) == 2 and self.seconds[delta] > self.seconds[not delta]:
+            self.last_probe = self.pushes  # the slower kind ran: it runs again PROBE_EVERY pushes later
 
 
 def check_delta(delta: Any) -> None:

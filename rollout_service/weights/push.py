@@ -22,7 +22,7 @@ from rollout_service.weights.buckets import (DEFAULT_BUCKET_BYTES, Buckets, Mani
 from rollout_service.weights.canary import reject_overflowing
 from rollout_service.weights.cuda_ipc import IpcSender, device_uuid
 from rollout_service.weights.delta import NO_BASE
-from rollout_service.weights.delta_sender import DeltaSender, Wire, delta_dtype
+from rollout_service.weights.delta_sender import DeltaSender, PushPace, Wire, delta_dtype
 from rollout_service.weights.group import COLLECTIVES, GroupSpec, WeightGroup, free_port
 from rollout_service.weights.object_store import ObjectStoreSender
 from rollout_service.weights.transport import REGROUP, WorkerPlace, choose_transport
@@ -43,6 +43,7 @@ class WeightPusher:
         self.committed: int | None = None           # version the broadcast buckets hold, once every worker took it
         self.last_timings: dict[str, float | str] = {}  # seconds of the learner's phases of the last refresh
         self.deltas = DeltaSender()                 # the base of delta pushes (delta_sender.py)
+        self.paces: dict[str, PushPace] = {}        # per transport, for delta="auto": delta or dense, the faster
         self.last_push: dict[str, Any] = {}         # the last push: a delta or not, bytes sent, dense bytes
 
     # -- refresh ----------------------------------------------------------------------------------
@@ -62,7 +63,9 @@ class WeightPusher:
             reject_nonfinite(items)
             reject_overflowing(items)
         if dtype is not None:
-            return self._push_wire(kind, plan(items, self.bucket_bytes, dtype), items, version, t0, check_finite)
+            want = delta is True or self.paces.setdefault(kind, PushPace()).prefer_delta()
+            return self._push_wire(kind, plan(items, self.bucket_bytes, dtype), items, version, t0, check_finite,
+                                   want)
         self.deltas.release()
         manifest = self.plan(items)
         t1 = time.perf_counter()
@@ -81,21 +84,25 @@ class WeightPusher:
         return kind
 
     def _push_wire(self, kind: str, manifest: Manifest, items: Items, version: int, t0: float,
-                   checked: bool = True) -> str:
-        """A full push in the engine's dtype: a delta against the base when the learner holds one, else dense. A
-        delta that some worker (or the service) cannot take, lacking its base, goes again dense to every worker."""
+                   checked: bool = True, delta: bool = True) -> str:
+        """A full push in the engine's dtype: a delta against the base when `delta` and the learner holds one, else
+        dense. A delta that some worker (or the service) cannot take, lacking its base, goes again dense to every
+        worker."""
         t1 = time.perf_counter()
-        wire = self.deltas.wire(manifest, items, checked=checked)
+        wire = self.deltas.wire(manifest, items, delta=delta, checked=checked)
         t2 = time.perf_counter()
+        timed = True
         try:
             self._send_wire(kind, manifest, wire, version)
         except ValueError as e:
             if wire.plan is None or NO_BASE not in str(e):
                 raise
-            wire = self.deltas.wire(manifest, items, delta=False)
+            wire, timed = self.deltas.wire(manifest, items, delta=False), False  # (two pushes' time: not timed)
             self._send_wire(kind, manifest, wire, version)
         self.deltas.commit(wire, version, items)
         t3 = time.perf_counter()
+        if timed:
+            self.paces.setdefault(kind, PushPace()).note(wire.plan is not None, t3 - t1)
         self.last_timings = {"transport": kind, "check_s": t1 - t0, "pack_s": t2 - t1, "service_s": t3 - t2}
         self.last_push = {"delta": wire.plan is not None, "wire_bytes": wire.nbytes, "dense_bytes": manifest.nbytes}
         return kind
