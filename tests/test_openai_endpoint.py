@@ -115,6 +115,17 @@ def test_a_stream_shows_each_token_as_sampled_and_nothing_a_stop_string_cuts(htt
     assert reasons == {"stop", "length"}, "seeds where the stop string cut the text and where it did not"
 
 
+def test_a_call_that_may_call_tools_streams_each_choice_whole_and_one_that_may_not_token_by_token(http):
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    for choice, per_token in (("auto", False), ("none", True)):
+        body = {"messages": USER, "max_tokens": 6, "seed": 2, "tools": tools, "tool_choice": choice}
+        want = post(http, "/v1/chat/completions", body).json()["choices"][0]
+        chunks = [json.loads(e) for e in _events(post(http, "/v1/chat/completions", {**body, "stream": True}).text)[:-1]]
+        got = [c for c in _pieces(chunks, 0) if c["delta"].get("content")]
+        assert len(got) == (6 if per_token else 1), choice
+        assert "".join(c["delta"]["content"] for c in got) == want["message"]["content"], choice
+
+
 def test_tools_are_rendered_by_the_template(http, tok):
     tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
     r = post(http, "/v1/chat/completions", {"messages": USER, "tools": tools, "tool_choice": "auto", "max_tokens": 2})

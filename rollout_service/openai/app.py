@@ -196,11 +196,11 @@ def _releaser(rt: Runtime, p: calls.Prepared) -> Callable[[], None]:
 async def _events(rt: Runtime, p: calls.Prepared, call: Any, chat: bool, request: Request,
                   release: Callable[[], None]) -> AsyncIterator[bytes]:
     """The SSE stream of one call: role chunks at once (chat), each choice's text as it is sampled (a chat
-    call offered tools: each choice whole once done), the usage chunk if asked for, then `data: [DONE]`. An
+    call that may call tools: each choice whole once done), the usage chunk if asked for, then `data: [DONE]`. An
     error after the stream began is an error event."""
     rid, model, results, finished, failed = out.new_id("chatcmpl" if chat else "cmpl"), rt.svc.model, [], False, False
-    pieces = None if chat and call.tools else CallStream(rt.svc.renderer, call.sampling.stop, chat, call.logprobs,
-                                                           rid, model)
+    whole = chat and call.tools and call.tool_choice != "none"  # (tool calls are read from the finished text)
+    pieces = None if whole else CallStream(rt.svc.renderer, call.sampling.stop, chat, call.logprobs, rid, model)
     try:
         for i in range(call.sampling.n if chat else 0):
             yield out.sse(out.chat_role_chunk(i, rid, model))
