@@ -95,3 +95,41 @@ def test_the_openai_client_parses_the_calls_of_a_response_and_of_a_stream(tok):
     plain = ChatCompletion.model_validate(out.envelope("chat.completion", "c", "m", choices=[
         out.chat_choice(r, renderer, False)]))
     assert plain.choices[0].message.tool_calls is None and plain.choices[0].message.content == TWO_CALLS
+
+
+def _streamed(tok, text: str, sizes: list[int], offered: out.Tools) -> tuple[list[dict], dict]:
+    """The chunks of a choice whose tokens arrive in deltas of `sizes` tokens (repeated), then its result."""
+    from rollout_service.api.deltas import TokenDelta
+    from rollout_service.openai.token_stream import CallStream
+
+    r = _result(tok, text)
+    stream = CallStream(ChatRenderer(tok, len(tok), {tok.eos_token_id}), [], True, False, "c", "m", offered)
+    chunks, at, k = [], 0, 0
+    while at < len(r.token_ids) - 1:  # (the last token comes with the result, as in the engine)
+        n = min(sizes[k % len(sizes)], len(r.token_ids) - 1 - at)
+        d = TokenDelta("r", 0, at, r.token_ids[at:at + n], [-0.5] * n, [0] * n, None, 0)
+        chunks += [c for c in [stream.on_delta(d)] if c is not None]
+        at, k = at + n, k + 1
+    last = stream.on_result(r)
+    return [c["choices"][0]["delta"] for c in chunks], last["choices"][0]
+
+
+@pytest.mark.parametrize("text", [TWO_CALLS, "No call here, just text  ", "<tool_call>{not json}</tool_call> ok",
+                                  ' \nLead <tool_call>{"name": "add", "arguments": {}}</tool_call>',
+                                  'Use <tool_ and then <tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'])
+@pytest.mark.parametrize("sizes", [[1], [2, 3, 1]])
+def test_a_stream_offering_tools_shows_content_as_sampled_and_the_calls_at_the_end(tok, text, sizes):
+    offered = out.Tools(TOOLS, "auto", [1, 2])
+    whole = out.chat_choice(_result(tok, text), ChatRenderer(tok, len(tok), {tok.eos_token_id}), False, offered)
+    live, last = _streamed(tok, text, sizes, offered)
+    assert not any("tool_calls" in d for d in live) and all("<tool_call>" not in d["content"] for d in live)
+    content = "".join(d["content"] for d in live) + last["delta"]["content"]
+    assert content == (whole["message"]["content"] or "")  # the chunks add up to the plain answer's content
+    calls = [(c["index"], c["function"]) for c in last["delta"].get("tool_calls", [])]
+    assert calls == [(i, c["function"]) for i, c in enumerate(whole["message"].get("tool_calls", []))]
+    assert last["finish_reason"] == whole["finish_reason"]
+    from openai.types.chat import ChatCompletionChunk
+    parsed = ChatCompletionChunk.model_validate(out.envelope("chat.completion.chunk", "c", "m", choices=[last]))
+    assert [c.function.name for c in parsed.choices[0].delta.tool_calls or []] == [f["name"] for _, f in calls]
+    if not text[:1].isspace() and text.split("<tool_call>")[0].strip():
+        assert live, "the content before the first call came before the end"

@@ -113,5 +113,6 @@ def test_streamed_text_adds_up_to_the_decode_of_every_token_of_a_real_tokenizer(
             assert whole.startswith(shown) and "\ufffd" not in shown
             assert not stops or "59 🎉"[:-1] not in shown[len(shown) - 3:], "a stop string's start was shown"
         assert len(shown) >= len(whole) - max(map(len, stops), default=0) - 8, "text held back for no reason"
-        rest, _ = choice.finish(RolloutResult("r", 0, [1], ids, [0.0] * len(ids), [0] * len(ids), "length", whole))
+        result = RolloutResult("r", 0, [1], ids, [0.0] * len(ids), [0] * len(ids), "length", whole)
+        rest, _ = choice.finish(result, result.text)
         assert shown + rest == whole

@@ -23,6 +23,7 @@ from rollout_service.openai.auth import check_bearer, resolve_token
 from rollout_service.openai.schemas import ApiError, Limits, parse_chat, parse_completion
 from rollout_service.openai.templates import renderer_for
 from rollout_service.openai.token_stream import CallStream, Diverged
+from rollout_service.openai.tool_calls import reads_by_template
 from rollout_service.openai.trajectories import remember_store, sessions_for
 
 logger = logging.getLogger("rollout_service.openai")
@@ -195,12 +196,15 @@ def _releaser(rt: Runtime, p: calls.Prepared) -> Callable[[], None]:
 
 async def _events(rt: Runtime, p: calls.Prepared, call: Any, chat: bool, request: Request,
                   release: Callable[[], None]) -> AsyncIterator[bytes]:
-    """The SSE stream of one call: role chunks at once (chat), each choice's text as it is sampled (a chat
-    call that may call tools: each choice whole once done), the usage chunk if asked for, then `data: [DONE]`. An
+    """The SSE stream of one call: role chunks at once (chat), each choice's text as it is sampled (a chat call
+    that may call tools: its content while surely content, the calls at the end; where a tokenizer's response
+    template reads the calls, each choice whole once done), the usage chunk if asked for, then `data: [DONE]`. An
     error after the stream began is an error event."""
     rid, model, results, finished, failed = out.new_id("chatcmpl" if chat else "cmpl"), rt.svc.model, [], False, False
-    whole = chat and call.tools and call.tool_choice != "none"  # (tool calls are read from the finished text)
-    pieces = None if whole else CallStream(rt.svc.renderer, call.sampling.stop, chat, call.logprobs, rid, model)
+    tools = _offered(call, p) if chat and call.tools and call.tool_choice != "none" else None
+    whole = tools is not None and reads_by_template(rt.svc.renderer.tokenizer)  # a format read once done
+    pieces = None if whole else CallStream(rt.svc.renderer, call.sampling.stop, chat, call.logprobs, rid, model,
+                                           tools)
     try:
         for i in range(call.sampling.n if chat else 0):
             yield out.sse(out.chat_role_chunk(i, rid, model))

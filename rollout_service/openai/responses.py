@@ -88,7 +88,7 @@ class Tools:
     prompt_ids: Sequence[int] = ()
 
 
-def _turn(r: RolloutResult, renderer: ChatRenderer, offered: Tools) -> tuple[dict, str]:
+def turn_of(r: RolloutResult, renderer: ChatRenderer, offered: Tools) -> tuple[dict, str]:
     """The message fields of a chat choice (content, and tool_calls when the model called tools) and its
     finish reason ("tool_calls" for a turn that ended with calls)."""
     turn = read_turn(r.text, r.token_ids, offered.prompt_ids, renderer.tokenizer, offered.tools,
@@ -100,7 +100,7 @@ def _turn(r: RolloutResult, renderer: ChatRenderer, offered: Tools) -> tuple[dic
 
 
 def chat_choice(r: RolloutResult, renderer: ChatRenderer, logprobs: bool, offered: Tools = Tools()) -> dict:
-    message, reason = _turn(r, renderer, offered)
+    message, reason = turn_of(r, renderer, offered)
     return {"index": r.sample_index, "message": {"role": "assistant", **message}, "finish_reason": reason,
             "logprobs": chat_logprobs(r, renderer) if logprobs else None, **_extras(r)}
 
@@ -120,8 +120,8 @@ def sse(data: Any) -> bytes:
 
 
 def chat_role_chunk(index: int, rid: str, model: str) -> dict:
-    """A choice's first chunk, sent at once: the role (its text follows as it is sampled, or, for a call given
-    tools, when the sample is done)."""
+    """A choice's first chunk, sent at once: the role (its text follows as it is sampled; tool calls at its
+    end)."""
     choice = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
     return envelope("chat.completion.chunk", rid, model, choices=[choice])
 
@@ -129,10 +129,11 @@ def chat_role_chunk(index: int, rid: str, model: str) -> dict:
 def chat_chunk(r: RolloutResult, renderer: ChatRenderer, logprobs: bool, rid: str, model: str,
                offered: Tools = Tools()) -> dict:
     """A finished choice's text (and tool calls), with its logprobs, token ids, versions and finish reason, as
-    one delta: a call given tools is streamed whole, since its text may be read as tool calls only once done."""
-    delta, reason = _turn(r, renderer, offered)
-    if "tool_calls" in delta:  # a stream's calls carry their place in the list
-        delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(delta["tool_calls"])]
+    one delta: a call whose turn a tokenizer's response template reads is streamed whole, since its text may be
+    read as tool calls only once done."""
+    delta, reason = turn_of(r, renderer, offered)
+    if "tool_calls" in delta:
+        delta["tool_calls"] = indexed(delta["tool_calls"])
     choice = {"index": r.sample_index, "delta": delta, "finish_reason": reason,
               "logprobs": chat_logprobs(r, renderer) if logprobs else None, **_extras(r)}
     return envelope("chat.completion.chunk", rid, model, choices=[choice])
@@ -142,12 +143,20 @@ def completion_chunk(r: RolloutResult, renderer: ChatRenderer, logprobs: bool, r
     return envelope("text_completion", rid, model, choices=[completion_choice(r, renderer, logprobs)])
 
 
+def indexed(calls: list[dict]) -> list[dict]:
+    """Tool calls as a stream's delta carries them: each with its place in the list."""
+    return [{"index": i, **c} for i, c in enumerate(calls)]
+
+
 def chat_piece_chunk(index: int, text: str, logprobs: dict | None, rid: str, model: str,
-                     r: RolloutResult | None = None) -> dict:
+                     r: RolloutResult | None = None, tool_calls: list[dict] | None = None,
+                     reason: str | None = None) -> dict:
     """A token-streamed chat choice's next text (and its tokens' logprobs); with `r`, the last chunk: its
-    finish reason, token ids and policy versions (of the whole sample)."""
-    choice = {"index": index, "delta": {"content": text}, "logprobs": logprobs,
-              "finish_reason": None if r is None else finish_reason(r), **({} if r is None else _extras(r))}
+    finish reason (`reason`, else the sample's), token ids and policy versions (of the whole sample), and the
+    turn's tool calls if it made any."""
+    delta = {"content": text, **({"tool_calls": indexed(tool_calls)} if tool_calls else {})}
+    choice = {"index": index, "delta": delta, "logprobs": logprobs,
+              "finish_reason": None if r is None else reason or finish_reason(r), **({} if r is None else _extras(r))}
     return envelope("chat.completion.chunk", rid, model, choices=[choice])
 
 

@@ -7,6 +7,11 @@ stop string begins and that string may still be forming. So the chunks of a choi
 The one case where they cannot: a sample generated again (its worker died, or its tokens went stale) whose new
 text does not extend what was shown; the call then ends with an error (ChoiceStream.finish raises Diverged) and
 its session records nothing.
+
+A chat call that may call tools (the common <tool_call> convention: tool_calls.py) streams the turn's content
+while it is surely content: up to the first <tool_call> or what may be its start, less trailing whitespace. The
+last chunk carries the rest of the content and the calls read from the finished text, so the chunks again add up
+to the answer a call without `stream` gets.
 """
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ from rollout_service.api.deltas import TokenDelta
 from rollout_service.api.types import RolloutResult
 from rollout_service.openai import responses as out
 from rollout_service.openai.templates import ChatRenderer
+from rollout_service.openai.tool_calls import surely_content
 
 PARTIAL_CHAR = "\ufffd"  # what a token ending inside a multi-byte character decodes to
 
@@ -30,9 +36,11 @@ class ChoiceStream:
     those of the one before, diffed against the decode of those alone), so a long answer costs linear time,
     not a decode of all its tokens at every delta."""
 
-    def __init__(self, decode: Callable[[list[int]], str], stops: list[str]):
+    def __init__(self, decode: Callable[[list[int]], str], stops: list[str],
+                 shown_of: Callable[[str], int] = len):
         self._decode = decode
         self._hold = max((len(s) for s in stops), default=1) - 1
+        self._shown_of = shown_of  # how much of the text so far may be shown (tool calls: its sure content)
         self.attempt = 0
         self.tokens: list[int] = []
         self.text = ""       # the text of self.tokens[:self._read]
@@ -49,7 +57,7 @@ class ChoiceStream:
             return "", range(0)  # (deltas of one attempt come in order: never seen)
         self.tokens += d.token_ids
         self.text += self._new_text()
-        ready = self.text[:max(0, len(self.text) - self._hold)]
+        ready = self.text[:max(0, min(len(self.text) - self._hold, self._shown_of(self.text)))]
         piece = ready[len(self.shown):] if ready.startswith(self.shown) else ""
         self.shown += piece
         return piece, self._logs(len(self.tokens))
@@ -65,13 +73,14 @@ class ChoiceStream:
         self._prefix, self._read = self._read, len(self.tokens)
         return after[len(before):]
 
-    def finish(self, r: RolloutResult) -> tuple[str, range]:
-        """The rest of the choice's text and of its log-probs, from its result."""
-        if not r.text.startswith(self.shown):
+    def finish(self, r: RolloutResult, text: str) -> tuple[str, range]:
+        """The rest of the choice's `text` (its result's, or its content when it called tools) and of its
+        log-probs."""
+        if not text.startswith(self.shown):
             raise Diverged(f"choice {r.sample_index} was generated again (its worker failed, or its tokens went "
                            f"stale), and the new sample differs from the text already streamed: call again (a call "
                            f"with stream false is answered whole)")
-        piece, self.shown = r.text[len(self.shown):], r.text
+        piece, self.shown = text[len(self.shown):], text
         return piece, self._logs(len(r.token_ids))
 
     def _logs(self, end: int) -> range:
@@ -80,11 +89,13 @@ class ChoiceStream:
 
 
 class CallStream:
-    """The chunks of one token-streamed call (a completion, or a chat call offered no tools), by sample index."""
+    """The chunks of one token-streamed call (a completion or a chat call; `tools`: what a chat call that may call
+    tools offered), by sample index."""
 
-    def __init__(self, renderer: ChatRenderer, stops: list[str], chat: bool, logprobs: bool, rid: str, model: str):
+    def __init__(self, renderer: ChatRenderer, stops: list[str], chat: bool, logprobs: bool, rid: str, model: str,
+                 tools: out.Tools | None = None):
         self._renderer, self._stops, self._chat, self._logprobs = renderer, stops, chat, logprobs
-        self._rid, self._model = rid, model
+        self._rid, self._model, self._tools = rid, model, tools
         self._choices: dict[int, ChoiceStream] = {}
         self._offsets: dict[int, int] = {}  # completions: where the next chunk's logprobs start in the text
 
@@ -97,18 +108,23 @@ class CallStream:
 
     def on_result(self, r: RolloutResult) -> dict:
         """The choice's last chunk (Diverged if a sample generated again no longer extends what was shown)."""
-        piece, span = self._choice(r.sample_index).finish(r)
-        return self._chunk(r.sample_index, piece, result_span(r, span) if self._logprobs else None, r)
+        message, reason = ({"content": r.text}, None) if self._tools is None else \
+            out.turn_of(r, self._renderer, self._tools)
+        piece, span = self._choice(r.sample_index).finish(r, message["content"] or "")
+        return self._chunk(r.sample_index, piece, result_span(r, span) if self._logprobs else None, r,
+                           message.get("tool_calls"), reason)
 
     def _choice(self, index: int) -> ChoiceStream:
         if index not in self._choices:
-            self._choices[index] = ChoiceStream(self._renderer.decode, self._stops)
+            shown_of = len if self._tools is None else surely_content
+            self._choices[index] = ChoiceStream(self._renderer.decode, self._stops, shown_of)
         return self._choices[index]
 
-    def _chunk(self, index: int, piece: str, span: out.Span | None, r: RolloutResult | None = None) -> dict:
+    def _chunk(self, index: int, piece: str, span: out.Span | None, r: RolloutResult | None = None,
+               tool_calls: list[dict] | None = None, reason: str | None = None) -> dict:
         if self._chat:
             logprobs = None if span is None else out.chat_logprobs_of(span, self._renderer)
-            return out.chat_piece_chunk(index, piece, logprobs, self._rid, self._model, r)
+            return out.chat_piece_chunk(index, piece, logprobs, self._rid, self._model, r, tool_calls, reason)
         logprobs = None
         if span is not None:
             logprobs = out.completion_logprobs_of(span, self._renderer, self._offsets.get(index, 0))

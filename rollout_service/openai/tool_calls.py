@@ -5,7 +5,8 @@ transformers' `parse_response` reads it; otherwise the convention most open tool
 (Qwen2.5 and Qwen3, Hermes, ...): each call a JSON object {"name": ..., "arguments": {...}} between <tool_call>
 and </tool_call>. A call that does not parse stays in the content: it is what the model wrote, and the agent
 sees it as text (an error here would lose the turn). The tokens are untouched either way: a session records
-what was sampled, not how it was read.
+what was sampled, not how it was read. While a turn streams, `surely_content` says how much of its text is
+content whatever comes next (token_stream.py shows that much).
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+OPEN = "<tool_call>"
 
 
 @dataclass
@@ -41,10 +43,30 @@ def read_turn(text: str, token_ids: Sequence[int] = (), prompt_ids: Sequence[int
                 [_openai_call(name, args) for name, args in calls or ()])
 
 
+def reads_by_template(tokenizer: Any) -> bool:
+    """Whether calls are read by the tokenizer's response template (a format only known once the turn is done)."""
+    return getattr(tokenizer, "response_template", None) is not None and hasattr(tokenizer, "parse_response")
+
+
+def surely_content(text: str) -> int:
+    """How much of a turn's text so far is content whatever comes next (the common convention): the text before
+    the first <tool_call> or before what may be its start, less trailing whitespace (content around calls is
+    stripped). A turn that starts with whitespace: none until done (its content is stripped only if it calls)."""
+    if text[:1].isspace():
+        return 0
+    end = text.find(OPEN)
+    if end < 0:
+        end = len(text) - next((k for k in range(min(len(OPEN) - 1, len(text)), 0, -1)
+                                if OPEN.startswith(text[-k:])), 0)
+    while end and text[end - 1].isspace():
+        end -= 1
+    return end
+
+
 def _by_template(token_ids: Sequence[int], prompt_ids: Sequence[int], tokenizer: Any,
                  tools: list) -> tuple[str | None, list] | None:
     """(content, [(name, arguments)]) by the tokenizer's response template; None where it has none or it fails."""
-    if getattr(tokenizer, "response_template", None) is None or not hasattr(tokenizer, "parse_response"):
+    if not reads_by_template(tokenizer):
         return None
     try:
         msg = tokenizer.parse_response(list(token_ids), prefix=list(prompt_ids), tools=tools)
