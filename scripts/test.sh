@@ -11,7 +11,8 @@ if [ $# -gt 0 ]; then exec "${PYTEST[@]}" "$@"; fi
 # (tests/ray_fixtures.py), the second half the modules below, the first every other one. The shard without Ray
 # gets an address where no Ray answers, so that a test there that started using Ray fails instead of joining one.
 SECOND_HALF=(tests/test_ray_delta.py tests/test_ray_faults.py tests/test_ray_colocate.py tests/test_newcomer.py
-             tests/test_ray_scale.py tests/test_ray_multinode.py tests/test_ray_nodes.py tests/test_ray_job.py)
+             tests/test_ray_scale.py tests/test_ray_multinode.py tests/test_ray_nodes.py tests/test_ray_job.py
+             tests/test_overflow_guard.py)
 # each shard lists its 20 slowest tests: the suite must stay under 15 minutes on a 2-core machine
 SHARD=(-p no:cacheprovider --durations=20)
 first_half=()
