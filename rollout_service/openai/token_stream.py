@@ -108,8 +108,9 @@ class CallStream:
 
     def on_result(self, r: RolloutResult) -> dict:
         """The choice's last chunk (Diverged if a sample generated again no longer extends what was shown)."""
-        message, reason = ({"content": r.text}, None) if self._tools is None else \
-            out.turn_of(r, self._renderer, self._tools)
+        message, reason = {"content": r.text}, None
+        if self._tools is not None:  # its content and calls, read from the finished text
+            message, reason = out.turn_of(r, self._renderer, self._tools)
         piece, span = self._choice(r.sample_index).finish(r, message["content"] or "")
         return self._chunk(r.sample_index, piece, result_span(r, span) if self._logprobs else None, r,
                            message.get("tool_calls"), reason)
