@@ -49,6 +49,22 @@ def project(ops: Ops, x: torch.Tensor | Fp8Rows, weight: torch.Tensor, bias: tor
     return ops.linear(x, weight, bias) if scale is None else ops.fp8_linear(x, weight, scale, bias)
 
 
+class Linear(nn.Linear):
+    """nn.Linear without its initialiser: a DecoderLM is built on the meta device and its weights loaded after,
+    and an initialiser's first run on the meta device imports torch's Python meta kernels (~1 s of CPU in every
+    process that builds an engine: each rollout worker and its restarts)."""
+
+    def reset_parameters(self) -> None:
+        pass
+
+
+class Embedding(nn.Embedding):
+    """nn.Embedding without its initialiser (see Linear)."""
+
+    def reset_parameters(self) -> None:
+        pass
+
+
 class RMSNorm(nn.Module):
     """Holds the weight; the computation is the ops backend's."""
 
@@ -67,10 +83,10 @@ class Attention(nn.Module):
         self.head_dim = rope_head_dim(config)
         self.scale = self.head_dim**-0.5
         self.ops = ops
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=flags.qkv_bias)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=flags.qkv_bias)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=flags.qkv_bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=flags.o_bias)
+        self.q_proj = Linear(hidden, self.num_heads * self.head_dim, bias=flags.qkv_bias)
+        self.k_proj = Linear(hidden, self.num_kv_heads * self.head_dim, bias=flags.qkv_bias)
+        self.v_proj = Linear(hidden, self.num_kv_heads * self.head_dim, bias=flags.qkv_bias)
+        self.o_proj = Linear(self.num_heads * self.head_dim, hidden, bias=flags.o_bias)
         if flags.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -108,9 +124,9 @@ class MLP(nn.Module):
         super().__init__()
         self.ops = ops
         hidden, inter = config.hidden_size, config.intermediate_size
-        self.gate_proj = nn.Linear(hidden, inter, bias=flags.mlp_bias)
-        self.up_proj = nn.Linear(hidden, inter, bias=flags.mlp_bias)
-        self.down_proj = nn.Linear(inter, hidden, bias=flags.mlp_bias)
+        self.gate_proj = Linear(hidden, inter, bias=flags.mlp_bias)
+        self.up_proj = Linear(hidden, inter, bias=flags.mlp_bias)
+        self.down_proj = Linear(inter, hidden, bias=flags.mlp_bias)
         self.gate_up: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self.gate_up_scale = self.down_scale = None  # per-channel scales once the weights are FP8
 
@@ -169,7 +185,7 @@ class Backbone(nn.Module):
     def __init__(self, config: Any, flags: ArchFlags, ops: Ops, moe: MoeSpec | None):
         super().__init__()
         self.ops = ops
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, flags, ops, i, moe) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -195,7 +211,7 @@ class DecoderLM(nn.Module):
         self.max_positions = max_positions or config.max_position_embeddings
         self.moe = moe_spec(config)  # None for a dense model
         self.model = Backbone(config, flags, self.ops, self.moe)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_embeddings()
         # Not in the state dict (HF does not save it either); follows .to(dtype) like HF's cos/sin cast.
         self.register_buffer("cos_sin", build_cos_sin_cache(config, self.max_positions), persistent=False)
