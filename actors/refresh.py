@@ -33,8 +33,7 @@ import ray
 from rollout_service.connections.remote_errors import error_text, is_down
 from actors.workers import Stalled, WorkerTable
 from rollout_service.api.checks import check_policy_version
-from rollout_service.weights.delta import NO_BASE
-from rollout_service.weights.transport import REGROUP
+from rollout_service.weights.refusals import NO_BASE, REGROUP
 
 
 # A refresh call (prepare, receive, apply, discard) that a worker has not answered in this long fails the refresh

@@ -18,21 +18,19 @@ import os
 import threading
 import time
 import uuid
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import ray
 
 from actors.quarantine import UserCodeWatch, announce_exits
 from rollout_service.connections.remote_errors import error_text
 from actors.reward_pool import RewardPool
-from rollout_service.host import EngineHost
-from rollout_service.model.weight_update import model_dtype
 from rollout_service.results.payloads import Header, pack
 from rollout_service.api.deltas import TokenDelta
 from rollout_service.api.types import RolloutRequest, RolloutResult
-from rollout_service.weights.cuda_ipc import visible_gpus
-from rollout_service.weights.group import GroupSpec
-from rollout_service.weights.receiver import WeightReceiver
+
+if TYPE_CHECKING:
+    from rollout_service.weights.group import GroupSpec
 
 
 class RolloutWorker:
@@ -41,7 +39,12 @@ class RolloutWorker:
                  engine_factory: Callable[[dict], Any] | None = None):
         """`engine_factory(engine_config)`: builds the engine instead of Engine(...); for the control-plane
         benchmark's fabricating engine only (benchmarks/harness/fabricated.py), which no config can name."""
+        # The engine side (torch, the engine, the weight receiver) is imported here, in the worker's process: the
+        # router imports this module to start workers and must not pay for torch (~1.5 s of CPU, ~100 MB).
         from transformers.utils import logging as hf_logging
+
+        from rollout_service.host import EngineHost
+        from rollout_service.weights.receiver import WeightReceiver
 
         hf_logging.disable_progress_bar()  # N workers' load bars would interleave in the driver's log
         self.worker_index = worker_index
@@ -234,6 +237,7 @@ class RolloutWorker:
              "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
         if self.startup_error is not None:
             return h
+        from rollout_service.weights.cuda_ipc import visible_gpus
         return {**h, "alive": self.host.alive, "error": self.host.error, "device": str(self.engine.device),
                 "gpus": visible_gpus(), **_weights_kind(self.engine),
                 "policy_version": self.engine.policy_version, "weight_group": self.receiver.group_id()}
@@ -250,6 +254,7 @@ class RolloutWorker:
 def _weights_kind(engine: Any) -> dict:
     """The dtype the engine holds its weights in and its quantization: what a learner casts a delta push to (or
     why it sends dense). None for an engine with no model (the control-plane benchmark's)."""
+    from rollout_service.model.weight_update import model_dtype
     model = getattr(engine, "model", None)
     return {"weights_dtype": model_dtype(model) if model is not None else None,
             "quantization": getattr(getattr(engine, "config", None), "quantization", None)}

@@ -9,8 +9,9 @@ import torch
 from rollout_service.api.types import RolloutRequest, SamplingParams
 from rollout_service.engine.engine import Engine
 from rollout_service.model.weight_update import current_weights
-from rollout_service.weights import named_items
-from rollout_service.weights.delta import NO_BASE, decode, encode
+from rollout_service.weights.buckets import named_items
+from rollout_service.weights.delta import decode, encode
+from rollout_service.weights.refusals import NO_BASE
 from test_delta_encoding import _base
 from tiny_models import tiny_hf_model
 

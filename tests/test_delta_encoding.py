@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from rollout_service.weights import Buckets, named_items, plan
+from rollout_service.weights.buckets import Buckets, named_items, plan
 from rollout_service.weights.delta import (BucketCode, DeltaPlan, SKIP, apply, code_count, decode, decode_positions,
                                            encode, encode_positions)
 from rollout_service.weights.delta_sender import (PROBE_EVERY, DeltaSender, PushPace, check_delta, delta_dtype,

@@ -65,3 +65,32 @@ def test_the_import_time_scan_sees_a_top_level_import(tmp_path):
     src.write_text("import os\nfrom actors.router import RouterActor\n\ndef f():\n    from actors.control import x\n")
     mods["rollout_service.fake"] = Module("rollout_service.fake", src, 5)
     assert _actors_imported_at_import_time(mods) == {"rollout_service.fake": ["actors.router"]}
+
+
+def test_the_router_reads_a_refresh_payload_without_importing_torch():
+    """A router process passes every refresh on to its workers, so it unpickles the payload's manifest and delta
+    plan (weights/manifest.py): neither they nor the router's modules may import torch (~1.5 s of CPU and ~100 MB
+    in every router process)."""
+    import pickle
+    import subprocess
+    import sys
+
+    import torch
+
+    from rollout_service.weights.buckets import Buckets, plan
+    from rollout_service.weights.delta import encode
+
+    old = {"a": torch.zeros(300), "b": torch.ones(4, 4)}
+    manifest = plan(list(old.items()))
+    base = Buckets(manifest)
+    base.fill(list(old.items()))
+    new = [("a", torch.zeros(300).index_fill_(0, torch.tensor([7]), 1.0)), ("b", torch.ones(4, 4))]
+    delta, _ = encode(manifest, new, base, base_version=1)
+    assert any(b.sparse for b in delta.buckets)  # a real sparse plan, not only dense buckets
+    code = ("import pickle, sys; import actors.router; p = pickle.loads(sys.stdin.buffer.read()); "
+            "assert p['delta'].wire_manifest().nbytes > 0 and p['manifest'].names() == ['a', 'b']; "
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
+    proc = subprocess.run([sys.executable, "-c", code], input=pickle.dumps({"manifest": manifest, "delta": delta}),
+                          capture_output=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 0, proc.stderr.decode()[-2000:]
+    assert proc.stdout.decode().strip() == "[]"

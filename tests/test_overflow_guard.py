@@ -9,7 +9,7 @@ import torch
 
 from rollout_service.engine.engine import Engine
 from rollout_service.api.types import RolloutRequest, SamplingParams
-from rollout_service.weights import named_items
+from rollout_service.weights.buckets import named_items
 from rollout_service.weights.canary import LIMIT, reject_overflowing
 from tiny_models import tiny_hf_model
 

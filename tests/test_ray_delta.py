@@ -19,7 +19,7 @@ import torch
 
 from ray_fixtures import kill_worker, wait_for
 from rollout_service.client import RolloutClient
-from rollout_service.weights import named_items, plan
+from rollout_service.weights.buckets import named_items, plan
 from rollout_service.weights.delta import encode
 
 pytest_plugins = ["ray_fixtures"]

@@ -205,6 +205,9 @@ def test_refresh_bad_is_refused_everywhere_good_one_switches_version(client, loc
     assert after[0].token_ids == want[0].token_ids
     with pytest.raises(ValueError, match="version"):
         client.update_weights(new, 1)  # versions only go forward
+    # the router passed refreshes and results on without loading torch (tests/test_layers.py says why)
+    router = client._connection.router
+    assert not ray.get(router.__ray_call__.remote(lambda _: "torch" in __import__("sys").modules))
 
 
 def test_worker_killed_mid_batch_all_results_once_and_restarted_worker_catches_up(client, make_tiny_llama):

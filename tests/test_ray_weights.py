@@ -13,7 +13,7 @@ import torch
 from ray_fixtures import cpu_engine
 from rollout_service.client import RolloutClient
 from rollout_service.api.types import RolloutRequest, SamplingParams
-from rollout_service.weights import named_items
+from rollout_service.weights.buckets import named_items
 
 pytest_plugins = ["ray_fixtures"]
 pytestmark = pytest.mark.ray

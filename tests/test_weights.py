@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rollout_service.weights import Buckets, named_items, pack, plan, reject_nonfinite, unpack, views
-from rollout_service.weights.buckets import reuse_or_allocate
+from rollout_service.weights.buckets import (Buckets, named_items, pack, plan, reject_nonfinite, reuse_or_allocate,
+                                             unpack, views)
 from rollout_service.weights.transport import WorkerPlace, choose_transport, ipc_refusal
 
 

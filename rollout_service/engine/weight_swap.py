@@ -33,7 +33,8 @@ from rollout_service.model.weight_update import (apply_named_tensors, current_we
 from rollout_service.results.receipts import weights_digest
 from rollout_service.weights.buckets import TensorEntry, named_items, reject_nonfinite
 from rollout_service.weights.canary import reject_overflowing
-from rollout_service.weights.delta import NO_BASE, Write, apply
+from rollout_service.weights.delta import Write, apply
+from rollout_service.weights.refusals import NO_BASE
 
 
 class WeightSwap:

@@ -15,40 +15,11 @@ from typing import Iterable, Iterator, Mapping, Sequence, Union
 import numpy as np
 import torch
 
+from rollout_service.weights.manifest import Manifest, TensorEntry
+
 NamedTensors = Union[Mapping[str, torch.Tensor], Iterable[tuple[str, torch.Tensor]]]
 DEFAULT_BUCKET_BYTES = 512 << 20
 _ALIGN = 64  # every tensor starts on a 64-byte boundary, so views are aligned for any dtype and kernel
-
-
-@dataclass(frozen=True)
-class TensorEntry:
-    name: str
-    dtype: str          # torch dtype name, e.g. "bfloat16"
-    shape: tuple[int, ...]
-    bucket: int
-    offset: int
-    nbytes: int
-
-    def torch_dtype(self) -> torch.dtype:
-        dtype = getattr(torch, self.dtype, None)
-        if not isinstance(dtype, torch.dtype):
-            raise ValueError(f"update_weights: {self.name!r} has unknown dtype {self.dtype!r}")
-        return dtype
-
-
-@dataclass(frozen=True)
-class Manifest:
-    """Where each tensor of a refresh lives in the buckets. Equal manifests share one set of buffers."""
-
-    entries: tuple[TensorEntry, ...]
-    bucket_sizes: tuple[int, ...]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(self.bucket_sizes)
-
-    def names(self) -> list[str]:
-        return [e.name for e in self.entries]
 
 
 def _aligned(n: int) -> int:

@@ -27,56 +27,17 @@ from typing import Sequence
 import torch
 
 from rollout_service.api.values import is_int
-from rollout_service.weights.buckets import Buckets, Manifest, TensorEntry, as_bytes
+from rollout_service.weights.buckets import Buckets, as_bytes
 from rollout_service.weights.canary import LIMIT
 from rollout_service.weights.delta_values import (ESCAPE, decode_values, encode_values, ordered, takes_steps,
                                                   values_nbytes)
+from rollout_service.weights.manifest import BucketCode, DeltaPlan, Manifest, SparseTensor, TensorEntry
 
-NO_BASE = "the delta's base is missing"  # in a refusal that makes the learner push dense instead
 WIDTHS = (1, 2)
 SKIP = {1: 255, 2: 65535}  # elements an escape code (0) skips, per code width
 _CODES = {1: torch.uint8, 2: torch.int16}
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _ALIGN = 8  # codes and values start 8-byte aligned: zero-copy views for any dtype
-
-
-@dataclass(frozen=True)
-class SparseTensor:
-    """One tensor's changed elements inside a sparse bucket."""
-    entry: int      # the tensor's index in manifest.entries
-    count: int      # changed elements (width 0: all of them)
-    width: int      # bytes per position code: 1 or 2; 0: the tensor whole, no codes
-    codes: int      # position codes (count + escapes)
-    codes_at: int   # byte offset of the codes in the bucket
-    values_at: int  # byte offset of the values: raw (engine dtype), or steps from the base (delta_values.py)
-    steps: bool = False
-    raws: int = 0   # steps only: the values sent raw after them (escapes)
-
-
-@dataclass(frozen=True)
-class BucketCode:
-    nbytes: int                                 # the bucket's bytes as sent
-    sparse: tuple[SparseTensor, ...] | None = None  # None: the dense bytes; tensors not listed are unchanged
-
-
-@dataclass(frozen=True)
-class DeltaPlan:
-    """What a delta payload adds to the dense manifest: its base version and how each bucket is sent."""
-    base_version: int
-    buckets: tuple[BucketCode, ...]
-    checked: bool = True  # the receiver checks every value (False: the learner pushed with check_finite=False)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(b.nbytes for b in self.buckets)
-
-    @property
-    def all_dense(self) -> bool:
-        return all(b.sparse is None for b in self.buckets)
-
-    def wire_manifest(self) -> Manifest:
-        """The buckets as sent (no entries): how a receiver sizes the buffers the bytes arrive in."""
-        return Manifest((), tuple(b.nbytes for b in self.buckets))
 
 
 @dataclass(frozen=True)

@@ -21,11 +21,11 @@ from rollout_service.weights.buckets import (DEFAULT_BUCKET_BYTES, Buckets, Mani
                                              reuse_or_allocate)
 from rollout_service.weights.canary import reject_overflowing
 from rollout_service.weights.cuda_ipc import IpcSender, device_uuid
-from rollout_service.weights.delta import NO_BASE
 from rollout_service.weights.delta_sender import DeltaSender, PushPace, Wire, delta_dtype
 from rollout_service.weights.group import COLLECTIVES, GroupSpec, WeightGroup, free_port
 from rollout_service.weights.object_store import ObjectStoreSender
-from rollout_service.weights.transport import REGROUP, WorkerPlace, choose_transport
+from rollout_service.weights.refusals import NO_BASE, REGROUP
+from rollout_service.weights.transport import WorkerPlace, choose_transport
 
 GROUP_BACKENDS = ("auto", *COLLECTIVES)
 Items = Sequence[tuple[str, torch.Tensor]]

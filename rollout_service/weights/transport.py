@@ -13,7 +13,6 @@ import torch
 
 
 TRANSPORTS = ("auto", "object_store", "cuda_ipc", "broadcast")
-REGROUP = "weight group out of date"  # the router's answer when membership changed: the learner forms it again
 
 
 @dataclass(frozen=True)
