@@ -40,7 +40,7 @@ class RolloutWorker:
         """`engine_factory(engine_config)`: builds the engine instead of Engine(...); for the control-plane
         benchmark's fabricating engine only (benchmarks/harness/fabricated.py), which no config can name."""
         # The engine side (torch, the engine, the weight receiver) is imported here, in the worker's process: the
-        # router imports this module to start workers and must not pay for torch (~1.5 s of CPU, ~100 MB).
+        # router imports this module to start workers and must not pay for torch (~1.5 s of CPU, ~180 MB).
         from transformers.utils import logging as hf_logging
 
         from rollout_service.host import EngineHost

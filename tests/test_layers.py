@@ -69,8 +69,8 @@ def test_the_import_time_scan_sees_a_top_level_import(tmp_path):
 
 def test_the_router_reads_a_refresh_payload_without_importing_torch():
     """A router process passes every refresh on to its workers, so it unpickles the payload's manifest and delta
-    plan (weights/manifest.py): neither they nor the router's modules may import torch (~1.5 s of CPU and ~100 MB
-    in every router process)."""
+    plan (weights/manifest.py): neither they nor the router's modules may import torch (~1.5 s of CPU and ~180 MB
+    resident in every router process)."""
     import pickle
     import subprocess
     import sys
