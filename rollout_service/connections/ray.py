@@ -6,10 +6,11 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import time
 import uuid
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -22,7 +23,9 @@ from rollout_service.config import ServiceConfig
 from rollout_service.results.sharded_stream import ShardedStream
 from rollout_service.results.stream import ResultStream, close_streams, hold_sleep, release_sleep, send_closes
 from rollout_service.api.types import RolloutResult
-from rollout_service.weights.push import WeightPusher
+
+if TYPE_CHECKING:
+    from rollout_service.weights.push import WeightPusher
 
 
 def _check_model_here(cfg: ServiceConfig) -> None:
@@ -44,8 +47,18 @@ class RayConnection:
         self.name = name
         self.namespace = namespace
         self._owner = owner  # a launched service is shut down by close(); a connected one is left running
-        self.weights = WeightPusher(router)  # this process is the learner side of every refresh
         self._holder = uuid.uuid4().hex      # who this client is to a sleep lease
+
+    @functools.cached_property
+    def weights(self) -> "WeightPusher":
+        """This process as the learner side of every refresh, made at the first use: a connection that only reads
+        (`rollout-service stats`, `stop`, `scale`) never imports torch (~1.5 s)."""
+        from rollout_service.weights.push import WeightPusher
+        return WeightPusher(self.router)
+
+    def _heal(self) -> bool:
+        """A restarted worker waits for weights only this learner may hold (weights/push.py: heal)."""
+        return "weights" in vars(self) and self.weights.heal()
 
     @classmethod
     def start_service(cls, config: str | dict | ServiceConfig | None = None, **overrides: Any) -> "RayConnection":
@@ -105,7 +118,7 @@ class RayConnection:
             if "errors" in reply:
                 errors += [(idx[i] if i >= 0 else -1, msg) for i, msg in reply["errors"]]
             else:
-                streams.append(ResultStream(self.routers[k], reply["stream"], reply["lease_s"], self.weights.heal,
+                streams.append(ResultStream(self.routers[k], reply["stream"], reply["lease_s"], self._heal,
                                             owner=self))
         if errors:
             for s in streams:  # (a batch is taken all or none)
@@ -195,7 +208,8 @@ class RayConnection:
             return
         close_streams(self)
         release_sleep(self._holder)  # a sleep it asked for ends once the service sees no renewal
-        self.weights.close()
+        if "weights" in vars(self):  # (else nothing was pushed from here)
+            self.weights.close()
         if self._owner:
             _stop_openai_app(self.name)  # (first: its replicas are clients of the service)
             try:
