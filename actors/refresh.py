@@ -61,6 +61,7 @@ class RefreshCoordinator:
         self.replay: list[Logged] | None = []  # None: the current weights cannot be rebuilt without the learner
         self.learner_holds: int | None = None  # version that the learner's last broadcast holds in full
         self.group: dict | None = None         # {"id": str, "members": {worker index: incarnation}}
+        self._joining: tuple[str, asyncio.Task] | None = None  # (group id, the workers joining it)
         self._busy_until: float | None = None
         self._pending: dict | None = None      # a refresh prepared, not yet applied (begin .. finish)
         self.stall_s = stall_s                 # a worker's refresh call unanswered this long: it is stalled
@@ -271,10 +272,21 @@ class RefreshCoordinator:
         return self.group is not None and sorted(self.group["members"]) == targets and \
             all(self.group["members"][i] == inc[i] for i in targets)
 
-    async def form_group(self, spec: Any, members: list[int]) -> str | None:
-        """Workers join as ranks 1..N in `members` order while the learner joins as rank 0."""
+    def form_group(self, spec: Any, members: list[int]) -> str | None:
+        """A refusal, or None: the workers are joining as ranks 1..N in `members` order, and the learner joins as
+        rank 0 once it has this answer (then `joined` says how the workers' joins went). Answering before anyone
+        waits on the group is what lets a refused learner hear it at once, however busy the machine."""
         if members != self.targets():
             return "init_weight_group: the set of live workers changed meanwhile; call it again"
+        self._joining = (spec.group_id, asyncio.ensure_future(self._join(spec, members)))
+        return None
+
+    async def joined(self, group_id: str) -> str | None:
+        if self._joining is None or self._joining[0] != group_id:
+            return "init_weight_group: another weight group was formed meanwhile; call it again"
+        return await self._joining[1]
+
+    async def _join(self, spec: Any, members: list[int]) -> str | None:
         await self._each(members, "leave_weight_group")
         self.group = None
         calls = [self.workers.handles[i].join_weight_group.remote(spec, rank + 1) for rank, i in enumerate(members)]

@@ -231,7 +231,11 @@ class Router:
     async def form_weight_group(self, spec, members: list[int]) -> str | None:
         if self.shards:
             return "init_weight_group: " + BROADCAST_REFUSED.format(n=self.shards.count)
-        return await self.refresh.form_group(spec, members)
+        return self.refresh.form_group(spec, members)
+
+    async def weight_group_joined(self, group_id: str) -> str | None:
+        """After form_weight_group: None once every worker has joined, else why one could not."""
+        return await self.refresh.joined(group_id)
 
     async def weights_digests(self) -> list[str | None]:
         """Per worker: the sha256 of its weights (None for a worker that is down)."""

@@ -238,16 +238,14 @@ class WeightPusher:
         host = args["master_address"] or ray.util.get_node_ip_address()
         members = [t["index"] for t in ray.get(self.router.weight_targets.remote())]
         spec = GroupSpec(uuid.uuid4().hex, host, free_port(), 1 + len(members), args["backend"], args["timeout_s"])
-        formed = self.router.form_weight_group.remote(spec, members)
-        done, _ = ray.wait([formed], timeout=0.5)  # a refusal (membership changed) comes back at once
-        err = ray.get(formed) if done else None
+        err = ray.get(self.router.form_weight_group.remote(spec, members))  # a refusal, before anyone joins
         joined: BaseException | None = None
         if err is None:
             try:
                 self.group = WeightGroup(spec, 0)  # returns once every worker has joined too
             except Exception as e:
                 joined = e
-            err = ray.get(formed)
+            err = ray.get(self.router.weight_group_joined.remote(spec.group_id))
         if err is not None or joined is not None:
             self._leave()
             raise RuntimeError(err or f"init_weight_group: the learner could not join: {joined}")
