@@ -61,20 +61,22 @@ def test_two_colocated_grpo_steps_on_cpu_workers(svc, tiny_model_dir):
 
 
 def test_w6_runs_on_a_tiny_model(ray_cluster, tmp_path):
+    """W6fp8 only: it runs W6's code (w6_rl_step with FP8 engine options) in one service start instead of two; the
+    plain colocated step is the test above."""
     import json
 
     from benchmarks.harness import main
-    rc = main(["--quick", "--device", "cpu", "--model", "tiny-llama", "--workloads", "W6,W6fp8", "--out", str(tmp_path)])
+    rc = main(["--quick", "--device", "cpu", "--model", "tiny-llama", "--workloads", "W6fp8", "--out", str(tmp_path)])
     assert rc == 0
     rows = {r["workload"]: r for p in tmp_path.glob("*.json") for r in json.loads(p.read_text())["rows"]}  # a file a workload
-    step, share, rate = rows["W6"], rows["W6 overhead"], rows["W6 rollout"]
+    step, share, rate = rows["W6fp8"], rows["W6fp8 overhead"], rows["W6fp8 rollout"]
     assert step["engine"]["value"], step["engine"]["note"]
     assert step["engine"]["value"] > 0 and step["details"]["steps_run"] == 2
     assert 0 < share["engine"]["value"] < 1 and rate["engine"]["value"] > 0 and rate["other_peer"]["value"] > 0
     s1 = step["details"]["step1"]
     assert all(s1[f"{p}_s"] >= 0 for p in PHASES) and s1["sleep_s"] > 0 and s1["wake_s"] > 0
     assert step["details"]["fidelity_reports"] and "step1_fidelity_vs_fp32" in step["details"]
-    # FP8 rollouts (bf16 e4m3 products) against the float32 learner, corrected by TIS: a larger step-1 mismatch
-    fp8 = rows["W6fp8"]
-    assert fp8["engine"]["value"] > 0 and fp8["details"]["steps_run"] == 2, fp8["engine"]
-    assert fp8["details"]["step1"]["mismatch_mean"] > s1["mismatch_mean"]
+    assert step["details"]["learner"]["rollout_correction"] == "tis"
+    # FP8 rollouts (bf16 e4m3 products) against the float32 learner: further off than float32 rollouts ever are
+    # (the test above bounds their largest mismatch by 1e-3)
+    assert s1["mismatch_mean"] > 1e-3, s1
