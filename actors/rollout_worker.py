@@ -30,7 +30,7 @@ from rollout_service.api.deltas import TokenDelta
 from rollout_service.api.types import RolloutRequest, RolloutResult
 
 if TYPE_CHECKING:
-    from rollout_service.weights.group import GroupSpec
+    from rollout_service.weights.manifest import GroupSpec
 
 
 class RolloutWorker:

@@ -79,6 +79,7 @@ def test_the_router_reads_a_refresh_payload_without_importing_torch():
 
     from rollout_service.weights.buckets import Buckets, plan
     from rollout_service.weights.delta import encode
+    from rollout_service.weights.manifest import GroupSpec
 
     old = {"a": torch.zeros(300), "b": torch.ones(4, 4)}
     manifest = plan(list(old.items()))
@@ -87,10 +88,12 @@ def test_the_router_reads_a_refresh_payload_without_importing_torch():
     new = [("a", torch.zeros(300).index_fill_(0, torch.tensor([7]), 1.0)), ("b", torch.ones(4, 4))]
     delta, _ = encode(manifest, new, base, base_version=1)
     assert any(b.sparse for b in delta.buckets)  # a real sparse plan, not only dense buckets
+    group = GroupSpec("g", "127.0.0.1", 29500, 3, "gloo", 60.0)  # a broadcast's weight group, formed through it
     code = ("import pickle, sys; import actors.router; p = pickle.loads(sys.stdin.buffer.read()); "
             "assert p['delta'].wire_manifest().nbytes > 0 and p['manifest'].names() == ['a', 'b']; "
+            "assert p['group'].world_size == 3; "
             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
-    proc = subprocess.run([sys.executable, "-c", code], input=pickle.dumps({"manifest": manifest, "delta": delta}),
-                          capture_output=True, cwd=ROOT, timeout=120)
+    payload = pickle.dumps({"manifest": manifest, "delta": delta, "group": group})
+    proc = subprocess.run([sys.executable, "-c", code], input=payload, capture_output=True, cwd=ROOT, timeout=120)
     assert proc.returncode == 0, proc.stderr.decode()[-2000:]
     assert proc.stdout.decode().strip() == "[]"

@@ -14,6 +14,7 @@ from ray_fixtures import cpu_engine
 from rollout_service.client import RolloutClient
 from rollout_service.api.types import RolloutRequest, SamplingParams
 from rollout_service.weights.buckets import named_items
+from rollout_service.weights.push import WeightPusher
 
 pytest_plugins = ["ray_fixtures"]
 pytestmark = pytest.mark.ray
@@ -136,6 +137,8 @@ def test_broadcast_from_a_learner_actor_is_bitwise_and_bad_pushes_change_nothing
     assert ray.get(learner.push.remote(d, 4, "auto")) == "broadcast"  # a weight group exists: auto uses it
     assert svc.weights_digests() == [digest(d)] * 2
     ray.kill(learner)
+    # the router passed the group's spec and the broadcasts on without loading torch (tests/test_layers.py)
+    assert not ray.get(svc._connection.router.__ray_call__.remote(lambda _: "torch" in __import__("sys").modules))
 
 
 def test_sleep_frees_memory_requests_wait_and_level2_needs_a_refresh(svc, reference, make_tiny_llama):
@@ -183,6 +186,29 @@ def test_learner_dies_mid_broadcast_every_worker_keeps_serving_the_old_version(s
             assert "in flight" in str(e) and time.time() < deadline, e
             time.sleep(0.5)
     assert svc.weights_digests() == [digest(f)] * 2
+
+
+@ray.remote
+class LateRefusingRouter:
+    """Stands in for a router too busy to answer at once (a real one's answer cannot be delayed on cue)."""
+
+    def weight_targets(self) -> list[dict]:
+        return [{"index": 0, "device": "cpu"}]
+
+    def form_weight_group(self, spec, members: list[int]) -> str:
+        time.sleep(2)
+        return "init_weight_group: refused, late"
+
+
+def test_a_late_refusal_of_a_weight_group_is_heard_without_waiting_on_the_group(ray_cluster):
+    """The learner joins a weight group only once the router has said yes: it used to wait 0.5 s for a refusal,
+    then join a group no worker would join, until the group's timeout."""
+    pusher = WeightPusher(LateRefusingRouter.remote())
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="refused, late"):
+        pusher.init_group(backend="gloo", timeout_s=60)
+    assert time.monotonic() - started < 30, time.monotonic() - started
+    assert pusher.group is None and pusher.group_args is None
 
 
 def test_second_refresh_while_one_is_in_flight_is_refused(svc, make_tiny_llama):

@@ -13,24 +13,13 @@ from __future__ import annotations
 
 import datetime
 import socket
-from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
+from rollout_service.weights.manifest import GroupSpec
+
 COLLECTIVES = ("nccl", "gloo")  # torch.distributed backends a weight group runs on
-
-
-@dataclass(frozen=True)
-class GroupSpec:
-    """What every member needs to join: picklable, sent to the workers through the router."""
-
-    group_id: str
-    host: str
-    port: int
-    world_size: int
-    backend: str
-    timeout_s: float
 
 
 def free_port(host: str = "") -> int:

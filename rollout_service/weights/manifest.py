@@ -1,8 +1,9 @@
-"""What a refresh's payload says about its bytes, without the bytes: the manifest (where each tensor lies in the
-buckets, buckets.py) and a delta's plan (how each bucket is sent, delta.py).
+"""What the router passes on of a refresh, without the bytes: the manifest (where each tensor lies in the buckets,
+buckets.py), a delta's plan (how each bucket is sent, delta.py) and the spec of a broadcast's weight group
+(group.py).
 
-Plain data and no torch: the router passes every payload on to the workers and so unpickles these, and a router
-that imported torch would pay ~1.5 s of CPU and ~180 MB resident in each process for nothing.
+Plain data and no torch: the router unpickles these on their way to the workers, and a router that imported torch
+would pay ~1.5 s of CPU and ~180 MB resident in each process for nothing.
 """
 from __future__ import annotations
 
@@ -83,3 +84,15 @@ class DeltaPlan:
     def wire_manifest(self) -> Manifest:
         """The buckets as sent (no entries): how a receiver sizes the buffers the bytes arrive in."""
         return Manifest((), tuple(b.nbytes for b in self.buckets))
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """What every member needs to join: picklable, sent to the workers through the router."""
+
+    group_id: str
+    host: str
+    port: int
+    world_size: int
+    backend: str
+    timeout_s: float

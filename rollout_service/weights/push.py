@@ -22,7 +22,8 @@ from rollout_service.weights.buckets import (DEFAULT_BUCKET_BYTES, Buckets, Mani
 from rollout_service.weights.canary import reject_overflowing
 from rollout_service.weights.cuda_ipc import IpcSender, device_uuid
 from rollout_service.weights.delta_sender import DeltaSender, PushPace, Wire, delta_dtype
-from rollout_service.weights.group import COLLECTIVES, GroupSpec, WeightGroup, free_port
+from rollout_service.weights.group import COLLECTIVES, WeightGroup, free_port
+from rollout_service.weights.manifest import GroupSpec
 from rollout_service.weights.object_store import ObjectStoreSender
 from rollout_service.weights.refusals import NO_BASE, REGROUP
 from rollout_service.weights.transport import WorkerPlace, choose_transport

@@ -21,7 +21,8 @@ from rollout_service.model.weight_update import current_weights
 from rollout_service.weights.buckets import Buckets, Manifest, reuse_or_allocate, views
 from rollout_service.weights.cuda_ipc import IpcReader
 from rollout_service.weights.delta import DeltaPlan, Write, decode
-from rollout_service.weights.group import GroupSpec, WeightGroup
+from rollout_service.weights.group import WeightGroup
+from rollout_service.weights.manifest import GroupSpec
 from rollout_service.weights.object_store import fetch, fetch_buffers, fetch_pinned
 from rollout_service.weights.refusals import NO_BASE
 from rollout_service.weights.transport import TRANSPORTS
