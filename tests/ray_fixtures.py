@@ -9,8 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
+import signal
 import socket
+import subprocess
+import sys
 import time
+from pathlib import Path
 from typing import Iterator
 
 import pytest
@@ -188,13 +193,61 @@ def service_config(tiny_model_dir):
 
 
 def free_ports(n: int) -> list[int]:
-    """n distinct free ports: every socket stays bound until all are chosen (one at a time, the kernel may hand
-    the same port out twice, and Ray refuses two components on one port)."""
-    sockets = [socket.socket() for _ in range(n)]
+    """n distinct free ports below the kernel's ephemeral range and above Ray's worker ports (10002-19999 by
+    default). A port the kernel picked for us (bind to port 0) could be picked again, between our choice and Ray's
+    bind, by one of the many processes the other shards' Ray clusters start meanwhile (each takes random ports
+    there): a head whose runtime-env agent lost its port that way died at its first actor (CI, 2026-12-07)."""
+    range_file = Path("/proc/sys/net/ipv4/ip_local_port_range")
+    high = int(range_file.read_text().split()[0]) if range_file.exists() else 32768
+    pick, chosen = random.SystemRandom(), []
+    while len(chosen) < n:
+        port = pick.randrange(20000, high)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        if port not in chosen:
+            chosen.append(port)
+    return chosen
+
+
+HEAD_PORTS = ("port", "dashboard-port", "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
+              "runtime-env-agent-port", "metrics-export-port", "ray-client-server-port")
+
+
+def start_ray_head(args: list[str], env: dict, log_path: Path, tries: int = 3) -> tuple[subprocess.Popen, dict]:
+    """`ray start --head --block` on loopback with every port explicit (the session's clusters hold Ray's default
+    ones on this machine) and `args`: (the process, its ports by flag name) once Ray says it started. The GCS port
+    answers before the head's raylet has registered, and Ray gives that raylet 30 s (fixed), which a busy 2-core
+    box can miss: then the head is stopped and started again, up to `tries` times."""
+    for _ in range(tries):
+        ports = dict(zip(HEAD_PORTS, free_ports(len(HEAD_PORTS))))
+        with open(log_path, "w") as log:
+            head = subprocess.Popen([str(Path(sys.executable).with_name("ray")), "start", "--head", "--block",
+                                     "--node-ip-address=127.0.0.1", "--disable-usage-stats", *args,
+                                     *(f"--{flag}={port}" for flag, port in ports.items())],
+                                    env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.time() + 300
+        while "Ray runtime started" not in log_path.read_text():
+            if head.poll() is not None and "timed out during startup" in log_path.read_text():
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(head.pid, signal.SIGKILL)  # what it started before giving up
+                break
+            assert head.poll() is None and time.time() < deadline, log_path.read_text()[-3000:]
+            time.sleep(0.5)
+        else:
+            return head, ports
+    raise AssertionError(f"ray start --head timed out {tries} times: " + log_path.read_text()[-3000:])
+
+
+def stop_ray_head(head: subprocess.Popen, log_path: Path) -> None:
+    """Stop a head of start_ray_head; one that died before (taking the module's later tests with it) is an error
+    of the fixture, with the end of its log."""
+    died = head.poll()
+    head.send_signal(signal.SIGTERM)
     try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
+        head.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(head.pid, signal.SIGKILL)
+    assert died is None, f"the Ray head exited ({died}) before its tests ended: " + log_path.read_text()[-3000:]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -13,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from ray_fixtures import free_ports
 
 from rollout_service import cli, launch
 from rollout_service.results.file import load_results
@@ -47,9 +47,7 @@ def _without_token_warning(output: str) -> list[str]:
 
 def _no_port() -> str:
     """HOST:PORT where nothing listens."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{s.getsockname()[1]}"
+    return f"127.0.0.1:{free_ports(1)[0]}"
 
 
 @pytest.fixture

@@ -3,13 +3,11 @@ a token), the demo's bad arguments, the token file a local instance leaves behin
 listens on. Every command runs in a fresh process, as a user would run it."""
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import json
 import os
 import secrets
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -20,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from ray_fixtures import free_ports
+from ray_fixtures import free_ports, start_ray_head, stop_ray_head
 
 pytest_plugins = ["ray_fixtures"]
 REPO = Path(__file__).resolve().parents[1]
@@ -211,9 +209,7 @@ def test_a_token_others_can_read_is_warned_about(tmp_path, ray_tmp):
     token.parent.mkdir()
     token.write_text(secrets.token_hex(32))
     token.chmod(0o644)
-    with socket.socket() as s:  # a port nobody listens on: the command fails after the warning
-        s.bind(("127.0.0.1", 0))
-        nowhere = f"127.0.0.1:{s.getsockname()[1]}"
+    nowhere = f"127.0.0.1:{free_ports(1)[0]}"  # a port nobody listens on: the command fails after the warning
     rc, lines, _ = _run(CLI + ["stats", "--address", nowhere], _env(ray_tmp, tmp_path), timeout=60)
     assert rc == 1 and len(lines) == 2, lines  # stdout's error line first, then stderr's warning
     assert lines[0].startswith("error: no Ray cluster at")
@@ -225,32 +221,6 @@ def test_a_token_others_can_read_is_warned_about(tmp_path, ray_tmp):
 
 # ---- item 8: a cluster that wants a token this process lacks -------------------------------------------------
 
-def _start_token_head(tmp: Path, token: Path, ray_tmp: Path) -> tuple:
-    """(`ray start --head` with token auth, its GCS port, its log) once Ray says it started; (None, port, log) if
-    it gave up because its raylet did not register in time (its processes are stopped)."""
-    flags = ("dashboard-agent-listen-port", "dashboard-agent-grpc-port", "runtime-env-agent-port",
-             "metrics-export-port", "ray-client-server-port")
-    gcs, *free = free_ports(1 + len(flags))
-    # every port explicit: the session's test cluster already holds Ray's default ones on this machine
-    ports = [f"--{flag}={port}" for flag, port in zip(flags, free)]
-    log = open(tmp / "head.log", "w")
-    head = subprocess.Popen([RAY, "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={gcs}",
-                             "--include-dashboard=false", "--num-cpus=1", "--disable-usage-stats", *ports],
-                            env=_env(ray_tmp, tmp, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token)),
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.time() + 300
-    # up means `ray start` said so: the GCS port answers before the head's raylet has registered, and a
-    # client connecting in between failed under load ("Failed to connect to Ray cluster")
-    while "Ray runtime started" not in (tmp / "head.log").read_text():
-        if head.poll() is not None and "timed out during startup" in (tmp / "head.log").read_text():
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(head.pid, signal.SIGKILL)  # what it started before giving up
-            return None, gcs, log
-        assert head.poll() is None and time.time() < deadline, (tmp / "head.log").read_text()[-3000:]
-        time.sleep(0.5)
-    return head, gcs, log
-
-
 @pytest.fixture(scope="module")
 def token_head(tmp_path_factory):
     """A Ray head with token authentication and no dashboard, on loopback: (GCS address, its token file)."""
@@ -259,22 +229,14 @@ def token_head(tmp_path_factory):
     token.write_text(secrets.token_hex(32))
     token.chmod(0o600)
     ray_tmp = Path(tempfile.mkdtemp(prefix="rt-", dir="/tmp"))
-    for attempt in range(3):  # Ray gives a new head's raylet 30 s to register (fixed): a busy 2-core box misses it
-        head, gcs, log = _start_token_head(tmp, token, ray_tmp)
-        if head is not None:
-            break
-        log.close()
-    assert head is not None, (tmp / "head.log").read_text()[-3000:]
+    log = tmp / "head.log"
+    head, ports = start_ray_head(["--include-dashboard=false", "--num-cpus=1"],
+                                 _env(ray_tmp, tmp, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token)), log)
     try:
-        socket.create_connection(("127.0.0.1", gcs), timeout=5).close()
-        yield f"127.0.0.1:{gcs}", token
+        socket.create_connection(("127.0.0.1", ports["port"]), timeout=5).close()
+        yield f"127.0.0.1:{ports['port']}", token
     finally:
-        head.send_signal(signal.SIGTERM)
-        try:
-            head.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(head.pid, signal.SIGKILL)
-        log.close()
+        stop_ray_head(head, log)
         shutil.rmtree(ray_tmp, ignore_errors=True)
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import signal
 import socket
 import subprocess
 import sys
@@ -18,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from ray_fixtures import free_ports
+from ray_fixtures import start_ray_head, stop_ray_head
 
 from rollout_service.results.file import load_results
 
@@ -49,28 +48,16 @@ def ray_head(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ray_head")
     token = tmp / "auth_token"
     token.write_text(secrets.token_hex(32))
-    flags = ("dashboard-agent-listen-port", "dashboard-agent-grpc-port", "runtime-env-agent-port",
-             "metrics-export-port", "ray-client-server-port")
-    gcs, dash, *free = free_ports(2 + len(flags))
-    # every port explicit: the session's test cluster already holds Ray's default ones on this machine
-    extra = [f"--{flag}={port}" for flag, port in zip(flags, free)]
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE")}
     env["RAY_AUTH_TOKEN_PATH"] = str(token)
-    log = open(tmp / "head.log", "w")
-    head = subprocess.Popen([RAY, "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={gcs}",
-                             "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", "--include-dashboard=true",
-                             "--num-cpus=3", "--disable-usage-stats", *extra], env={**env, "RAY_AUTH_MODE": "token"},
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    log = tmp / "head.log"
+    head, ports = start_ray_head(["--dashboard-host=127.0.0.1", "--include-dashboard=true", "--num-cpus=3"],
+                                 {**env, "RAY_AUTH_MODE": "token"}, log)
     try:
-        _wait_for_dashboard(dash, head)
-        yield f"127.0.0.1:{gcs}", f"http://127.0.0.1:{dash}", env
+        _wait_for_dashboard(ports["dashboard-port"], head)
+        yield f"127.0.0.1:{ports['port']}", f"http://127.0.0.1:{ports['dashboard-port']}", env
     finally:
-        head.send_signal(signal.SIGTERM)
-        try:
-            head.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(head.pid, signal.SIGKILL)
-        log.close()
+        stop_ray_head(head, log)
 
 
 def _run(cmd: list[str], env: dict, timeout: float = 240) -> subprocess.CompletedProcess:
