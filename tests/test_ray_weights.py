@@ -4,6 +4,7 @@ worker's weight digest with an in-process engine's on the same tensors. Tests ru
 service; the fault tests come last."""
 from __future__ import annotations
 
+import socket
 import time
 
 import pytest
@@ -188,28 +189,50 @@ def test_learner_dies_mid_broadcast_every_worker_keeps_serving_the_old_version(s
     assert svc.weights_digests() == [digest(f)] * 2
 
 
+def _listening(host: str, port: int) -> bool:
+    try:
+        socket.create_connection((host, port), timeout=5).close()
+        return True
+    except OSError:
+        return False
+
+
 @ray.remote
 class LateRefusingRouter:
-    """Stands in for a router too busy to answer at once (a real one's answer cannot be delayed on cue)."""
+    """Stands in for a router too busy to answer at once (a real one's answer cannot be delayed on cue). It notes
+    whether the group's store was already listening when the router was told where it is."""
 
     def weight_targets(self) -> list[dict]:
         return [{"index": 0, "device": "cpu"}]
 
     def form_weight_group(self, spec, members: list[int]) -> str:
+        import socket  # (this class travels to its worker by value: module-level names would be imported there)
+        try:
+            socket.create_connection((spec.host, spec.port), timeout=5).close()
+            self.told = (spec.host, spec.port, True)
+        except OSError:
+            self.told = (spec.host, spec.port, False)
         time.sleep(2)
         return "init_weight_group: refused, late"
+
+    def what_it_was_told(self) -> tuple:
+        return self.told
 
 
 def test_a_late_refusal_of_a_weight_group_is_heard_without_waiting_on_the_group(ray_cluster):
     """The learner joins a weight group only once the router has said yes: it used to wait 0.5 s for a refusal,
-    then join a group no worker would join, until the group's timeout."""
-    pusher = WeightPusher(LateRefusingRouter.remote())
+    then join a group no worker would join, until the group's timeout. Its store listens before anyone is told
+    its port (a port found free and bound only later could be taken meanwhile) and closes with the refusal."""
+    router = LateRefusingRouter.remote()
+    pusher = WeightPusher(router)
     started = time.monotonic()
     with pytest.raises(RuntimeError, match="refused, late"):
         pusher.init_group(backend="gloo", timeout_s=300)
     # ~2 s here; a learner that waited on the group would take its 300 s (the bound leaves a busy box room)
     assert time.monotonic() - started < 120, time.monotonic() - started
     assert pusher.group is None and pusher.group_args is None
+    host, port, listening = ray.get(router.what_it_was_told.remote())
+    assert listening and not _listening(host, port)
 
 
 def test_second_refresh_while_one_is_in_flight_is_refused(svc, make_tiny_llama):

@@ -12,8 +12,7 @@ is formed again, with the members alive then, before the next broadcast.
 from __future__ import annotations
 
 import datetime
-import socket
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -22,16 +21,21 @@ from rollout_service.weights.manifest import GroupSpec
 COLLECTIVES = ("nccl", "gloo")  # torch.distributed backends a weight group runs on
 
 
-def free_port(host: str = "") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+def host_store(host: str, world_size: int, timeout_s: float) -> "torch.distributed.TCPStore":
+    """The group's store server, on `host` (the address the workers are told), listening on a port the kernel picks
+    (`.port` says which) before anyone is told it: a port found free and bound only later could be taken meanwhile
+    by any process of the learner's node."""
+    import torch.distributed as dist
+
+    return dist.TCPStore(host, 0, world_size, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=timeout_s))
 
 
 class WeightGroup:
-    """This process's membership of a weight group. Rank 0 (the learner) hosts the store and sends."""
+    """This process's membership of a weight group. Rank 0 (the learner) hosts the store (host_store's, `store`)
+    and sends."""
 
-    def __init__(self, spec: GroupSpec, rank: int, device: torch.device | None = None):
+    def __init__(self, spec: GroupSpec, rank: int, device: torch.device | None = None, store: Any = None):
         import torch.distributed as dist
 
         if spec.backend not in COLLECTIVES:
@@ -42,9 +46,11 @@ class WeightGroup:
         self.device = torch.device("cuda", torch.cuda.current_device()) if spec.backend == "nccl" else torch.device("cpu")
         if device is not None and spec.backend == "nccl":
             self.device = device
+        if (rank == 0) != (store is not None):
+            raise ValueError("a weight group's rank 0 hosts its store (host_store()); the other ranks connect to it")
         timeout = datetime.timedelta(seconds=spec.timeout_s)
-        self._store = dist.TCPStore(spec.host, spec.port, spec.world_size, is_master=rank == 0,
-                                    wait_for_workers=False, timeout=timeout)
+        self._store = store if store is not None else dist.TCPStore(
+            spec.host, spec.port, spec.world_size, is_master=False, timeout=timeout)
         prefixed = dist.PrefixStore(f"weights/{spec.group_id}/", self._store)
         if spec.backend == "gloo":
             self._pg = dist.ProcessGroupGloo(prefixed, rank, spec.world_size, timeout)

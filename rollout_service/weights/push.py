@@ -22,7 +22,7 @@ from rollout_service.weights.buckets import (DEFAULT_BUCKET_BYTES, Buckets, Mani
 from rollout_service.weights.canary import reject_overflowing
 from rollout_service.weights.cuda_ipc import IpcSender, device_uuid
 from rollout_service.weights.delta_sender import DeltaSender, PushPace, Wire, delta_dtype
-from rollout_service.weights.group import COLLECTIVES, WeightGroup, free_port
+from rollout_service.weights.group import COLLECTIVES, WeightGroup, host_store
 from rollout_service.weights.manifest import GroupSpec
 from rollout_service.weights.object_store import ObjectStoreSender
 from rollout_service.weights.refusals import NO_BASE, REGROUP
@@ -238,17 +238,19 @@ class WeightPusher:
         self._leave()
         host = args["master_address"] or ray.util.get_node_ip_address()
         members = [t["index"] for t in ray.get(self.router.weight_targets.remote())]
-        spec = GroupSpec(uuid.uuid4().hex, host, free_port(), 1 + len(members), args["backend"], args["timeout_s"])
+        store = host_store(host, 1 + len(members), args["timeout_s"])
+        spec = GroupSpec(uuid.uuid4().hex, host, store.port, 1 + len(members), args["backend"], args["timeout_s"])
         err = ray.get(self.router.form_weight_group.remote(spec, members))  # a refusal, before anyone joins
         joined: BaseException | None = None
         if err is None:
             try:
-                self.group = WeightGroup(spec, 0)  # returns once every worker has joined too
+                self.group = WeightGroup(spec, 0, store=store)  # returns once every worker has joined too
             except Exception as e:
                 joined = e
             err = ray.get(self.router.weight_group_joined.remote(spec.group_id))
         if err is not None or joined is not None:
             self._leave()
+            del store  # its port closes now, not whenever the raised error's frame is freed
             raise RuntimeError(err or f"init_weight_group: the learner could not join: {joined}")
 
     def _leave(self) -> None:
