@@ -5,6 +5,8 @@ import os
 
 import pytest
 
+# test modules import it before pytest loads it as their plugin: its asserts get pytest's messages all the same
+pytest.register_assert_rewrite("ray_fixtures")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
