@@ -16,8 +16,14 @@ over a whole GRPO batch) leaves the choice to load. A hot prefix fills one worke
 bound; the next request goes elsewhere and records the prefix there too. Episodes (run_episodes) run whole on
 one worker already: their prompt comes from the environment there, and they go by load.
 
+Sessions (the OpenAI endpoint's calls carry `metadata["session_id"]`): a session's first call is placed as above,
+and its later calls go to the same worker whatever its load, while that worker lives, so the session's history
+is always in that worker's cache and no prefill of it is repeated elsewhere. Pinning cannot pile work up by
+itself (a session runs one call at a time) and the first calls are spread by load. The map session -> worker holds
+at most MAX_SESSIONS sessions, least recently used dropped first (a dropped one is placed anew, by its prefix).
+
 A worker that restarts or is replaced comes back with an empty cache: `forget(i)` bumps its epoch, which voids
-its entries at once.
+its entries and its sessions at once (their next call is placed anew).
 """
 from __future__ import annotations
 
@@ -28,6 +34,7 @@ from rollout_service.api.types import RolloutRequest
 
 MAX_KEYS = 1 << 17    # prefixes remembered (~10 MB of router memory when full)
 MAX_PAGES = 512       # pages of one prompt recorded: 8192 tokens at page size 16
+MAX_SESSIONS = 1 << 16  # sessions pinned to a worker (~13 MB of router memory when full, 40-character ids)
 SLACK_SHARE = 0.5     # a worker this share of the mean load above the least-loaded one is overloaded ...
 SLACK_REQUESTS = 1    # ... or this many times the request's cost above it, whichever is more (a burst of a
                       # few requests sharing a prefix still spreads: parallel work beats a short prefill)
@@ -56,17 +63,37 @@ def _chain(seq: Any, step: int) -> list[int]:
     return keys
 
 
+def session_of(request: RolloutRequest) -> str | None:
+    """The session a request belongs to (`metadata["session_id"]`, as the OpenAI endpoint sets it), if any."""
+    session = request.metadata.get("session_id") if isinstance(request.metadata, dict) else None
+    return session if isinstance(session, str) else None
+
+
 class Affinity:
     def __init__(self, page_size: int, enabled: bool = True):
         self.page_size, self.enabled = page_size, enabled
         self._map: OrderedDict[int, dict[int, int]] = OrderedDict()
+        self._sessions: OrderedDict[str, tuple[int, int]] = OrderedDict()  # session -> (worker, its epoch)
         self._epoch: dict[int, int] = {}
-        self.counts = {"by_prefix": 0, "by_load": 0, "overloaded": 0}
+        self.counts = {"by_session": 0, "by_prefix": 0, "by_load": 0, "overloaded": 0}
 
     def choose(self, request: RolloutRequest, cost: int, live: list[int], loads: list[int]) -> int:
         """The worker among `live` (non-empty) for `request`, whose outstanding-token cost is `cost`; records its
-        prefix there."""
+        prefix (and its session) there."""
         keys, tokens_per_page = page_keys(request, self.page_size) if self.enabled else ([], 0)
+        session = session_of(request) if self.enabled else None
+        pinned = self._pinned(session, live)
+        if pinned is not None:
+            self.counts["by_session"] += 1
+            self._record(keys, pinned)
+            return pinned
+        best = self._by_prefix(keys, tokens_per_page, cost, live, loads)
+        self._record(keys, best)
+        if session is not None:
+            self._pin(session, best)
+        return best
+
+    def _by_prefix(self, keys: list[int], tokens_per_page: int, cost: int, live: list[int], loads: list[int]) -> int:
         matched = self._matched(keys, tokens_per_page)
         least, mean = min(loads[j] for j in live), sum(loads[j] for j in live) / len(live)
         bound = least + max(SLACK_SHARE * mean, SLACK_REQUESTS * cost)
@@ -75,8 +102,21 @@ class Affinity:
         self.counts["by_prefix" if matched.get(best, 0) else "by_load"] += 1
         if any(matched.get(j, 0) > matched.get(best, 0) for j in live if j not in fit):
             self.counts["overloaded"] += 1
-        self._record(keys, best)
         return best
+
+    def _pinned(self, session: str | None, live: list[int]) -> int | None:
+        """The worker the session is pinned to, if it still serves with the cache it had (not restarted)."""
+        worker, epoch = self._sessions.get(session, (None, None)) if session is not None else (None, None)
+        if worker is None or worker not in live or epoch != self._epoch.get(worker, 0):
+            return None
+        self._sessions.move_to_end(session)
+        return worker
+
+    def _pin(self, session: str, worker: int) -> None:
+        self._sessions.pop(session, None)
+        self._sessions[session] = (worker, self._epoch.get(worker, 0))
+        while len(self._sessions) > MAX_SESSIONS:
+            self._sessions.popitem(last=False)
 
     def forget(self, i: int) -> None:
         """Worker i's cache is empty now (restarted, replaced, removed)."""

@@ -1,6 +1,7 @@
 """Prefix-aware routing's choice (actors/affinity.py), without Ray: the next turn of a conversation goes back to
 the worker holding its history, a prefix every worker holds leaves the choice to load, a hot prefix does not
-pin every request on one worker, a restarted worker's entries are void, and the map stays bounded."""
+pin every request on one worker, a session stays on its worker while it lives, a restarted worker's entries are
+void, and the maps stay bounded."""
 from __future__ import annotations
 
 import random
@@ -12,8 +13,9 @@ from rollout_service.api.types import EpisodeParams, RolloutRequest, SamplingPar
 ANSWER = 32
 
 
-def req(prompt, n: int = 1) -> RolloutRequest:
-    return RolloutRequest(prompt, SamplingParams(n=n, max_tokens=ANSWER))
+def req(prompt, n: int = 1, session: str | None = None) -> RolloutRequest:
+    metadata = None if session is None else {"session_id": session}
+    return RolloutRequest(prompt, SamplingParams(n=n, max_tokens=ANSWER), metadata=metadata)
 
 
 def send(a: Affinity, r: RolloutRequest, loads: list[int], live: list[int] | None = None) -> int:
@@ -96,3 +98,37 @@ def test_the_map_is_bounded(monkeypatch):
         send(a, req([k] * 160), [0, 0])  # 10 pages each
     assert len(a._map) == 100
     assert len(page_keys(req(list(range(20_000))), 16)[0]) == affinity.MAX_PAGES
+
+
+def test_a_session_stays_on_its_worker_whatever_its_load_while_that_worker_lives():
+    a, rng = Affinity(page_size=16), random.Random(2)
+    history = [rng.randrange(1000) for _ in range(64)]
+    first = send(a, req(history, session="agent-1"), [0, 0])
+    turns = []
+    for turn in range(3):  # its worker is the busiest by far: a call without a session would go elsewhere
+        history += [rng.randrange(1000) for _ in range(ANSWER + 48)]
+        busy = [0, 0]
+        busy[first] = 10_000
+        turns.append(send(a, req(history, session="agent-1"), busy))
+    assert turns == [first] * 3 and a.counts["by_session"] == 3
+    busy = [0, 0]
+    busy[first] = 10_000
+    assert send(a, req(history + [5] * 40), busy) != first, "without a session the overload bound moves it"
+    a.forget(first)  # its worker restarted: an empty cache, nothing to stay for
+    loads = [0, 0]
+    loads[first] = 500
+    moved = send(a, req(history + [6] * 40, session="agent-1"), loads)
+    assert moved != first
+    loads[moved] = 10_000
+    assert send(a, req(history + [6] * 80, session="agent-1"), loads) == moved, "pinned again, to its new worker"
+    assert send(a, req(history, session="agent-1"), [0, 0], live=[first]) == first, "its worker gone from the live"
+    off = Affinity(page_size=16, enabled=False)  # routing "load": no prefix, no session
+    assert [send(off, req(history, session="agent-1"), [0, 0] if k % 2 else [9, 0]) for k in range(2)] == [1, 0]
+
+
+def test_the_sessions_are_bounded(monkeypatch):
+    monkeypatch.setattr(affinity, "MAX_SESSIONS", 10)
+    a = Affinity(page_size=16)
+    for k in range(30):
+        send(a, req([k] * 40, session=f"s{k}"), [0, 0])
+    assert list(a._sessions) == [f"s{k}" for k in range(20, 30)]  # the least recently used went first

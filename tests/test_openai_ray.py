@@ -71,6 +71,18 @@ def test_a_chat_call_equals_the_services_own_generate(api, svc, tok):
         assert len(pieces[choice.index]) > 1 and "".join(pieces[choice.index]) == choice.message.content
 
 
+def test_a_sessions_calls_stay_on_the_worker_of_its_first(api, svc):
+    """The session id reaches the router with each call (metadata), which sends every call after the first to the
+    first one's worker (actors/affinity.py)."""
+    client, _ = api
+    before = svc.info()["routing"]["by_session"]
+    history = list(Q)
+    for _ in range(3):
+        out = _chat(client, history, "pinned", max_tokens=3)
+        history += [{"role": "assistant", "content": out.choices[0].message.content}] + Q
+    assert svc.info()["routing"]["by_session"] - before == 2
+
+
 def _holding_worker(svc) -> int | None:
     """The worker holding a sequence, queued or running (None: none does)."""
     return next((i for i, s in enumerate(svc.stats())
