@@ -207,6 +207,7 @@ def test_deltas_over_the_gloo_broadcast(svc, digest, learner):
 # -- a worker that stops answering mid-refresh (SIGSTOP: alive to Ray, silent) ----------------------------------
 
 STALL_S = 3.0  # the router's deadline for a worker's refresh call, shortened from its 300 s for the test
+SLACK_S = 30.0  # what the rest of a refresh may take on a busy box: far under the 300 s a stall used to cost
 
 
 @contextlib.contextmanager
@@ -245,7 +246,7 @@ def test_a_worker_stopped_during_an_object_store_refresh_fails_it_in_time(svc, d
         with pytest.raises(ValueError, match=f"worker 0 did not answer weights_prepare within {STALL_S:g} s: it is "
                                              f"alive but stalled.*restarted and every worker keeps version {version}"):
             svc.update_weights(next(learner), version + 1, transport="object_store")
-        assert time.monotonic() - t0 < STALL_S + 5
+        assert time.monotonic() - t0 < STALL_S + SLACK_S
         assert [s["policy_version"] for s in svc.stats()][1:] == [version]
         wait_for(lambda: back(svc, deaths), "the router restarting worker 0")
     state = next(learner)
@@ -269,8 +270,8 @@ def test_a_worker_stopped_mid_broadcast_fails_it_in_time_and_the_next_push_succe
         finish = router.broadcast_finish.remote()
         with contextlib.suppress(RuntimeError):  # the stopped member reads nothing: the send may time out
             pusher.send()
-        err = ray.get(finish, timeout=3 * STALL_S)
-        assert time.monotonic() - t0 < 2 * STALL_S + 5
+        err = ray.get(finish, timeout=2 * STALL_S + SLACK_S)
+        assert time.monotonic() - t0 < 2 * STALL_S + SLACK_S
         # (the group's timeout + the router's deadline: its peer's receive, blocked behind it, timed out first)
         assert f"the broadcast failed on worker 0 (worker 0 did not answer weights_receive within {2 * STALL_S:g} " \
                "s: it is alive but stalled" in err, err
