@@ -36,9 +36,10 @@ class Shape:
     vocab: int = 512
 
 
-def conversations(client: Any, s: Shape, seed: int = 0) -> int:
+def conversations(client: Any, s: Shape, seed: int = 0, sessions: bool = False) -> int:
     """W7's shape as an agent loop run by the client; returns the new tokens (the first prompts, observations
-    and each earlier turn's last sampled token, which never had KV), as W7 counts them."""
+    and each earlier turn's last sampled token, which never had KV), as W7 counts them. `sessions`: each
+    episode's requests name it as their session (metadata), as the OpenAI endpoint's calls do."""
     from rollout_service.api.types import SamplingParams
 
     envs = [SyntheticEnv(e, s.prompt, s.obs, s.vocab) for e in range(s.episodes)]
@@ -46,7 +47,8 @@ def conversations(client: Any, s: Shape, seed: int = 0) -> int:
     order, sampling = random.Random(seed), SamplingParams(temperature=0.0, max_tokens=s.new, ignore_eos=True)
     for turn in range(s.turns):
         ids = order.sample(range(s.episodes), s.episodes)  # clients finish their turns in any order
-        for e, r in zip(ids, client.generate([histories[e] for e in ids], sampling)):
+        metadata = [{"session_id": f"episode-{e}"} for e in ids] if sessions else None
+        for e, r in zip(ids, client.generate([histories[e] for e in ids], sampling, metadata=metadata)):
             histories[e] = histories[e] + r.token_ids
             if turn + 1 < s.turns:
                 histories[e] = histories[e] + envs[e].tokens(turn + 1)
@@ -78,7 +80,12 @@ def grpo_batches(client: Any, s: Shape, steps: int = 2) -> int:
 
 
 WORKLOADS: dict[str, Callable[[Any, Shape], int]] = {
-    "W7 turns by the client": conversations, "W7 run_episodes": engine_episodes, "GRPO shared system prompt": grpo_batches}
+    "W7 turns by the client": conversations,
+    "W7 turns by the client, in sessions": lambda client, s: conversations(client, s, sessions=True),
+    "W7 run_episodes": engine_episodes, "GRPO shared system prompt": grpo_batches}
+# (workers, routing) each workload runs with; sessions stick only under prefix routing
+CONFIGS = {name: ((1, "load"), (2, "load"), (2, "prefix")) for name in WORKLOADS}
+CONFIGS["W7 turns by the client, in sessions"] = ((2, "prefix"),)
 
 
 def measure(client: Any, run: Callable[[], int]) -> dict:
@@ -125,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     with bench_cluster(num_cpus=2), tiny_model_dir(shape.vocab) as model_dir:
         for workload in WORKLOADS:
-            for workers, routing in ((1, "load"), (2, "load"), (2, "prefix")):
+            for workers, routing in CONFIGS[workload]:
                 row = {"workload": workload, "workers": workers, "routing": routing,
                        **run(shape, workers, routing, model_dir, workload)}
                 print(row, flush=True)
@@ -142,13 +149,20 @@ def _markdown(rows: list[dict], shape: Shape) -> list[str]:
     lines = [f"Shape: {asdict(shape)}. Tiny random Llama (hidden 64, 2 layers), float32, 1 CPU per worker; "
              "prefilled/new: tokens run through prefill per new token (W7's measure; GRPO: per token a perfect "
              "cache would prefill).", "",
-             "| workload | workers | routing | prefilled | new | prefilled/new | hit rate per worker | s |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| workload | workers | routing | prefilled | new | prefilled/new | hit rate per worker | "
+             "calls by session / prefix / load | s |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['workload']} | {r['workers']} | {r['routing']} | {r['prefilled']:,} | {r['new']:,} | "
                      f"{r['prefilled_per_new']:.3f} | {', '.join(str(h) for h in r['hit_rates'])} | "
-                     f"{r['seconds']} |")
+                     f"{_routed(r.get('routed'))} | {r['seconds']} |")
     return lines
+
+
+def _routed(counts: dict | None) -> str:
+    if not counts:
+        return "-"
+    return " / ".join(str(counts.get(k, 0)) for k in ("by_session", "by_prefix", "by_load"))
 
 
 if __name__ == "__main__":
