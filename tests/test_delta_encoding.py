@@ -163,11 +163,17 @@ def _last_code(buf_value: int):
     return change
 
 
+def _zero_first_code(s, buf):
+    buf[s.codes_at:s.codes_at + s.width] = 0  # an escape where the count says every code is a position
+    return s
+
+
 @pytest.mark.parametrize("change, message", [
     (lambda s, buf: dataclasses.replace(s, count=s.count - 1), "counts 1 changed elements but its position codes "
                                                                "hold 2"),
     (lambda s, buf: dataclasses.replace(s, count=s.count + 1), "counts 3 changed elements of 8192 in 2 position "
                                                                "codes"),
+    (_zero_first_code, "counts 2 changed elements but its position codes hold 1"),
     (lambda s, buf: dataclasses.replace(s, codes=s.codes + 1000), "run past the bucket"),
     (_last_code(255), "a position \\(\\d+\\) lies past its 8192 elements"),
     (_set_value(float("nan")), "a value is NaN or inf"),

@@ -70,6 +70,8 @@ def encode_positions(index: torch.Tensor, width: int) -> torch.Tensor:
 
 def _gap_codes(gaps: torch.Tensor, width: int, n: int) -> torch.Tensor:
     """The `n` codes of position gaps (each >= 1) at `width` bytes, escapes included."""
+    if n == gaps.numel():  # no gap needs an escape (the usual case): each gap is its code
+        return gaps.to(_CODES[width]).view(torch.uint8)  # (65535 as int16 keeps its bits)
     skips = (gaps - 1) // SKIP[width]
     at = torch.cumsum(skips + 1, 0) - 1  # each position's own code comes after its escapes
     codes = torch.zeros(n, dtype=torch.int32, device=gaps.device)
@@ -82,13 +84,18 @@ def decode_positions(codes: torch.Tensor, width: int, count: int, numel: int, na
     # int32 wherever no sum of these codes can pass it (half the memory traffic of int64)
     work = torch.int32 if codes.numel() // width * SKIP[width] < 2**31 else torch.int64
     raw = codes.view(_CODES[width]).to(work) & (1 << 8 * width) - 1
-    real = raw != 0
-    index = (torch.cumsum(torch.where(real, raw, SKIP[width]), 0, dtype=work) - 1)[real]
-    if index.numel() != count:
-        raise ValueError(_corrupt(name, f"it counts {count} changed elements but its position codes hold "
-                                        f"{index.numel()}"))
-    if count and int(index[-1]) >= numel:
-        raise ValueError(_corrupt(name, f"a position ({int(index[-1])}) lies past its {numel} elements"))
+    if codes.numel() != count * width or not count:
+        real = raw != 0
+        index = (torch.cumsum(torch.where(real, raw, SKIP[width]), 0, dtype=work) - 1)[real]
+        held, last = index.numel(), int(index[-1]) if index.numel() else -1
+    else:  # as many codes as positions (the usual case): no escapes, unless one is a 0, which is corrupt
+        index = torch.cumsum(raw, 0, dtype=work) - 1
+        escapes, last = torch.stack([(raw == 0).sum().to(work), index[-1]]).tolist()  # one read back
+        held = count - escapes
+    if held != count:
+        raise ValueError(_corrupt(name, f"it counts {count} changed elements but its position codes hold {held}"))
+    if last >= numel:
+        raise ValueError(_corrupt(name, f"a position ({last}) lies past its {numel} elements"))
     return index
 
 
@@ -123,7 +130,11 @@ def encode(manifest: Manifest, items: Sequence[tuple[str, torch.Tensor]], base: 
 def _dense_bucket(members, base: torch.Tensor) -> torch.Tensor:
     """The bucket of the new tensors, cast to the manifest's dtypes; its padding is the base's, so only the
     tensors can differ."""
-    buf = base.clone()
+    buf, end = torch.empty_like(base), 0
+    for e, _ in members:  # the padding before each tensor, and after the last
+        buf[end:e.offset] = base[end:e.offset]
+        end = e.offset + e.nbytes
+    buf[end:] = base[end:]
     for e, t in members:
         if e.nbytes:
             buf[e.offset:e.offset + e.nbytes].view(e.torch_dtype()).view(e.shape).copy_(t.detach())
@@ -136,14 +147,17 @@ class _Changes:
     change (the first counts from -1), its new value and its value step from the base (delta_values.py)."""
     gap: torch.Tensor
     values: torch.Tensor
-    step: torch.Tensor | None  # None: a dtype whose values go raw
-    far: torch.Tensor | None   # steps that do not fit a byte: those values go raw
-    counts: list[list[int]]    # per member: [changes, escape codes at width 1, at width 2, raw values]
+    step: torch.Tensor | None     # None: a dtype whose values go raw
+    far: torch.Tensor | None      # steps that do not fit a byte: those values go raw
+    escaped: torch.Tensor | None  # the changes whose values go raw, in order
+    counts: list[list[int]]       # per member: [changes, escape codes at width 1, at width 2, raw values]
 
 
 def _changes(members, new: torch.Tensor, base: torch.Tensor) -> _Changes | None:
     """Every changed element of a bucket (bitwise: -0.0 vs 0.0 or two NaNs count as they are stored); None for
-    a bucket of mixed dtypes (a delta's manifest has one), which goes dense."""
+    a bucket of mixed dtypes (a delta's manifest has one), which goes dense. Work per changed element is a few
+    element-wise passes; what is per tensor (its first change, long gaps, raw values: all rare) is found
+    sparsely, so the cost follows the changes, not the tensors."""
     if not members:
         return None
     dtype = members[0][0].torch_dtype()
@@ -152,23 +166,30 @@ def _changes(members, new: torch.Tensor, base: torch.Tensor) -> _Changes | None:
         return None
     index = torch.nonzero(new.view(_BITS[size]) != base.view(_BITS[size])).reshape(-1)
     starts = torch.tensor([e.offset // size for e, _ in members], dtype=torch.int64, device=new.device)
-    member = torch.searchsorted(starts, index, right=True) - 1
-    local = index - starts[member]
-    head = torch.ones_like(member, dtype=torch.bool)
-    head[1:] = member[1:] != member[:-1]
-    prev = torch.full_like(local, -1)
-    prev[1:] = local[:-1]
-    gap = local - torch.where(head, -1, prev)
+    # the members lie in offset order and padding never changes: each member's changes are one run of index
+    first = torch.searchsorted(index, starts)
+    ends = torch.cat([first[1:], first.new_full((1,), index.numel())])
+    gap = torch.diff(index, prepend=index.new_full((1,), -1))
+    heads = first[first < ends]  # a member's first change counts from -1 within it
+    gap[heads] = index[heads] - starts[first < ends] + 1
     values = new.view(dtype)[index]
-    step = far = None
-    escapes = torch.zeros_like(gap)
+    counts = torch.zeros(len(members), 4, dtype=torch.int64, device=new.device)
+    counts[:, 0] = ends - first
+    long = torch.nonzero(gap > SKIP[1]).reshape(-1)  # gaps that take escape codes at width 1 (and maybe 2)
+    counts[:, 1].index_add_(0, _member(first, long), (gap[long] - 1) // SKIP[1])
+    counts[:, 2].index_add_(0, _member(first, long), (gap[long] - 1) // SKIP[2])
+    step = far = escaped = None
     if takes_steps(size):
         step = ordered(values) - ordered(base.view(dtype)[index])
         far = step.abs() > 127
-        escapes = far.to(gap.dtype)
-    per = torch.stack([torch.ones_like(gap), (gap - 1) // SKIP[1], (gap - 1) // SKIP[2], escapes], 1)
-    counts = torch.zeros(len(members), 4, dtype=gap.dtype, device=new.device).index_add_(0, member, per)
-    return _Changes(gap, values, step, far, counts.tolist())
+        escaped = torch.nonzero(far).reshape(-1)
+        counts[:, 3].index_add_(0, _member(first, escaped), torch.ones_like(escaped))
+    return _Changes(gap, values, step, far, escaped, counts.tolist())
+
+
+def _member(first: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+    """The member each change at `at` belongs to, from the members' first changes (sorted)."""
+    return torch.searchsorted(first, at, right=True) - 1
 
 
 @dataclass(frozen=True)
@@ -212,7 +233,7 @@ def _layout(members, found: _Changes, size: int) -> list[_Choice] | None:
 
 def _sparse_bucket(members, layout: list[_Choice], found: _Changes, new: torch.Tensor, base: torch.Tensor,
                    position: dict[str, int]) -> tuple[BucketCode, torch.Tensor]:
-    escaped = torch.nonzero(found.far).reshape(-1) if any(c.width and c.raws for c in layout) else None
+    escaped = found.escaped
     raws_before = [0]
     for n, _, _, raws in found.counts:
         raws_before.append(raws_before[-1] + raws)
