@@ -62,6 +62,19 @@ def test_nonfinite_tensors_are_named():
         reject_nonfinite(named_items(sd))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64,
+                                   torch.float8_e5m2])  # (e4m3fn has no inf)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_one_nonfinite_element_anywhere_in_any_float_dtype_is_found(dtype, bad):
+    big = torch.randn(1000, 77)
+    reject_nonfinite([("w", big.to(dtype))])
+    for at in (0, 41_234, 76_999):  # first, middle and last element
+        t = big.clone()
+        t.view(-1)[at] = bad
+        with pytest.raises(ValueError, match="'w' holds NaN or inf"):
+            reject_nonfinite([("ok", torch.ones(3)), ("w", t.to(dtype))])
+
+
 def test_bad_named_tensors_are_refused():
     with pytest.raises(ValueError, match="no tensors"):
         pack({})

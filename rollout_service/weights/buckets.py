@@ -51,21 +51,27 @@ def named_items(named_tensors: NamedTensors) -> list[tuple[str, torch.Tensor]]:
 
 
 def reject_nonfinite(items: Sequence[tuple[str, torch.Tensor]]) -> None:
-    """ValueError naming the first tensor holding NaN or inf. One read of the data in a few fused launches
-    (max |x| of each tensor: NaN and inf survive it, and it cannot overflow), one sync per device."""
-    groups: dict[tuple, list[tuple[str, torch.Tensor]]] = {}
+    """ValueError naming the first tensor holding NaN or inf. One read of the data (each tensor's min and max:
+    NaN and inf survive them, and they cannot overflow), one sync per device. (Min and max, not the inf-norm:
+    on a CPU torch's norm runs an order of magnitude slower, 0.17 s against 0.014 s for SmolLM2-135M.)"""
+    groups: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
     for n, t in items:
         if t.is_floating_point() and t.numel():
-            groups.setdefault((t.device, t.dtype), []).append((n, t))
+            groups.setdefault(t.device, []).append((n, t))
     bad = set()
     for group in groups.values():
-        amax = torch.stack([m.float() for m in torch._foreach_norm([t.detach() for _, t in group], float("inf"))])
-        bad |= {n for (n, _), good in zip(group, torch.isfinite(amax).tolist()) if not good}
+        ends = torch.stack([torch.stack(torch.aminmax(_reducible(t.detach()))).float() for _, t in group])
+        bad |= {n for (n, _), good in zip(group, torch.isfinite(ends).all(1).tolist()) if not good}
     if bad:
         first = next(n for n, _ in items if n in bad)
         more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
         raise ValueError(f"update_weights: weight {first!r} holds NaN or inf{more}; nothing was changed "
                          "(pass check_finite=False to send it anyway)")
+
+
+def _reducible(t: torch.Tensor) -> torch.Tensor:
+    """t in a dtype min and max run on (float8 and the like do not: their values in float32)."""
+    return t if t.dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64) else t.float()
 
 
 def plan(items: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int = DEFAULT_BUCKET_BYTES,
