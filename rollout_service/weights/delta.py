@@ -170,14 +170,16 @@ def _changes(members, new: torch.Tensor, base: torch.Tensor) -> _Changes | None:
     first = torch.searchsorted(index, starts)
     ends = torch.cat([first[1:], first.new_full((1,), index.numel())])
     gap = torch.diff(index, prepend=index.new_full((1,), -1))
-    heads = first[first < ends]  # a member's first change counts from -1 within it
-    gap[heads] = index[heads] - starts[first < ends] + 1
+    changed = first < ends
+    heads = first[changed]  # a member's first change counts from -1 within it
+    gap[heads] = index[heads] - starts[changed] + 1
     values = new.view(dtype)[index]
     counts = torch.zeros(len(members), 4, dtype=torch.int64, device=new.device)
     counts[:, 0] = ends - first
     long = torch.nonzero(gap > SKIP[1]).reshape(-1)  # gaps that take escape codes at width 1 (and maybe 2)
-    counts[:, 1].index_add_(0, _member(first, long), (gap[long] - 1) // SKIP[1])
-    counts[:, 2].index_add_(0, _member(first, long), (gap[long] - 1) // SKIP[2])
+    of_long = _member(first, long)
+    counts[:, 1].index_add_(0, of_long, (gap[long] - 1) // SKIP[1])
+    counts[:, 2].index_add_(0, of_long, (gap[long] - 1) // SKIP[2])
     step = far = escaped = None
     if takes_steps(size):
         step = ordered(values) - ordered(base.view(dtype)[index])
