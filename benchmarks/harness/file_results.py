@@ -12,8 +12,8 @@ import os
 import sys
 from pathlib import Path
 
-from benchmarks.harness import (control_plane, openai_bench, openai_serve_bench, prefix_routing, rl_semantics,
-                                speculative_bench, staleness, summary)
+from benchmarks.harness import (control_plane, draft_ceiling, openai_bench, openai_serve_bench, prefix_routing,
+                                rl_semantics, speculative_bench, staleness, summary)
 from benchmarks.harness.report import render_run
 from benchmarks.harness.result_files import harness_unit, harness_workload, read, runs_of, save_newest
 from benchmarks.harness.service_bench import run_markdown, whole_run
@@ -21,6 +21,7 @@ from benchmarks.harness.service_bench import run_markdown, whole_run
 # each side benchmark's name (its files' workload) -> (the markdown under its heading, what one row measures)
 SIDE = {"control-plane": (control_plane.markdown, control_plane.configuration),
         "prefix-routing": (prefix_routing.markdown, whole_run),
+        "draft-ceiling": (draft_ceiling.markdown, whole_run),
         "openai-endpoint": (openai_bench.markdown, whole_run),
         "openai-serve": (openai_serve_bench.markdown, whole_run),
         "rl-semantics": (rl_semantics.markdown, whole_run),
