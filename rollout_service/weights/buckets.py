@@ -60,8 +60,9 @@ def reject_nonfinite(items: Sequence[tuple[str, torch.Tensor]]) -> None:
             groups.setdefault(t.device, []).append((n, t))
     bad = set()
     for group in groups.values():
-        ends = torch.stack([torch.stack(torch.aminmax(_reducible(t.detach()))).float() for _, t in group])
-        bad |= {n for (n, _), good in zip(group, torch.isfinite(ends).all(1).tolist()) if not good}
+        lows, highs = zip(*(torch.aminmax(_reducible(t.detach())) for _, t in group))
+        good = torch.isfinite(torch.stack(lows).float()) & torch.isfinite(torch.stack(highs).float())
+        bad |= {n for (n, _), ok in zip(group, good.tolist()) if not ok}
     if bad:
         first = next(n for n, _ in items if n in bad)
         more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
