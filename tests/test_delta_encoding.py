@@ -48,6 +48,7 @@ def _base(state, bucket_bytes: int = 4096) -> tuple:
 def test_positions_round_trip_with_escapes_at_both_ends(width):
     numel = 3 * SKIP[width] + 1000
     for index in ([0], [numel - 1], [0, 1, 2, numel - 1], [SKIP[width] - 1, SKIP[width], 3 * SKIP[width] + 7],
+                  [SKIP[width] - 1, 2 * SKIP[width] - 1],  # gaps of exactly SKIP: the largest that need no escape
                   sorted(torch.randperm(numel)[:200].tolist()), []):
         index = torch.tensor(index, dtype=torch.int64)
         codes = encode_positions(index, width)
