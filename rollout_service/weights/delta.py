@@ -174,24 +174,23 @@ def _changes(members, new: torch.Tensor, base: torch.Tensor) -> _Changes | None:
     heads = first[changed]  # a member's first change counts from -1 within it
     gap[heads] = index[heads] - starts[changed] + 1
     values = new.view(dtype)[index]
-    counts = torch.zeros(len(members), 4, dtype=torch.int64, device=new.device)
-    counts[:, 0] = ends - first
     long = torch.nonzero(gap > SKIP[1]).reshape(-1)  # gaps that take escape codes at width 1 (and maybe 2)
-    of_long = _member(first, long)
-    counts[:, 1].index_add_(0, of_long, (gap[long] - 1) // SKIP[1])
-    counts[:, 2].index_add_(0, of_long, (gap[long] - 1) // SKIP[2])
+    skips = [_per_member(first, long, (gap[long] - 1) // SKIP[w]) for w in WIDTHS]
     step = far = escaped = None
+    raws = torch.zeros_like(first)
     if takes_steps(size):
         step = ordered(values) - ordered(base.view(dtype)[index])
         far = step.abs() > 127
         escaped = torch.nonzero(far).reshape(-1)
-        counts[:, 3].index_add_(0, _member(first, escaped), torch.ones_like(escaped))
-    return _Changes(gap, values, step, far, escaped, counts.tolist())
+        raws = _per_member(first, escaped, torch.ones_like(escaped))
+    counts = torch.stack([ends - first, *skips, raws], 1).tolist()  # the bucket's one read back
+    return _Changes(gap, values, step, far, escaped, counts)
 
 
-def _member(first: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
-    """The member each change at `at` belongs to, from the members' first changes (sorted)."""
-    return torch.searchsorted(first, at, right=True) - 1
+def _per_member(first: torch.Tensor, at: torch.Tensor, amounts: torch.Tensor) -> torch.Tensor:
+    """Per member, the sum of `amounts` over the changes at positions `at` (a member's changes start at `first`)."""
+    member = torch.searchsorted(first, at, right=True) - 1
+    return torch.zeros_like(first).index_add_(0, member, amounts)
 
 
 @dataclass(frozen=True)
