@@ -10,10 +10,12 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Iterator
@@ -220,19 +222,27 @@ def start_ray_head(args: list[str], env: dict, log_path: Path, tries: int = 3) -
     """`ray start --head --block` on loopback with every port explicit (the session's clusters hold Ray's default
     ones on this machine) and `args`: (the process, its ports by flag name) once Ray says it started. The GCS port
     answers before the head's raylet has registered, and Ray gives that raylet 30 s (fixed), which a busy 2-core
-    box can miss: then the head is stopped and started again, up to `tries` times."""
+    box can miss: then the head is stopped and started again, up to `tries` times.
+
+    The head keeps its files in a temp dir of its own, not the machine's /tmp/ray: Ray resolves "auto" (as a job's
+    entrypoint is told to connect, by the job supervisor) through the ray_current_cluster file there, which every
+    `ray start` and every test cluster's head on this machine rewrites: a job's driver once joined another
+    shard's cluster that way, whose router then never ran (CI, 2026-12-07)."""
     for _ in range(tries):
         ports = dict(zip(HEAD_PORTS, free_ports(len(HEAD_PORTS))))
+        temp_dir = tempfile.mkdtemp(prefix="rayh-", dir="/tmp")  # short: Ray's socket paths live under it
         with open(log_path, "w") as log:
             head = subprocess.Popen([str(Path(sys.executable).with_name("ray")), "start", "--head", "--block",
-                                     "--node-ip-address=127.0.0.1", "--disable-usage-stats", *args,
-                                     *(f"--{flag}={port}" for flag, port in ports.items())],
+                                     "--node-ip-address=127.0.0.1", "--disable-usage-stats", f"--temp-dir={temp_dir}",
+                                     *args, *(f"--{flag}={port}" for flag, port in ports.items())],
                                     env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        head.temp_dir = temp_dir
         deadline = time.time() + 300
         while "Ray runtime started" not in log_path.read_text():
             if head.poll() is not None and "timed out during startup" in log_path.read_text():
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(head.pid, signal.SIGKILL)  # what it started before giving up
+                shutil.rmtree(temp_dir, ignore_errors=True)
                 break
             assert head.poll() is None and time.time() < deadline, log_path.read_text()[-3000:]
             time.sleep(0.5)
@@ -250,4 +260,5 @@ def stop_ray_head(head: subprocess.Popen, log_path: Path) -> None:
         head.wait(timeout=60)
     except subprocess.TimeoutExpired:
         os.killpg(head.pid, signal.SIGKILL)
+    shutil.rmtree(head.temp_dir, ignore_errors=True)
     assert died is None, f"the Ray head exited ({died}) before its tests ended: " + log_path.read_text()[-3000:]

@@ -132,3 +132,37 @@ def test_job_submit_of_the_launch_entrypoint_runs_and_prints_its_summary(ray_hea
     results = load_results(output)
     assert [(r.request_id, r.sample_index) for r in results] == [(f"prompt-{i}", j) for i in range(6) for j in range(2)]
     assert all(r.metadata == {"i": int(r.request_id.split("-")[1])} for r in results)
+
+
+def test_a_jobs_driver_joins_the_head_it_was_submitted_to_whatever_cluster_started_last(ray_head, tmp_path):
+    """The job supervisor tells an entrypoint to connect to "auto": with several Ray clusters on the machine, Ray
+    takes the address in the ray_current_cluster file of the head's temp dir, which in the machine's shared
+    /tmp/ray any later `ray start` (head or node) rewrites. Here another head starts after ours and that file
+    names it; the job's driver must still join the head the job was submitted to."""
+    address, dashboard, env = ray_head
+    from ray._private.utils import get_ray_address_file
+    shared = Path(get_ray_address_file(None))
+    before = shared.read_text() if shared.exists() else None
+    other, other_ports = start_ray_head(["--include-dashboard=false", "--num-cpus=1"], {**env, "RAY_AUTH_MODE": "token"},
+                                        tmp_path / "other.log")
+    try:
+        shared.parent.mkdir(parents=True, exist_ok=True)
+        shared.write_text(f"127.0.0.1:{other_ports['port']}")  # (what a `ray start` in /tmp/ray would write)
+        entry = "import ray; ray.init(); print('JOINED', ray.get_runtime_context().gcs_address)"
+        for _ in range(15):  # the dashboard port opens before its job agent is ready to take a job
+            proc = _run([RAY, "job", "submit", "--address", dashboard, "--", sys.executable, "-c", entry],
+                        {**env, "RAY_AUTH_MODE": "token"})
+            out = proc.stdout + proc.stderr
+            if "No available agent to submit job" not in out:
+                break
+            time.sleep(2)
+    finally:
+        if before is None:
+            shared.unlink(missing_ok=True)
+        else:
+            shared.write_text(before)
+        stop_ray_head(other, tmp_path / "other.log")
+    joined = next((ln.split()[-1] for ln in out.splitlines() if ln.startswith("JOINED ")), None)
+    # (its GCS port: the address it names may be this machine's own IP rather than loopback)
+    assert proc.returncode == 0 and joined is not None and joined.rsplit(":", 1)[1] == address.rsplit(":", 1)[1], \
+        out[-3000:]
