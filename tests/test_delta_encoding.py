@@ -14,6 +14,7 @@ from rollout_service.weights.delta import (BucketCode, DeltaPlan, SKIP, apply, c
 from rollout_service.weights.delta_sender import (PROBE_EVERY, DeltaSender, PushPace, check_delta, delta_dtype,
                                                  delta_refusal)
 from rollout_service.weights.delta_values import _from_ordered, decode_values, encode_values, ordered, values_nbytes
+from delta_states import before_and_after
 from tiny_models import tiny_hf_model
 
 BF16 = torch.bfloat16
@@ -277,15 +278,7 @@ def test_the_in_process_client_takes_delta_and_validates_it_as_over_ray():
 def test_buckets_of_many_tensors_at_every_density_decode_to_the_new_weights(seed):
     """One pass per bucket finds every tensor's changes: sparse ones (gaps past both escape widths), moves far
     enough to go raw, dense rewrites sent whole or as a dense bucket, untouched tensors, signed zeros."""
-    g = torch.Generator().manual_seed(seed)
-    old = {f"t{i}": (torch.randn(n, generator=g) * 0.02) for i, n in enumerate([5, 300_000, 70_000, 4096, 1, 0, 999])}
-    new = {}
-    for i, (k, v) in enumerate(old.items()):
-        density = [0.0, 1e-5, 0.01, 0.3, 1.0][(i + seed) % 5]
-        pick = torch.rand(v.shape, generator=g) < density
-        far = torch.rand(v.shape, generator=g) < 0.1
-        new[k] = torch.where(pick, v + torch.where(far, 1.0, 1e-4) * torch.randn(v.shape, generator=g), v)
-    new["t1"][[0, 299_999]] = -0.0
+    old, new = before_and_after(seed)
     manifest, base = _base(old, bucket_bytes=700_000)
     delta, buffers = encode(manifest, named_items(new), base, 3)
     assert any(b.sparse is not None for b in delta.buckets)

@@ -3,6 +3,7 @@ CPU's, and decoding on the device patches the weights to exactly the new cast; c
 there too."""
 import pytest
 import torch
+from delta_states import before_and_after
 from kv_utils import requires_cuda
 
 from rollout_service.weights.buckets import Buckets, named_items, plan
@@ -10,21 +11,6 @@ from rollout_service.weights.delta import apply, decode, encode
 
 pytestmark = pytest.mark.skipif(**requires_cuda)
 BF16 = torch.bfloat16
-
-
-def _pair(seed: int) -> tuple[dict, dict]:
-    """Weights before and after an update: per tensor none, a few (gaps past both escape widths), some (moves far
-    enough to go raw) or all of its elements changed; signed zeros."""
-    g = torch.Generator().manual_seed(seed)
-    old = {f"t{i}": torch.randn(n, generator=g) * 0.02 for i, n in enumerate([5, 300_000, 70_000, 4096, 1, 0, 999])}
-    new = {}
-    for i, (k, v) in enumerate(old.items()):
-        density = [0.0, 1e-5, 0.01, 0.3, 1.0][(i + seed) % 5]
-        pick = torch.rand(v.shape, generator=g) < density
-        far = torch.rand(v.shape, generator=g) < 0.1
-        new[k] = torch.where(pick, v + torch.where(far, 1.0, 1e-4) * torch.randn(v.shape, generator=g), v)
-    new["t1"][[0, 299_999]] = -0.0
-    return old, new
 
 
 def _encoded(old: dict, new: dict, device: str):
@@ -39,7 +25,7 @@ def _encoded(old: dict, new: dict, device: str):
 
 @pytest.mark.parametrize("seed", range(4))
 def test_cuda_encoding_sends_the_cpus_bytes_and_decodes_on_the_device_to_the_new_cast(seed):
-    old, new = _pair(seed)
+    old, new = before_and_after(seed)
     manifest, _, cpu_plan, cpu_buffers = _encoded(old, new, "cpu")
     manifest, base, plan_, buffers = _encoded(old, new, "cuda")
     assert plan_ == cpu_plan and any(b.sparse is not None for b in plan_.buckets)
