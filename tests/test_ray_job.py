@@ -64,6 +64,18 @@ def _run(cmd: list[str], env: dict, timeout: float = 240) -> subprocess.Complete
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+def _submit(cmd: list[str], env: dict) -> tuple[subprocess.CompletedProcess, str]:
+    """`ray job submit ...` as the head's token-mode client, again while the head has no job agent ready yet (its
+    dashboard port opens first); the last try and its output."""
+    for _ in range(15):
+        proc = _run(cmd, {**env, "RAY_AUTH_MODE": "token"})
+        out = proc.stdout + proc.stderr
+        if "No available agent to submit job" not in out:
+            break
+        time.sleep(2)
+    return proc, out
+
+
 def test_serve_outlives_the_command_and_other_processes_use_it(ray_head, tmp_path, service_config):
     address, _, env = ray_head
     cfg = tmp_path / "svc.yaml"
@@ -117,12 +129,7 @@ def test_job_submit_of_the_launch_entrypoint_runs_and_prints_its_summary(ray_hea
     cmd = [RAY, "job", "submit", "--address", dashboard, "--working-dir", str(REPO), "--",
            sys.executable, "-m", "rollout_service.launch", "--config", str(tmp_path / "svc.yaml"),
            "--output", "out/results.msgpack"]
-    for _ in range(15):  # the dashboard port opens before its job agent is ready to take a job
-        proc = _run(cmd, {**env, "RAY_AUTH_MODE": "token"})
-        out = proc.stdout + proc.stderr
-        if "No available agent to submit job" not in out:
-            break
-        time.sleep(2)
+    proc, out = _submit(cmd, env)
     assert proc.returncode == 0, out[-3000:]
     assert "succeeded" in out and "rollout summary" in out
     summary = json.loads(next(ln for ln in out.splitlines() if ln.startswith("SUMMARY_JSON "))[len("SUMMARY_JSON "):])
@@ -149,13 +156,7 @@ def test_a_jobs_driver_joins_the_head_it_was_submitted_to_whatever_cluster_start
         shared.parent.mkdir(parents=True, exist_ok=True)
         shared.write_text(f"127.0.0.1:{other_ports['port']}")  # (what a `ray start` in /tmp/ray would write)
         entry = "import ray; ray.init(); print('JOINED', ray.get_runtime_context().gcs_address)"
-        for _ in range(15):  # the dashboard port opens before its job agent is ready to take a job
-            proc = _run([RAY, "job", "submit", "--address", dashboard, "--", sys.executable, "-c", entry],
-                        {**env, "RAY_AUTH_MODE": "token"})
-            out = proc.stdout + proc.stderr
-            if "No available agent to submit job" not in out:
-                break
-            time.sleep(2)
+        proc, out = _submit([RAY, "job", "submit", "--address", dashboard, "--", sys.executable, "-c", entry], env)
     finally:
         if before is None:
             shared.unlink(missing_ok=True)
