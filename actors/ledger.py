@@ -60,6 +60,9 @@ class Stream:
     delivered: int = 0
     event: asyncio.Event = field(default_factory=asyncio.Event)
     renewed: float = field(default_factory=time.monotonic)  # when its client last read or renewed it
+    # complete, but its last read handed out payloads: kept until the client says it fetched them (settle), or
+    # reports some lost (their node died: they are generated again), or stops renewing it
+    settling: bool = False
 
 
 def cost_estimate(req: RolloutRequest) -> int:
@@ -128,9 +131,23 @@ class Ledger:
                 self.streams[sid].renewed = now
 
     def expired(self, lease_s: float) -> list[str]:
-        """Streams neither read nor renewed for `lease_s` seconds."""
+        """Streams neither read nor renewed for `lease_s` seconds. Settling ones past it are forgotten here: their
+        client read them whole and is gone before saying so, and nothing of them runs."""
         now = time.monotonic()
-        return [sid for sid, s in self.streams.items() if now - s.renewed > lease_s]
+        old = [sid for sid, s in self.streams.items() if now - s.renewed > lease_s]
+        self.settle([sid for sid in old if self.streams[sid].settling])
+        return [sid for sid in old if sid in self.streams]
+
+    def settle(self, sids: list[str]) -> None:
+        """The client fetched every payload of these complete streams: forget them."""
+        for sid in sids:
+            s = self.streams.get(sid)
+            if s is not None and s.settling and s.delivered >= s.expected:
+                del self.streams[sid]
+
+    def open_streams(self) -> int:
+        """Streams whose client has not read them whole yet (settling ones apart)."""
+        return sum(not s.settling for s in self.streams.values())
 
     def new_job(self, t: Tracked, worker: int, version: int) -> RolloutRequest:
         job_id = f"{t.request.request_id}#{next(self._ids)}"
@@ -250,9 +267,10 @@ class Ledger:
     async def next_results(self, sid: str, timeout: float
                            ) -> tuple[list[RolloutResult], list[Batch], bool, list[TokenDelta]]:
         """The stream's results since the last call (waiting up to `timeout` for one, or for a token delta): those
-        held whole, the others as payload batches; whether the stream is complete (it is then forgotten); and
-        its token deltas. A call that hands out batches never completes it: the client's next call, which
-        reports what it could not fetch, does."""
+        held whole, the others as payload batches; whether the stream is complete; and its token deltas. A
+        complete stream is forgotten, unless this call hands out batches: it then settles until the client
+        says it fetched them (settle(), sent in batches, with no read of its own) or reports some lost on one more
+        read, which makes them missing again."""
         s = self.streams.get(sid)
         if s is None:
             raise ValueError(f"unknown stream {sid!r}: finished, closed, or cancelled when its client stopped "
@@ -273,7 +291,8 @@ class Ledger:
                 payload, h, rid = x
                 batches.setdefault((id(payload), h.group), (payload, h.group, []))[2].append(
                     (h.position, rid, h.sample_index))
-        done = s.delivered >= s.expected and not batches
-        if done:
+        done = s.delivered >= s.expected
+        s.settling = done and bool(batches)
+        if done and not batches:
             del self.streams[sid]
         return whole, list(batches.values()), done, deltas

@@ -150,6 +150,10 @@ class Router:
     async def close_stream(self, sid: str) -> None:
         await self.dispatcher.close_stream(sid)
 
+    def settle_streams(self, sids: list[str]) -> None:
+        """The client fetched every payload of these complete streams (their last read handed some out)."""
+        self.ledger.settle(sids)
+
     def renew_streams(self, sids: list[str]) -> None:
         """The client process still holds these streams: extend their leases."""
         self.ledger.renew(sids)
@@ -341,7 +345,7 @@ class Router:
                 "policy_version": self.refresh.version, "num_workers": len(t),
                 "alive": list(t.alive), "awaiting_weights": list(t.awaiting), "gone": list(t.gone),
                 "gone_reasons": list(t.why_gone), "draining": list(t.draining),
-                "in_flight": len(self.ledger.tracked), "streams": len(self.ledger.streams),
+                "in_flight": len(self.ledger.tracked), "streams": self.ledger.open_streams(),
                 "paused": self.control.paused, "asleep": self.control.asleep, "loads": self.ledger.loads(len(t)),
                 "duplicates_dropped": self.ledger.duplicates_dropped, "colocate": self.config.colocate,
                 "client_lease_s": self.control.lease_s, "fidelity": self.fidelity.entries(),

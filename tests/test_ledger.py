@@ -1,5 +1,5 @@
 """The router's book (actors/ledger.py) and results as headers for the router and payloads for the client
-(rollout_service/results/payloads.py): a stream that was handed payload refs ends only at the client's next read;
+(rollout_service/results/payloads.py): a stream complete but handed payload refs is kept until its client settles it;
 samples the client reports lost are missing again, to be generated anew; the per-worker loads a dispatch reads are
 kept up to date. Pure Python: the ledger never reads a payload, so a plain object stands in for the ObjectRef (the
 round trip through Ray, with a real node lost, is tests/test_ray_nodes.py)."""
@@ -48,26 +48,52 @@ def deliver_all(ledger: Ledger, ts, payload) -> None:
             ledger.deliver_ref(t, h, payload)
 
 
-def test_a_stream_handed_payloads_ends_at_the_next_read():
+def test_a_stream_handed_payloads_settles_until_its_client_says_it_fetched_them():
     ledger = Ledger()
     sid, ts = ledger.open_stream(requests())
     payload = object()
     deliver_all(ledger, ts, payload)
     assert not ledger.tracked, "every sample delivered"
     whole, batches, done, _ = asyncio.run(ledger.next_results(sid, 0.01))
-    assert whole == [] and not done
+    assert whole == [] and done, "complete: the client needs no other read"
     [(ref, group, entries)] = batches
     assert ref is payload and group == "sid"
     assert sorted((rid, k) for _, rid, k in entries) == [("r0", 0), ("r0", 1), ("r1", 0), ("r1", 1)]
+    assert sid in ledger.streams and ledger.open_streams() == 0, "kept (a payload may yet be lost), not open"
+    ledger.settle([sid, "no-such-stream"])
+    assert sid not in ledger.streams
+
+
+def test_an_incomplete_stream_is_not_settled_and_a_complete_one_read_again_ends():
+    ledger = Ledger()
+    sid, ts = ledger.open_stream(requests())
+    deliver_all(ledger, ts[:1], object())
+    whole, batches, done, _ = asyncio.run(ledger.next_results(sid, 0.01))
+    assert not done and len(batches[0][2]) == 2
+    ledger.settle([sid])
+    assert sid in ledger.streams and ledger.open_streams() == 1, "r1's samples are still to come"
+    deliver_all(ledger, ts[1:], object())
+    assert asyncio.run(ledger.next_results(sid, 0.01))[2]
+    # a client that reads once more instead of settling (nothing lost) ends it too
     assert asyncio.run(ledger.next_results(sid, 0.01)) == ([], [], True, [])
     assert sid not in ledger.streams
+
+
+def test_a_settling_stream_whose_client_is_gone_is_forgotten_quietly_at_its_lease():
+    ledger = Ledger()
+    done_sid, ts = ledger.open_stream(requests())
+    deliver_all(ledger, ts, object())
+    asyncio.run(ledger.next_results(done_sid, 0.01))
+    waiting_sid, _ = ledger.open_stream(requests())
+    assert ledger.expired(-1.0) == [waiting_sid], "only the stream still running is for the router to cancel"
+    assert done_sid not in ledger.streams and waiting_sid in ledger.streams
 
 
 def test_lost_samples_are_missing_again_and_the_stream_waits_for_them():
     ledger = Ledger()
     sid, ts = ledger.open_stream(requests())
     deliver_all(ledger, ts, object())
-    asyncio.run(ledger.next_results(sid, 0.01))
+    assert asyncio.run(ledger.next_results(sid, 0.01))[2], "complete, settling"
     again = ledger.reopen(sid, [("r1", 0), ("r1", 1), ("r9", 0)])  # (an id the stream never had: ignored)
     assert [t.request.request_id for t in again] == ["r1"] and again[0].missing == 2
     assert ledger.tracked["r1"] is again[0] and again[0].worker is None  # waits for a dispatch
@@ -75,9 +101,12 @@ def test_lost_samples_are_missing_again_and_the_stream_waits_for_them():
     whole, batches, done, _ = asyncio.run(ledger.next_results(sid, 0.01))
     assert (whole, batches, done) == ([], [], False), "two samples to come"
     deliver_all(ledger, again, object())
+    ledger.settle([sid])
+    assert sid in ledger.streams and ledger.open_streams() == 1, "two samples missing again: not settled"
     whole, batches, done, _ = asyncio.run(ledger.next_results(sid, 0.01))
-    assert not done and sorted(k for _, rid, k in batches[0][2]) == [0, 1]
-    assert asyncio.run(ledger.next_results(sid, 0.01))[2]
+    assert done and sorted(k for _, rid, k in batches[0][2]) == [0, 1]
+    ledger.settle([sid])
+    assert sid not in ledger.streams
 
 
 def test_a_lost_sample_whose_id_is_in_flight_in_another_stream_ends_with_an_error():

@@ -175,6 +175,23 @@ def test_fuzzed_bad_requests_get_clear_errors_and_good_ones_return(client):
     assert info["in_flight"] == 0 and info["streams"] == 0, info
 
 
+def test_a_one_request_stream_takes_one_read_and_the_router_forgets_it_when_told(client, monkeypatch):
+    """Its result comes as a payload to fetch: the read that completes the stream ends it for the client, and the
+    client's lease thread tells the router, which keeps the stream till then (a lost payload is reported on a read)."""
+    from rollout_service.results import stream as streams
+    reads, ask = [], streams.ResultStream.ask
+    monkeypatch.setattr(streams.ResultStream, "ask", lambda s: reads.append(s.sid) or ask(s))
+    conn = client._connection
+    s = conn.submit([RolloutRequest([5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True), request_id="one")])
+    [r] = list(s)
+    assert (r.request_id, len(r.token_ids)) == ("one", 4) and reads == [s.sid], reads
+    assert conn.info()["streams"] == 0, "read whole: not open"
+    deadline = time.monotonic() + 60
+    while ray.get(conn.router.__ray_call__.remote(lambda router, sid=s.sid: sid in router.ledger.streams)):
+        assert time.monotonic() < deadline, "the router never heard the stream was read"
+        time.sleep(0.1)
+
+
 def test_refresh_bad_is_refused_everywhere_good_one_switches_version(client, local, make_tiny_llama,
                                                                    refresh_mid_generation):
     new = make_tiny_llama(seed=1).state_dict()

@@ -2,12 +2,14 @@
 
 Each read gets the results the router holds whole and, for the others, where their payload is: this process
 fetches it from the worker's node (rollout_service/results/payloads.py) and reports on its next read what was lost
-with a node, for the router to generate again.
+with a node, for the router to generate again. The read that completes a stream needs no read after it when every
+payload was fetched: the router keeps the stream until this process's thread says so (one call per router for all
+such streams, twice a second), so a one-request stream costs the router one submit and one read.
 
 A stream holds requests in flight on the workers, so its end must reach the router however its consumer
-goes: read to the end (the router then forgets it), closed (`close()`, or its client closed), dropped
-unread (garbage-collected: a finalizer queues its close), or its process died (the router cancels a
-stream whose lease is not renewed; a thread of this process renews the leases of every stream still
+goes: read to the end (the router then forgets it, at once or when told, above), closed (`close()`, or its
+client closed), dropped unread (garbage-collected: a finalizer queues its close), or its process died (the router
+cancels a stream whose lease is not renewed; a thread of this process renews the leases of every stream still
 referenced here, so a stream kept for later, e.g. rollouts submitted before a training step, lives on).
 The finalizer only queues the close: the thread sends it, or the next submit/info/close of this process.
 
@@ -58,12 +60,13 @@ class ResultStream(Iterator[RolloutResult | TokenDelta]):
 
     def take(self, reply: tuple) -> None:
         whole, batches, done, starved, deltas = reply
-        if done:  # the router forgot it
-            self._done = True
-            self._finalizer.detach()
         if starved:
             self._on_starved()
         fetched, self._lost = unpack(batches)
+        if done and not self._lost:  # (with some lost, the next read reports them: they are generated again)
+            self._done = True
+            if self._finalizer.detach() is not None and batches:
+                _keeper.settle(self.router, self.sid)  # the router holds it until told the payloads were fetched
         self._buffer.extend(deltas)  # (first: they came before these results)
         self._buffer.extend(whole + fetched)
 
@@ -97,6 +100,7 @@ def close_streams(owner: Any) -> None:
         if s.owner is owner:
             s.close()
     send_closes()
+    send_settles()
 
 
 def send_closes() -> None:
@@ -111,6 +115,20 @@ def send_closes() -> None:
                 pass  # the service (or Ray) is gone, and the stream with it
 
 
+def send_settles() -> None:
+    """Tell each router which of its streams were read whole (one call per router). A router not told forgets them
+    once their lease runs out."""
+    by_router: dict[Any, list[str]] = {}
+    while _settled:
+        router, sid = _settled.popleft()
+        by_router.setdefault(router, []).append(sid)
+    for router, sids in by_router.items():
+        try:
+            ray.get(router.settle_streams.remote(sids), timeout=10)
+        except Exception:
+            pass  # the service (or Ray) is gone, and the streams with it
+
+
 def hold_sleep(router: Any, holder: str, lease_s: float) -> None:
     """Renew client `holder`'s sleep lease with `router` from this process until release_sleep(holder)."""
     _keeper.hold_sleep(router, holder, lease_s)
@@ -123,6 +141,9 @@ def release_sleep(holder: str) -> None:
 # Filled by finalizers, which may run in any thread at any allocation: deque.append takes no lock.
 _pending: deque[tuple[Any, str]] = deque()
 _sending = threading.Lock()
+# Streams read whole whose last read handed out payloads, all fetched: the thread tells their routers in one call
+# each per tick (a read of its own for each stream would cost the router as much as the stream's submit).
+_settled: deque[tuple[Any, str]] = deque()
 
 
 class _Keeper:
@@ -149,6 +170,11 @@ class _Keeper:
         with self._lock:
             self._sleeps.pop(holder, None)
 
+    def settle(self, router: Any, sid: str) -> None:
+        with self._lock:
+            _settled.append((router, sid))
+            self._start()
+
     def _start(self) -> None:  # (with the lock held)
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="rollout-stream-leases", daemon=True)
@@ -162,10 +188,11 @@ class _Keeper:
         renewed = 0.0
         while True:
             send_closes()
+            send_settles()
             with self._lock:  # (strong references to streams only for as long as the lock is held)
                 leases = [(s.router, s.sid, s.lease_s) for s in self._open if s.open]
                 sleeps = [(router, holder, lease_s) for holder, (router, lease_s) in self._sleeps.items()]
-                if not _pending and not leases and not sleeps:
+                if not _pending and not _settled and not leases and not sleeps:
                     self._thread = None
                     return
             # each lease is renewed 4 times per its length: a late renewal or two costs nothing
