@@ -84,6 +84,6 @@ def test_the_benchmark_runs_through_the_service_every_result_once(ray_cluster):
     lat = latency(5, custom=ON_ROLLOUT_NODES)
     assert 0 < lat["bare_actor_call_median_ms"] and lat["median_ms"] <= lat["p99_ms"]
     table = _markdown(lat, [row])
-    assert table[-1].startswith("| 3 | 2: ") and "| 2 | 4 | 1 per 1.00 ms | 60 | " in table[-1]
+    assert table[-1].startswith("| 3 | 2: ") and "| 2 | 4 | 1 per 1.00 ms | 60 (16) | " in table[-1]
     assert table[-1].endswith("| 0 / 0 |")
     assert row["polls"] > 0  # (the router counts its polls)

@@ -3,7 +3,8 @@ workers whose engines cost nothing (benchmarks/harness/fabricated.py, a benchmar
 
 - requests/s: requests of 1-token answers, submitted in batches of `batch` per stream, fabricated at once; also
   with the request path split over 2 and 4 routers (ServiceConfig.routers: each its share of the workers and of
-  the requests, by prompt), every router's CPU per request apart;
+  the requests, by prompt), every router's CPU per request apart; and one request a stream (an agent's turn, an
+  OpenAI endpoint call: each stream's own calls are then the request's) with 1, 2 and 4 routers;
 - results/s: W workers each fabricating W2's rate (256 samples of 256 tokens per batch, 100k tokens/s);
 - CPU per request and per result: the router's process (/proc), the workers' and the client's, over each run;
 - latency added: one 1-token request at a time, submit to result, on an idle service (the engine's part is
@@ -161,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="each fabricating worker makes this many times W2's rate (8 workers x 8: 64 workers' results "
                         "through 8 processes, for a machine that cannot run 64)")
     p.add_argument("--routers", default="2,4", help="router counts of the extra requests/s runs (8 workers, n = 1)")
+    p.add_argument("--single", default="1,2,4", help="router counts of the one-request-a-stream runs (\"\": none)")
     p.add_argument("--skip-small", action="store_true", help="only the W2-rate runs")
     p.add_argument("--quick", action="store_true")
     args = p.parse_args(argv)
@@ -178,6 +180,9 @@ def main(argv: list[str] | None = None) -> int:
         for routers in () if args.skip_small else [int(k) for k in args.routers.split(",") if k]:
             runs.append(throughput(8, Fabricate(), 2_000 if args.quick else 20_000, 1, 512, routers=routers))
             print(runs[-1], flush=True)
+        for routers in [int(k) for k in args.single.split(",") if k]:
+            runs.append(throughput(8, Fabricate(), 200 if args.quick else 2_000, 1, 1, routers=routers))
+            print(runs[-1], flush=True)
         for workers in counts:
             count = workers * 256 * args.speedup * (1 if args.quick else 4)
             runs.append({**throughput(workers, w2, count, 256, 256), "speedup": args.speedup})
@@ -190,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def configuration(row: dict) -> tuple:
     """What one row measured: a newer run's row of the same configuration replaces an older one's."""
-    return row["workers"], row["n"], row["max_tokens"], row.get("speedup", 1), row.get("routers", 1)
+    return row["workers"], row["n"], row["max_tokens"], row.get("speedup", 1), row.get("routers", 1), row["batch"]
 
 
 def markdown(meta: dict, rows: list[dict]) -> list[str]:
@@ -212,14 +217,14 @@ def _markdown(lat: dict, runs: list[dict]) -> list[str]:
              "taken out of the net figure. Router µs/poll: its CPU over the run per poll (idle polls apart). With several routers "
              "(each its share of the workers and of the requests, by prompt) the router figures are their sum, and each "
              "router's requests and CPU share are listed.", "",
-             "| workers | routers: requests, CPU share each | n | tokens/result | fabricated step | requests | results/s | "
+             "| workers | routers: requests, CPU share each | n | tokens/result | fabricated step | requests (a stream) | results/s | "
              "requests/s | router CPU share "
              "(idle) | router µs/request | router µs/result (net of idle) | router results/CPU-s | workers µs/result | "
              "client µs/result | polls | results/poll | router µs/poll (idle) | lost / duplicated |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
         lines.append(f"| {r['workers']} | {_routers(r)} | {r['n']} | {r['max_tokens']} | {r['tokens_per_step']} per "
-                     f"{r['step_ms']:.2f} ms | {r['requests']:,} | "
+                     f"{r['step_ms']:.2f} ms | {r['requests']:,} ({r['batch']}) | "
                      f"{r['results_per_s']:,} | {r['requests_per_s']:,} | {r['router_util']:.2f} "
                      f"({r['router_idle_cpu_share']:.2f}) | {r['router_us_per_request']} | "
                      f"{r['router_us_per_result']} ({r['router_busy_us_per_result']}) | "
