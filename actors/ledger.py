@@ -142,7 +142,7 @@ class Ledger:
         """The client fetched every payload of these complete streams: forget them."""
         for sid in sids:
             s = self.streams.get(sid)
-            if s is not None and s.settling and s.delivered >= s.expected:
+            if s is not None and s.settling:
                 del self.streams[sid]
 
     def open_streams(self) -> int:
@@ -222,6 +222,7 @@ class Ledger:
                 t.delivered.discard(index)
                 self._charge(t)
                 s.delivered -= 1
+                s.settling = False  # incomplete again: open until the samples come back
                 out[rid] = t
         return list(out.values())
 

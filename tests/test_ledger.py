@@ -95,6 +95,7 @@ def test_lost_samples_are_missing_again_and_the_stream_waits_for_them():
     deliver_all(ledger, ts, object())
     assert asyncio.run(ledger.next_results(sid, 0.01))[2], "complete, settling"
     again = ledger.reopen(sid, [("r1", 0), ("r1", 1), ("r9", 0)])  # (an id the stream never had: ignored)
+    assert ledger.open_streams() == 1, "incomplete again: open"
     assert [t.request.request_id for t in again] == ["r1"] and again[0].missing == 2
     assert ledger.tracked["r1"] is again[0] and again[0].worker is None  # waits for a dispatch
     assert ledger.reopen(sid, [("r1", 0)]) == [], "already missing"
