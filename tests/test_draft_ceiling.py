@@ -9,15 +9,20 @@ PROMPTS = {0: [1, 2, 3], 1: [1, 2, 4]}
 TEXT = [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]
 
 
-def _replay(every_prompt: bool, epochs: list[list[tuple[int, list[int]]]]) -> list[dict]:
-    replay = _Replay(every_prompt)
-    return [replay.epoch(PROMPTS, samples, k=4) for samples in epochs]
+def _replay(every_prompt: bool, epochs: list[list[tuple[int, list[int]]]], noise: bool = True) -> list[dict]:
+    replay = _Replay(every_prompt, noise)
+    return [replay.epoch(PROMPTS, _drawn(samples), k=4) for samples in epochs]
+
+
+def _drawn(samples: list[tuple[int, list[int]]]) -> list[tuple[int, list[int], int, int]]:
+    """(prompt, tokens) with a seed and sample index each (the draws a noise-following drafter looks at)."""
+    return [(prompt, tokens, 5, i) for i, (prompt, tokens) in enumerate(samples)]
 
 
 def test_every_token_is_counted_once_and_a_step_takes_at_least_one():
     samples = [(0, TEXT), (0, TEXT[:5] + [30, 31]), (1, [40, 41, 42])]
-    for every_prompt, _ in DRAFTERS.values():
-        (c,) = _replay(every_prompt, [samples])
+    for every_prompt, _, noise in DRAFTERS.values():
+        (c,) = _replay(every_prompt, [samples], noise)
         assert c["tokens"] == sum(len(t) for _, t in samples)
         assert c["steps"] <= c["tokens"] and c["accepted"] == c["tokens"] - c["steps"]
         assert c["accepted"] <= c["proposed"]
@@ -37,6 +42,6 @@ def test_text_seen_in_an_earlier_epoch_is_drafted_and_kept():
 def test_one_token_suffixes_draft_where_two_token_ones_have_nothing_and_the_engines_bound_is_restored():
     # 12 follows 11 twice before; the pair (25, 11) is new, so only a one-token suffix finds what follows 11
     epochs = [[(0, [11, 12, 50, 11, 12, 51])], [(0, [60, 25, 11, 12, 70])]]
-    rows = {(r["drafter"], r["epoch"]): r for r in replay_all(PROMPTS, epochs, k=4)}
+    rows = {(r["drafter"], r["epoch"]): r for r in replay_all(PROMPTS, [_drawn(e) for e in epochs], k=4)}
     assert rows[("+ 1-token suffixes", 1)]["accepted"] > rows[("+ every prompt", 1)]["accepted"]
     assert drafting.MIN_NGRAM == DRAFTERS["engine"][1] == 2

@@ -9,10 +9,12 @@ to k tokens from what has been seen so far, keeps the draft's tokens while they 
 sampled one). Tokens per step is then the speedup a verify step would give if it cost no more than a decode step:
 an upper bound on WS's on / off at that acceptance.
 
-Drafters, all on the engine's n-gram tables (drafter._Corpus: the most frequent follower of the longest suffix
-seen):
+Drafters, all on the engine's n-gram tables (drafter._Corpus: a follower of the longest suffix seen, the one the
+sequence's own Gumbel draws favour):
 - "engine": drafter.py as built: suffixes of 2-4 tokens from the sequence's prompt, its own and its siblings'
   text, and earlier epochs of the same prompt;
+- "engine, most frequent follower": the same, the follower seen most often whatever the draws (drafter.py
+  before 2026-12-07);
 - "+ every prompt": where that has no draft, one table of every prompt's text (phrases shared across tasks);
 - "+ 1-token suffixes": both, and suffixes down to one token.
 
@@ -39,13 +41,15 @@ class Shape:
     k: int = 4  # EngineConfig.num_speculative_tokens' default
 
 
-DRAFTERS = {"engine": (False, drafting.MIN_NGRAM), "+ every prompt": (True, drafting.MIN_NGRAM),
-            "+ 1-token suffixes": (True, 1)}
+# name -> (a table of every prompt where the prompt's has nothing, the shortest suffix, follow the draws)
+DRAFTERS = {"engine": (False, drafting.MIN_NGRAM, True), "engine, most frequent follower": (False, drafting.MIN_NGRAM, False),
+            "+ every prompt": (True, drafting.MIN_NGRAM, True), "+ 1-token suffixes": (True, 1, True)}
+Sample = tuple[int, list[int], int, int]  # prompt, tokens, seed, sample index
 
 
-def sample(s: Shape) -> tuple[dict[int, list[int]], list[list[tuple[int, list[int]]]], float]:
-    """The prompts' token ids, and per epoch each sample's (prompt, tokens), from the engine without speculation;
-    and the seconds sampling took."""
+def sample(s: Shape) -> tuple[dict[int, list[int]], list[list[Sample]], float]:
+    """The prompts' token ids, and per epoch each sample's (prompt, tokens, seed, sample index), from the engine
+    without speculation; and the seconds sampling took."""
     from rollout_service.engine.engine import Engine
 
     from benchmarks.harness.models import load_bench_model
@@ -62,28 +66,29 @@ def sample(s: Shape) -> tuple[dict[int, list[int]], list[list[tuple[int, list[in
         out = sorted(eng.run_until_done(), key=lambda r: (int(r.request_id), r.sample_index))
         seconds += time.perf_counter() - t0
         prompt_ids.update({int(r.request_id): list(r.prompt_token_ids) for r in out})
-        epochs.append([(int(r.request_id), list(r.token_ids)) for r in out])
+        epochs.append([(int(r.request_id), list(r.token_ids), 1000 * epoch + int(r.request_id), r.sample_index)
+                       for r in out])
     return prompt_ids, epochs, seconds
 
 
 class _Replay:
     """One drafter's tables across the epochs, and its counts for the epoch being replayed."""
 
-    def __init__(self, every_prompt: bool):
-        self.every_prompt = every_prompt
+    def __init__(self, every_prompt: bool, noise: bool = True):
+        self.every_prompt, self.noise = every_prompt, noise
         self.corpora: dict[int, drafting._Corpus] = {}
         self.shared = drafting._Corpus()
 
-    def epoch(self, prompt_ids: dict[int, list[int]], samples: list[tuple[int, list[int]]], k: int) -> dict:
+    def epoch(self, prompt_ids: dict[int, list[int]], samples: list[Sample], k: int) -> dict:
         live = []
-        for prompt, tokens in samples:
+        for prompt, tokens, seed, sample_index in samples:
             corpus = self.corpora.get(prompt)
             if corpus is None:
                 corpus = self.corpora[prompt] = drafting._Corpus()
                 for c in (corpus, self.shared):
                     c.add(prompt_ids[prompt], 0, len(prompt_ids[prompt]) - 1)
             live.append({"corpus": corpus, "text": list(prompt_ids[prompt]), "truth": tokens, "at": 0,
-                         "indexed": len(prompt_ids[prompt]) - 1})
+                         "indexed": len(prompt_ids[prompt]) - 1, "draws": (seed, sample_index)})
         counts = {"tokens": 0, "steps": 0, "drafts": 0, "accepted": 0, "proposed": 0}
         while live:
             for seq in live:  # one step of every live sequence, as a batch would take it
@@ -97,7 +102,8 @@ class _Replay:
             c.add(text, seq["indexed"], len(text) - 1)
         seq["indexed"] = max(seq["indexed"], len(text) - 1)
         room = min(k, len(truth) - at - 1)  # a draft leaves room for the token after it
-        draft = self._draft(seq["corpus"], text, room) if room > 0 else []
+        noise = drafting.sampler_noise(*seq["draws"], at) if self.noise else None  # (temperature 1: sample())
+        draft = self._draft(seq["corpus"], text, room, noise) if room > 0 else []
         kept = 0
         while kept < len(draft) and draft[kept] == truth[at + kept]:
             kept += 1
@@ -110,22 +116,22 @@ class _Replay:
             counts["accepted"] += kept
             counts["proposed"] += len(draft)
 
-    def _draft(self, corpus: drafting._Corpus, text: list[int], k: int) -> list[int]:
-        draft = corpus.draft(text, k)
-        return draft if draft or not self.every_prompt else self.shared.draft(text, k)
+    def _draft(self, corpus: drafting._Corpus, text: list[int], k: int, noise: drafting.Noise | None) -> list[int]:
+        draft = corpus.draft(text, k, noise)
+        return draft if draft or not self.every_prompt else self.shared.draft(text, k, noise)
 
 
 def measure(s: Shape) -> tuple[list[dict], dict]:
     prompt_ids, epochs, seconds = sample(s)
     return replay_all(prompt_ids, epochs, s.k), {"sampling_s": round(seconds, 1),
-                                                 "tokens": sum(len(t) for ep in epochs for _, t in ep)}
+                                                 "tokens": sum(len(s[1]) for ep in epochs for s in ep)}
 
 
-def replay_all(prompt_ids: dict[int, list[int]], epochs: list[list[tuple[int, list[int]]]], k: int) -> list[dict]:
+def replay_all(prompt_ids: dict[int, list[int]], epochs: list[list[Sample]], k: int) -> list[dict]:
     """A row per drafter and epoch."""
     rows = []
-    for name, (every_prompt, min_ngram) in DRAFTERS.items():
-        replay = _Replay(every_prompt)
+    for name, (every_prompt, min_ngram, noise) in DRAFTERS.items():
+        replay = _Replay(every_prompt, noise)
         for e, samples in enumerate(epochs):
             saved, drafting.MIN_NGRAM = drafting.MIN_NGRAM, min_ngram  # (_Corpus indexes and looks up down to it)
             try:

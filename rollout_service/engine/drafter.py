@@ -2,10 +2,15 @@
 
 RL rollouts repeat themselves: GRPO's n samples of one prompt share much of their text, a sequence repeats
 its own prompt and earlier lines (equations, code, tool calls), and the same prompts come back in later epochs.
-So the draft follows what most often came after the sequence's last few tokens (the longest suffix seen,
-MIN_NGRAM to MAX_NGRAM tokens) in: its own prompt and output, its siblings' outputs, and earlier rollouts of
-the same prompt tokens. Every source of one prompt shares one table of counts (a Corpus), keyed by the
-prompt's tokens.
+So the draft follows what came after the sequence's last few tokens (the longest suffix seen, MIN_NGRAM to
+MAX_NGRAM tokens) in: its own prompt and output, its siblings' outputs, and earlier rollouts of the same prompt
+tokens. Every source of one prompt shares one table of counts (a Corpus), keyed by the prompt's tokens.
+
+Which follower: greedy decoding takes the likeliest token, so the most frequent one. Sampling takes
+argmax(log p + g) with the sampler's Gumbel draws g, which are known before the step (counter-based noise,
+ops/random.py): so the draft takes the follower that wins that argmax with its count standing for p, the one the
+sequence's own noise favours. Siblings part where their noise differs; this follows the sibling whose draw
+this sequence repeats.
 
 A draft only changes speed, never a token (the verify step keeps exactly what plain decoding samples), so
 nothing here needs to be right: history is kept across weight refreshes (old rollouts still predict new ones
@@ -14,13 +19,16 @@ indexed positions in all.
 """
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
-from typing import Protocol
+from typing import Callable, Protocol
 
 from rollout_service.engine.sequence import Sequence
+from rollout_service.ops.random import gumbel_at, row_key
 
 MIN_NGRAM, MAX_NGRAM = 2, 4     # suffix lengths looked up, longest first
 HISTORY_POSITIONS = 1 << 16     # positions counted over every corpus (3 n-grams each: tens of MB at most)
+Noise = Callable[[int, int], float]  # (place in the draft, token id) -> the sampler's Gumbel draw there
 
 
 class Drafter(Protocol):
@@ -50,10 +58,9 @@ class _Corpus:
         self.positions += max(0, end - start)
         return max(0, end - start)
 
-    def draft(self, text: list[int], k: int) -> list[int]:
-        """Up to k tokens, each the one that most often followed the longest seen suffix of text + the draft so far
-        (the likeliest path through what was seen: with sampling, a draft token is accepted with the model's
-        probability of it, so the most frequent follower is the best guess)."""
+    def draft(self, text: list[int], k: int, noise: Noise | None = None) -> list[int]:
+        """Up to k tokens, each a follower of the longest seen suffix of text + the draft so far: the most frequent
+        one, or with `noise` (a sampled sequence's draws) the one whose log count + draw is highest."""
         tail, out = text[-MAX_NGRAM:], []
         while len(out) < k:
             counts = None
@@ -63,10 +70,27 @@ class _Corpus:
                     break
             if not counts:
                 break
-            tok = max(counts, key=counts.__getitem__)  # ties: the follower seen first
+            if noise is None:
+                tok = max(counts, key=counts.__getitem__)  # ties: the follower seen first
+            else:
+                at = len(out)
+                tok = max(counts, key=lambda t: math.log(counts[t]) + noise(at, t))
             out.append(tok)
             tail = tail[1:] + [tok] if len(tail) == MAX_NGRAM else tail + [tok]
         return out
+
+
+def sampler_noise(seed: int, sample_index: int, step: int) -> Noise:
+    """The Gumbel draws the sampler will add at each place of a draft that starts at output step `step`
+    (sampler.py's keys: seed, sample, step)."""
+    keys: dict[int, int] = {}
+
+    def draw(at: int, token: int) -> float:
+        key = keys.get(at)
+        if key is None:
+            key = keys[at] = row_key(int(seed), int(sample_index), step + at)
+        return gumbel_at(key, token)
+    return draw
 
 
 class _Track:
@@ -94,7 +118,8 @@ class SuffixDrafter:
         # n-grams whose continuation is known: all but the one ending at the last token
         self._positions += track.corpus.add(text, track.indexed, len(text) - 1)
         track.indexed = max(track.indexed, len(text) - 1)
-        draft = track.corpus.draft(text, k)
+        noise = sampler_noise(seq.seed, seq.sample_index, seq.num_output_tokens) if seq.sampling.temperature else None
+        draft = track.corpus.draft(text, k, noise)
         if self._positions > self.history_positions:
             self._shrink()
         return draft

@@ -23,6 +23,8 @@ exactly there (a token 1e-9 as likely as the top one can still be drawn).
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 MASK64 = (1 << 64) - 1
@@ -94,3 +96,11 @@ def gumbel(keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """float32 [B, N] standard Gumbel noise, -log(-log(1 - w)) with w = uniforms(keys, ids)."""
     w = uniforms(keys, ids)
     return w.neg_().log1p_().neg_().log_().neg_()
+
+
+def gumbel_at(key: int, vocab_id: int) -> float:
+    """One element of gumbel(): the draw of `vocab_id` in the row keyed `key` (row_key's), in float64 (gumbel's
+    float32 agrees to its precision). For the few draws a drafter looks at ahead of a step, not a whole row."""
+    h = splitmix64_int(key + (vocab_id + 1) * GOLDEN)
+    w = min(((h >> 32) + 0.5) * 2.0 ** -32, 1.0 - 2.0 ** -24)
+    return -math.log(-math.log1p(-w))
