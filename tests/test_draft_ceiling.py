@@ -45,3 +45,19 @@ def test_one_token_suffixes_draft_where_two_token_ones_have_nothing_and_the_engi
     rows = {(r["drafter"], r["epoch"]): r for r in replay_all(PROMPTS, [_drawn(e) for e in epochs], k=4)}
     assert rows[("+ 1-token suffixes", 1)]["accepted"] > rows[("+ every prompt", 1)]["accepted"]
     assert drafting.MIN_NGRAM == DRAFTERS["engine"][1] == 2
+
+
+def test_a_quick_run_samples_the_embedded_model_and_replays_every_drafter(tmp_path):
+    """The harness end to end (--quick: 2 prompts x 2 samples, 8 tokens, 2 epochs): a row per drafter and epoch,
+    each epoch's tokens counted once by every drafter, the sampled total in the file's meta."""
+    import json
+
+    from benchmarks.harness.draft_ceiling import main
+    assert main(["--quick", "--out", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("*-draft-ceiling.json")
+    doc = json.loads(path.read_text())
+    rows = doc["rows"]
+    assert {(r["drafter"], r["epoch"]) for r in rows} == {(d, e) for d in DRAFTERS for e in (0, 1)}
+    for e in (0, 1):
+        assert len({r["tokens"] for r in rows if r["epoch"] == e}) == 1
+    assert sum(r["tokens"] for r in rows if r["drafter"] == "engine") == doc["meta"]["sampled"]["tokens"] > 0
