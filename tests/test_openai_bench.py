@@ -33,3 +33,18 @@ def test_the_benchmark_times_every_path_on_the_same_tokens_and_releases_its_sess
     assert streaming["first_text_median_ms"] <= streaming["stream_end_median_ms"], streaming
     text = "\n".join(markdown({"model": "word", "max_tokens": 3}, rows + [streaming, sessions]))
     assert "| HTTP, openai package | 3 |" in text and "| 12 | " in text and "| 6 | True |" in text
+
+
+def test_a_path_whose_engine_time_is_not_known_here_is_compared_without_it():
+    """interleaved(): the times outside the engine are compared for the paths whose every call's engine time is
+    known (Serve's replicas hold clients of their own), and the table says n/a for the others."""
+    from benchmarks.harness.openai_bench import interleaved, latency_table
+
+    last = []
+    paths = {name: (lambda name=name: last.append(name) or [1, 2]) for name in ("ids", "endpoint", "replicas")}
+    rows = interleaved(paths, calls=4, engine_ms=lambda: None if last[-1] == "replicas" else 0.0)
+    by = {r["path"]: r for r in rows}
+    assert "outside_ms" in by["ids"] and "outside_ms" in by["endpoint"] and "outside_ms" not in by["replicas"]
+    assert by["ids"]["added_outside_ms"] == 0 and all(r["same_tokens"] for r in rows)
+    table = latency_table(rows)
+    assert "outside the engine" in table[0] and table[-1].count("n/a") == 2 and "n/a" not in table[-2]

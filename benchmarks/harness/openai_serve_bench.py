@@ -1,9 +1,11 @@
 """WO on Ray Serve: what the endpoint's Serve replicas (rollout_service/openai/replicas.py) cost and carry against
 one uvicorn endpoint process, both in front of the same Ray service, in one run on one box.
 
-- latency: the same greedy chat call through the Ray client (`client.generate` on the rendered ids), the
-  uvicorn endpoint (in this process, on the same client) and Serve's proxy and replicas, interleaved call by
-  call; "added" is the median of each call's difference from the Ray client's call next to it;
+- latency: the same greedy chat call through the Ray client (`client.generate` on the rendered ids, and on the
+  messages, like for like), the uvicorn endpoint (in this process, on the same client; with httpx and with the
+  `openai` package) and Serve's proxy and replicas (httpx), interleaved call by call; "added" is the median of
+  each call's difference from the Ray client's call on token ids next to it, and, where the engine's own time of
+  each call is known here (not Serve's), "outside the engine" each call's time less it (openai_bench.py);
 - rate: `--sessions` session calls (each its own session id, so each costs the shared sessions actor its two
   round trips) from `--threads` client threads through each endpoint: calls/s, on the model's service and on a
   service of two fabricating workers (benchmarks/harness/fabricated.py: an engine that costs nothing, so the
@@ -20,25 +22,39 @@ import contextlib
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterator
 
-from benchmarks.harness.openai_bench import MESSAGES, TOKEN, interleaved, latency_table
+from benchmarks.harness.openai_bench import MESSAGES, TOKEN, EngineClock, interleaved, latency_table
 
 
-def measure_latency(client: Any, urls: dict[str, str], ids: list[int], calls: int, max_tokens: int) -> list[dict]:
+def measure_latency(client: Any, servers: dict[str, Any], ids: list[int], calls: int, max_tokens: int) -> list[dict]:
+    """The paths interleaved; the engine's own time of each call is known for the Ray client's and the uvicorn
+    endpoint's (it holds this process's client: EngineClock), so their times outside the engine are compared too;
+    Serve's replicas hold clients of their own."""
     import httpx
+    from openai import OpenAI
 
     from rollout_service import SamplingParams
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     body = {"model": "m", "messages": MESSAGES, "temperature": 0.0, "max_tokens": max_tokens}
-    https = {name: httpx.Client(base_url=url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=120)
-             for name, url in urls.items()}
+    https = {name: httpx.Client(base_url=s.url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=120)
+             for name, s in servers.items()}
+    uvicorn, server = next(iter(servers.items()))  # the endpoint in this process (endpoints() puts it first)
+    direct = server.app.state.runtime.svc
+    clock, held = EngineClock(), direct.client
+    direct.client = clock.wrap(held)
+    sdk = OpenAI(base_url=server.url, api_key=TOKEN, max_retries=0, timeout=120)
     paths: dict[str, Callable[[], list[int]]] = {
-        "Ray client": lambda: client.generate([ids], sp, apply_chat_template=False)[0].token_ids}
+        "Ray client, token ids": lambda: clock.note(client.generate([ids], sp, apply_chat_template=False))[0]
+        .token_ids,
+        "Ray client, messages": lambda: clock.note(client.generate([MESSAGES], sp))[0].token_ids}
     for name, http in https.items():
-        paths[name] = lambda http=http: http.post("/chat/completions", json=body).raise_for_status().json()[
-            "choices"][0]["token_ids"]
+        paths[f"{name}, httpx"] = lambda http=http: http.post("/chat/completions", json=body).raise_for_status(
+        ).json()["choices"][0]["token_ids"]
+    paths[f"{uvicorn}, openai package"] = lambda: sdk.chat.completions.create(
+        model="m", messages=MESSAGES, temperature=0.0, max_tokens=max_tokens).choices[0].model_extra["token_ids"]
     try:
-        return interleaved(paths, calls)
+        return interleaved(paths, calls, clock.take)
     finally:
+        direct.client = held
         for http in https.values():
             http.close()
 
@@ -125,8 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with RolloutClient.launch(cfg) as client, endpoints(client, tok, args.replicas, args.port) as servers:
             ids = servers["uvicorn, 1 process"].app.state.runtime.svc.renderer.render(MESSAGES)
-            urls = {name: server.url for name, server in servers.items()}
-            rows = measure_latency(client, urls, ids, calls, args.max_tokens)
+            rows = measure_latency(client, servers, ids, calls, args.max_tokens)
             rows += rates(client, servers, sessions, args.threads, args.max_tokens, "the model")
         conn, _, _ = start(2, Fabricate(), "openai-serve-fabricated")  # an engine that costs nothing
         with RolloutClient(conn) as client, endpoints(client, tok, args.replicas, args.port) as servers:
@@ -145,7 +160,10 @@ def markdown(meta: dict, rows: list[dict]) -> list[str]:
     lines = [f"One Ray service (1 CPU worker, {meta['model']} float32) behind every path; a chat call of "
              f"{meta['max_tokens']} greedy new tokens; the uvicorn endpoint runs in the benchmark's process, Serve's "
              f"{meta['replicas']} replicas and its proxy in their own. added: the median of each call's difference "
-             "from the Ray client's call next to it.", "", *latency_table(rows)]
+             "from the Ray client's call on token ids next to it; outside the engine: the median of each call's time "
+             "less the engine's own (its result's timings, submitted to finished on the worker), and that median "
+             "less the token-ids call's (n/a: Serve's replicas hold clients of their own, whose calls this process "
+             "does not see).", "", *latency_table(rows)]
     rated = [r for r in rows if r["measure"] == "rate"]
     if rated:
         lines += ["", f"Session calls (one call per session id, {rated[0]['threads']} client threads), each endpoint "
