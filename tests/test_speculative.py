@@ -5,18 +5,15 @@ through forks, penalties, top-p, stops inside a draft, preemption, the prefix ca
 and mixture-of-experts routing; bitwise in batch-invariant mode."""
 import numpy as np
 import pytest
-import torch
 from test_overlap import prompt, step_by_hand
 from tiny_models import tiny_hf_model
 
 from rollout_service import RolloutRequest, SamplingParams
 from rollout_service.api.types import EpisodeParams
 from rollout_service.config import EngineConfig, ServiceConfig
-from rollout_service.engine.drafter import SuffixDrafter
 from rollout_service.engine.engine import Engine
 from rollout_service.engine.sequence import Sequence
-from rollout_service.engine.speculation import PROBE_EVERY, StepRates
-from rollout_service.ops.random import gumbel, gumbel_at, row_key
+from rollout_service.engine.speculation import DRY_STEPS, PROBE_EVERY, StepRates
 
 
 @pytest.fixture(scope="module")
@@ -249,62 +246,6 @@ def test_opt_out_config_and_bad_config(llama, tmp_path):
     assert off["enabled"] is False and off["verify_steps"] == 0
 
 
-def test_suffix_drafter_learns_from_siblings_and_history():
-    d = SuffixDrafter(history_positions=200)
-    sp = SamplingParams()
-    first = Sequence("a", [1, 2, 3], sp, 0)
-    first.output_token_ids = [10, 11, 12, 13, 14, 15]
-    assert d.propose(first, 4) == []  # its own text has no repeat yet
-    sibling = Sequence("a", [1, 2, 3], sp, 0, sample_index=1)
-    sibling.output_token_ids = [99, 11, 12]
-    assert d.propose(sibling, 3) == [13, 14, 15]  # what followed "11 12" in its sibling
-    d.forget(first)
-    d.forget(sibling)
-    later = Sequence("b", [1, 2, 3], sp, 0)  # the same prompt in a later epoch: its history is there
-    later.output_token_ids = [10, 11]
-    assert d.propose(later, 2) == [12, 13]
-    # greedy: the most frequent follower wins
-    third = Sequence("a", [1, 2, 3], SamplingParams(temperature=0.0), 0, sample_index=2)
-    third.output_token_ids = [11, 12, 77, 11, 12, 77, 11, 12]
-    assert d.propose(third, 1) == [77]
-    # memory stays bounded: other prompts push the oldest corpus out
-    for i in range(40):
-        s = Sequence(f"x{i}", [200 + i] * 3, sp, 0)
-        s.output_token_ids = list(range(20))
-        d.propose(s, 2)
-        d.forget(s)
-    assert d._positions <= 200 and (1, 2, 3) not in d._corpora
-
-
-def test_a_sampled_sequence_drafts_the_follower_its_own_noise_favours():
-    """Two followers seen as often: each sampled sequence drafts the one that wins argmax(log count + g) with the
-    Gumbel draws the sampler will add at that step (ops/random.py), so siblings whose draws differ draft
-    differently; greedy keeps the follower seen first. Checked against the sampler's own noise tensor."""
-    vocab = torch.tensor([13, 77])
-    wins = {}
-    for sample in range(12):
-        d = SuffixDrafter()
-        seq = Sequence("a", [1, 2, 3], SamplingParams(temperature=1.0), 7, sample_index=sample)
-        seq.output_token_ids = [11, 12, 13, 11, 12, 77, 11, 12]
-        key = torch.tensor([row_key(7, sample, seq.num_output_tokens)])
-        g = gumbel(key, vocab)[0]
-        wins[sample] = d.propose(seq, 1)
-        assert wins[sample] == [int(vocab[g.argmax()])]
-    assert {tuple(w) for w in wins.values()} == {(13,), (77,)}  # (the draws differ between samples)
-    greedy = Sequence("a", [1, 2, 3], SamplingParams(temperature=0.0), 7)
-    greedy.output_token_ids = [11, 12, 13, 11, 12, 77, 11, 12]
-    assert SuffixDrafter().propose(greedy, 1) == [13]
-
-
-def test_the_drafters_single_draws_are_the_samplers_noise():
-    keys = torch.tensor([row_key(s, i, t) for s, i, t in ((0, 0, 0), (7, 3, 41), (2**40, 1, 9))])
-    ids = torch.tensor([0, 1, 13, 49151, 150000])
-    g = gumbel(keys, ids)
-    for r, key in enumerate(keys.tolist()):
-        for c, v in enumerate(ids.tolist()):
-            assert gumbel_at(key, v) == pytest.approx(float(g[r, c]), rel=1e-5, abs=1e-5)
-
-
 def test_step_rates_pick_the_faster_mode_and_probe_the_other():
     r = StepRates()
     assert r.prefer_verify(4)  # nothing measured: verify is tried first
@@ -337,29 +278,51 @@ def test_the_embedded_model_on_grpos_prompts(smollm2):
     assert s["accepted"] > 0 and s["tokens_per_verify"] > 1, s
 
 
+class Never:
+    """A drafter that never has a draft, counting how often it was asked."""
+
+    def __init__(self):
+        self.asked = 0
+
+    def propose(self, seq, k):
+        self.asked += 1
+        return []
+
+    def forget(self, seq):
+        pass
+
+
+NO_DRAFT_REQUESTS = [(f"r{i}", prompt(40 + i, 6), SamplingParams(temperature=1.0, max_tokens=40, seed=i,
+                                                                  ignore_eos=True), 0) for i in range(3)]
+
+
+def _never_drafting(llama, dry_steps=None):
+    eng = Engine(model_source=llama, num_pages=256, page_size=8, speculative="suffix")
+    eng.speculator.drafter = Never()
+    if dry_steps is not None:
+        eng.speculator.dry_steps = dry_steps
+    for rid, p, sp, _ in NO_DRAFT_REQUESTS:
+        eng.add_request(RolloutRequest(prompt=p, sampling=sp, request_id=rid))
+    eng.run_until_done()
+    return eng
+
+
 def test_no_drafts_keep_overlapped_decoding(llama):
-    """Where no sequence has a draft, decode steps are still launched ahead of their tokens (the GPU's overlap),
-    bar one step in DRY_STEPS that asks the drafter again."""
-    class Never:
-        def propose(self, seq, k):
-            return []
-
-        def forget(self, seq):
-            pass
-    reqs = [(f"r{i}", prompt(40 + i, 6), SamplingParams(temperature=1.0, max_tokens=40, seed=i, ignore_eos=True), 0)
-            for i in range(3)]
-    off, _ = drive(llama, reqs)
-
-    def run_on():
-        eng = Engine(model_source=llama, num_pages=256, page_size=8, speculative="suffix")
-        eng.speculator.drafter = Never()
-        for rid, p, sp, _ in reqs:
-            eng.add_request(RolloutRequest(prompt=p, sampling=sp, request_id=rid))
-        eng.run_until_done()
-        return eng
-    on = run_on()
+    """Where no sequence has a draft, decode steps are still launched ahead of their tokens (the GPU's overlap,
+    which is what the CUDA engine's dry steps are for), bar one step in DRY_STEPS that asks the drafter again."""
+    off, _ = drive(llama, NO_DRAFT_REQUESTS)
+    on = _never_drafting(llama, dry_steps=DRY_STEPS)
     assert on.stats()["speculative"]["verify_steps"] == 0
     assert on.stats()["overlapped_steps"] >= 0.7 * off.stats()["overlapped_steps"] > 0
+
+
+def test_on_the_cpu_the_drafter_is_asked_at_every_step(llama):
+    """A CPU step has run by the time it is "launched", so nothing is lost by recording its tokens before the next:
+    the CPU engine asks the drafter at every decode step (on the GPU, one step in DRY_STEPS after a dry one)."""
+    eng = _never_drafting(llama)
+    assert eng.speculator.dry_steps == 0
+    # each of the 3 sequences at each of its 40 steps but its first (the prefill's) and last (no room for a draft)
+    assert eng.speculator.drafter.asked == 3 * 38, eng.speculator.drafter.asked
 
 
 def test_a_verify_step_fits_the_runners_verify_rows(llama, monkeypatch):

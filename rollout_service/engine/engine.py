@@ -42,7 +42,7 @@ from rollout_service.engine.scheduler import Scheduler
 from rollout_service.engine.sequence import Sequence
 from rollout_service.engine.sleep import Sleeper, process_gpu_bytes
 from rollout_service.engine.drafter import SuffixDrafter
-from rollout_service.engine.speculation import Speculator
+from rollout_service.engine.speculation import DRY_STEPS, Speculator
 from rollout_service.model.loader import load_model
 from rollout_service.ops.backend import resolve_backend
 from rollout_service.prompts import PromptProcessor
@@ -80,6 +80,14 @@ def _decode_rows(config: EngineConfig) -> int:
         return config.max_num_seqs
     return max(config.max_num_seqs,
                min(config.max_num_seqs, config.speculative_max_batch) * (config.num_speculative_tokens + 1))
+
+
+def _dry_steps(config: EngineConfig, device: torch.device) -> int:
+    """Decode steps between asking the drafter again after a step with no draft: asking needs the step's tokens
+    recorded, which stops the next decode step from being launched ahead of them. That costs only where a step
+    runs on the device while the host goes on (CUDA); on the CPU a launched step has already run, and asking at
+    every step costs a table lookup per sequence against tens of ms of decoding."""
+    return DRY_STEPS if config.overlap_decode and device.type == "cuda" else 0
 
 
 class Engine:
@@ -124,7 +132,7 @@ class Engine:
         self.speculator = None if config.speculative is None else Speculator(
             SuffixDrafter(), config.num_speculative_tokens, config.speculative_max_batch,
             min(config.max_num_batched_tokens, self.runner.verify_rows), self.runner, self.sampler,
-            self.recorder, self.kv.blocks, self.counters, config.max_num_seqs)
+            self.recorder, self.kv.blocks, self.counters, config.max_num_seqs, _dry_steps(config, self.device))
         self.loop = DecodeLoop(config.overlap_decode, self.scheduler, self.runner, self.sampler, self.recorder,
                                self.counters, lambda: self.swap.version, self.speculator)
         self.isolation = FaultIsolation(self.scheduler, self.requests, self.loop)

@@ -35,6 +35,7 @@ from rollout_service.engine.sequence import Sequence, SeqStatus
 
 PROBE_EVERY = 32     # where verify steps were slower, one is tried again once every this many steps of the bucket
 DRY_STEPS = 8        # after a step where no sequence had a draft, decode this many steps before asking again
+                     # (where decode steps run ahead of their tokens: the engine passes dry_steps)
 RATE_WEIGHT = 0.25   # weight of the newest measurement in a bucket's rate (an EMA)
 
 
@@ -108,8 +109,9 @@ def _bucket(batch: int) -> int:
 class Speculator:
     def __init__(self, drafter: Drafter, max_draft: int, max_batch: int, max_rows: int, runner: ModelRunner,
                  sampler: Sampler, recorder: TokenRecorder, blocks: BlockManager, counters: Any,
-                 max_live: int):
+                 max_live: int, dry_steps: int = DRY_STEPS):
         self.drafter, self.max_draft, self.max_batch, self.max_rows = drafter, max_draft, max_batch, max_rows
+        self.dry_steps = dry_steps
         self.runner, self.sampler, self.recorder, self.blocks, self.counters = runner, sampler, recorder, blocks, counters
         self.rates = StepRates()
         self._dry_at: int | None = None           # rates.total when no sequence last had a draft
@@ -123,7 +125,7 @@ class Speculator:
         return len(seqs) <= self.max_batch and not self._dry() and self.rates.prefer_verify(len(seqs))
 
     def _dry(self) -> bool:
-        return not self.rates.always and self._dry_at is not None and self.rates.total - self._dry_at < DRY_STEPS
+        return not self.rates.always and self._dry_at is not None and self.rates.total - self._dry_at < self.dry_steps
 
     def note_decode(self, batch: int) -> None:
         self.rates.note("decode", batch, batch)
