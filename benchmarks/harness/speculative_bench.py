@@ -3,7 +3,8 @@
 Prompts are the GRPO example's arithmetic tasks (rollout_service/examples/tasks.py) through the chat template,
 sampled at temperature 1.0 with n samples each, as GRPO samples them, but up to --max-tokens tokens (the
 example stops at 16, too short to show decoding speed). For each batch size B (sequences in flight: B / n
-prompts of n samples, or one sample of one prompt at B = 1) one engine with speculation and one without run:
+prompts of n samples, or one sample of one prompt at B = 1) one engine without speculation and one per drafter
+run each wave in turn (the machine's drift falls alike on every mode):
 - "cold": the prompts seen for the first time (drafts come from each sequence's own text and its siblings');
 - "warm": the same prompts again with new seeds (a later epoch: earlier rollouts of the prompt are history).
 tok/s = generated tokens / wall time of the batch; tokens must be identical on and off in every pass.
@@ -94,15 +95,6 @@ def _batch_requests(batch: int, s: Shape, epoch: int, tag: str) -> list[list[Rol
     return [[RolloutRequest(p, sp(i, n), request_id=f"{tag}-{i}") for i, p in enumerate(_prompts(batch // n))]]
 
 
-def _pass(eng: Any, waves: list[list[RolloutRequest]]) -> tuple[list, float]:
-    results, seconds = [], 0.0
-    for wave in waves:
-        out, dt = _generate(eng, wave)
-        results += out
-        seconds += dt
-    return results, seconds
-
-
 def _spec_counts(eng: Any) -> dict:
     c = eng.counters
     return {"verify_steps": c.spec_verify_steps, "proposed": c.spec_proposed, "accepted": c.spec_accepted,
@@ -111,16 +103,11 @@ def _spec_counts(eng: Any) -> dict:
 
 def measure(make_engine: Callable[..., Any], s: Shape, drafters: list[str],
             save: Callable[[list[dict]], None] = lambda rows: None) -> list[dict]:
-    """drafters: "suffix" (the engine's own), or "replay@p" (Replay(p)). save(rows so far) after each batch size, so
-    that a run stopped by its time limit keeps what it measured."""
+    """drafters: "suffix" (the engine's own), "suffix/dry=N" (with N dry steps), or "replay@p" (Replay(p)).
+    save(rows so far) after each batch size, so that a run stopped by its time limit keeps what it measured."""
     rows: list[dict] = []
     for batch in s.batches:
-        runs = {"off": _passes(make_engine, batch, s, on=False)}
-        for drafter in drafters:
-            replay = None if drafter == "suffix" else Replay(float(drafter.split("@")[1]))
-            if replay:
-                replay.learn([r for _, results, _, _ in runs["off"] for r in results])
-            runs[drafter] = _passes(make_engine, batch, s, on=True, replay=replay)
+        runs = _interleaved_passes(make_engine, batch, s, drafters)
         for drafter in drafters:
             rows += _batch_rows(batch, drafter, runs["off"], runs[drafter])
         save(rows)
@@ -129,34 +116,51 @@ def measure(make_engine: Callable[..., Any], s: Shape, drafters: list[str],
     return rows
 
 
-def _on_engine(make_engine: Callable[..., Any], on: bool, max_num_seqs: int, work: Callable[[Any], Any],
-               replay: Replay | None = None) -> Any:
-    """work(engine) on an engine with speculation on or off (drafts from `replay` when given), warmed up by one
-    small request; the engine's memory is freed after (the next one may need the GPU's)."""
-    eng = make_engine(speculative="suffix" if on else None, max_num_seqs=max_num_seqs)
-    if replay is not None:
-        eng.speculator.drafter = replay
-    _generate(eng, [RolloutRequest(_prompts(1, 99)[0], SamplingParams(max_tokens=8), request_id="warm")])
+def _interleaved_passes(make_engine: Callable[..., Any], batch: int, s: Shape, drafters: list[str]) -> dict:
+    """Per mode ("off" and each drafter), its cold and warm passes as (name, results, seconds, spec counts): one
+    engine per mode, all alive at once, each wave run by every engine in turn, so that the machine's drift (on a
+    small box, several % over a minute) falls alike on every mode instead of on whichever ran later."""
+    modes = {"off": _engine(make_engine, batch, None)}
+    replays = {}
     try:
-        return work(eng)
+        for drafter in drafters:
+            replays[drafter] = Replay(float(drafter.split("@")[1])) if drafter.startswith("replay@") else None
+            modes[drafter] = _engine(make_engine, batch, drafter, replays[drafter])
+        runs: dict[str, list[tuple]] = {m: [] for m in modes}
+        for epoch, name in ((0, "cold"), (1, "warm")):
+            before = {m: _spec_counts(eng) for m, eng in modes.items()}
+            results: dict[str, list] = {m: [] for m in modes}
+            seconds = dict.fromkeys(modes, 0.0)
+            for wave in _batch_requests(batch, s, epoch, name):
+                for m, eng in modes.items():  # "off" first: a replay drafter learns the wave's tokens from it
+                    out, dt = _generate(eng, wave)
+                    results[m] += out
+                    seconds[m] += dt
+                    if m == "off":
+                        for replay in filter(None, replays.values()):
+                            replay.learn(out)
+            for m, eng in modes.items():
+                after = _spec_counts(eng)
+                runs[m].append((name, results[m], seconds[m], {k: after[k] - before[m][k] for k in after}))
+        return runs
     finally:
-        del eng
+        del modes
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
 
-def _passes(make_engine: Callable[..., Any], batch: int, s: Shape, on: bool, replay: Replay | None = None
-            ) -> list[tuple]:
-    def cold_and_warm(eng: Any) -> list[tuple]:
-        passes = []
-        for epoch, name in ((0, "cold"), (1, "warm")):
-            before = _spec_counts(eng)
-            results, dt = _pass(eng, _batch_requests(batch, s, epoch, name))
-            after = _spec_counts(eng)
-            passes.append((name, results, dt, {k: after[k] - before[k] for k in after}))
-        return passes
-    return _on_engine(make_engine, on, max(batch, 8), cold_and_warm, replay)
+def _engine(make_engine: Callable[..., Any], batch: int, drafter: str | None, replay: Replay | None = None) -> Any:
+    """An engine for one mode of a batch size, warmed up by one small request: speculation off (drafter None) or
+    on, its drafts from `replay` when given, and "suffix/dry=N" with the speculator's dry steps N instead of the
+    engine's choice for its device."""
+    eng = make_engine(speculative=None if drafter is None else "suffix", max_num_seqs=max(batch, 8))
+    if replay is not None:
+        eng.speculator.drafter = replay
+    if drafter is not None and "dry=" in drafter:
+        eng.speculator.dry_steps = int(drafter.split("dry=")[1])
+    _generate(eng, [RolloutRequest(_prompts(1, 99)[0], SamplingParams(max_tokens=8), request_id="warm")])
+    return eng
 
 
 def _acceptance(c: dict) -> float:
@@ -190,8 +194,10 @@ def tail(make_engine: Callable[..., Any], s: Shape) -> dict:
     for mode in ("off", "on"):
         reqs = [RolloutRequest(p, SamplingParams(n=8, temperature=1.0, max_tokens=m, seed=i, ignore_eos=True),
                                request_id=f"tail-{i}") for i, (p, m) in enumerate(zip(prompts, lengths))]
-        runs[mode] = _on_engine(make_engine, mode == "on", 64,
-                                lambda eng, reqs=reqs: _generate(eng, reqs) + (_spec_counts(eng),))
+        eng = _engine(make_engine, 64, "suffix" if mode == "on" else None)
+        runs[mode] = _generate(eng, reqs) + (_spec_counts(eng),)
+        del eng
+        gc.collect()
     (off, t_off, _), (on, t_on, c) = runs["off"], runs["on"]
     return {"measure": "tail", "batch": 64, "pass": "cold", "tokens": sum(len(r.token_ids) for r in off),
             "off_s": round(t_off, 2), "on_s": round(t_on, 2), "speedup": round(t_off / t_on, 3),
@@ -211,7 +217,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", default="1,8,64,256", help="comma-separated batch sizes")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--drafters", default="suffix", help="comma-separated: suffix (the engine's), replay@P (the "
-                   "plain run's tokens, each right with probability P)")
+                   "plain run's tokens, each right with probability P), suffix/dry=N (the engine's, asked again N "
+                   "steps after a step without a draft: the CUDA engine's 8, the CPU's 0)")
+    p.add_argument("--single-prompts", type=int, default=Shape.single_prompts, help="batch 1: prompts in turn")
     p.add_argument("--batch-invariant", action="store_true", help="both engines in batch-invariant mode (then the "
                    "tokens must be identical on any device; otherwise only where the arithmetic is exact: fp32 CPU)")
     p.add_argument("--out", default=None)
@@ -220,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     batches = tuple(int(b) for b in args.batches.split(","))
     shape = Shape(batches=(1, 8), max_tokens=16, single_prompts=1, tail_short=8, tail_ratio=2) if args.quick \
-        else Shape(batches=batches, max_tokens=args.max_tokens)
+        else Shape(batches=batches, max_tokens=args.max_tokens, single_prompts=args.single_prompts)
     bm = load_bench_model(args.model, torch.device(args.device))  # float32 on the CPU, bf16 on a GPU
     hf, tok = bm.hf_model, _tokenizer(args.model)
     VOCAB["size"] = 0 if tok is not None else int(bm.config.vocab_size)
@@ -271,7 +279,8 @@ def _tokenizer(model: str) -> Any:
 def markdown(meta: dict, rows: list[dict]) -> list[str]:
     s = meta["shape"]
     lines = [f"Shape: {s}; one in-process engine per mode on the same model object ({meta.get('dtype')}, weights "
-             f"{meta.get('weights')}), temperature 1.0, prompts: {meta.get('prompts')}, batch-invariant "
+             f"{meta.get('weights')}), each wave run by every mode's engine in turn, temperature 1.0, prompts: "
+             f"{meta.get('prompts')}, batch-invariant "
              f"{meta.get('batch_invariant', False)}. identical: the fraction of sequences with the same tokens on and "
              "off.", "",
              "| batch | drafter | pass | tokens | off tok/s | on tok/s | on / off | acceptance | verify steps | "
