@@ -117,8 +117,11 @@ class Router:
             self.table.slots[i] = None
 
     # -- requests and streams ---------------------------------------------------------------------
-    async def submit(self, items: list) -> dict:
-        """A client's batch (actors/dispatch.py): {"stream": id, "lease_s": s} or {"errors": [(index, msg)]}."""
+    async def submit(self, items: list, first_read_s: float = 0.0) -> dict:
+        """A client's batch (actors/dispatch.py): {"stream": id, "lease_s": s} or {"errors": [(index, msg)]}.
+        `first_read_s` > 0: the client reads at once, so the reply also carries the stream's first read as
+        next_results gives it ("first", waiting up to that long), unless that read fails (the client's own read
+        then says why)."""
         if self._closed:
             return {"errors": [(-1, "the service is closed")]}
         c = self.control
@@ -127,6 +130,11 @@ class Router:
         reply = await self.dispatcher.submit(items, self.stream_lease_s)
         if "stream" in reply:
             self.counters["requests"] += len(items)
+            if first_read_s > 0:
+                try:
+                    reply["first"] = await self.next_results(reply["stream"], first_read_s)
+                except (ValueError, RuntimeError):
+                    pass
         return reply
 
     async def next_results(self, sid: str, timeout: float = 1.0, lost: list[tuple[str, int]] = ()

@@ -125,19 +125,21 @@ class RolloutClient:
         return reqs
 
     def stream(self, prompts: Any, sampling: SamplingParams | None = None, apply_chat_template: bool = True,
-               metadata: Seq[Any] | None = None, reward: str | None = None, *, tokens: bool = False
-               ) -> Iterator[RolloutResult | TokenDelta]:
+               metadata: Seq[Any] | None = None, reward: str | None = None, *, tokens: bool = False,
+               read_now: bool = False) -> Iterator[RolloutResult | TokenDelta]:
         """Yield each sample's result as soon as it finishes. `reward`: a reward function
         ("module:function") the service runs on each finished result (RolloutResult.reward). `tokens`: also
         yield each running sample's new tokens as TokenDeltas, a few per engine step (per worker poll over
         Ray), before its result; the result is what counts (a sample generated again after a worker died
-        starts over with the next `attempt`)."""
+        starts over with the next `attempt`). `read_now`: the stream is read at once, so over Ray the call waits
+        for its first results as a read would (up to a second) and saves a call to the service; leave it off
+        for a stream kept for later."""
         if not isinstance(tokens, bool):
             raise ValueError(f"tokens={tokens!r}: must be a bool")
         reqs = self.requests(prompts, sampling, apply_chat_template, metadata, reward)
         if tokens:
             reqs = [_streaming(i, r) for i, r in enumerate(reqs)]
-        return self._open.submit(reqs)
+        return self._open.submit(reqs, read_now=read_now)
 
     def generate(self, prompts: Any, sampling: SamplingParams | None = None, apply_chat_template: bool = True,
                  metadata: Seq[Any] | None = None, reward: str | None = None) -> list[RolloutResult]:
@@ -159,7 +161,7 @@ class RolloutClient:
     def _in_order(self, reqs: list[RolloutRequest]) -> list[RolloutResult]:
         """Every result of `reqs`, request-major (in their order), each request's samples by index."""
         order = {r.request_id: i for i, r in enumerate(reqs)}
-        results = list(self._open.submit(reqs))
+        results = list(self._open.submit(reqs, read_now=True))
         return sorted(results, key=lambda r: (order[r.request_id], r.sample_index))
 
     def generate_groups(self, prompts: Any, sampling: SamplingParams, keep: Any = "nonconstant", *,

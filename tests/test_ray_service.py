@@ -195,6 +195,23 @@ def test_a_one_request_stream_takes_one_read_and_the_router_forgets_it_when_told
         time.sleep(0.1)
 
 
+def test_a_call_that_reads_at_once_gets_its_first_read_with_the_submit(client, monkeypatch):
+    """generate() reads at once: the router answers its submit with the stream's first read too, so a one-request
+    call needs no read of its own (on a busy box that first read may time out empty: then reads follow). A
+    stream() kept for later reads as before."""
+    from rollout_service.results import stream as streams
+    events, ask, take = [], streams.ResultStream.ask, streams.ResultStream.take
+    monkeypatch.setattr(streams.ResultStream, "ask", lambda s: events.append("ask") or ask(s))
+    monkeypatch.setattr(streams.ResultStream, "take",
+                        lambda s, reply: events.append(len(reply[0]) + len(reply[1])) or take(s, reply))
+    [r] = client.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True))
+    assert len(r.token_ids) == 4
+    assert events[0] != "ask" and (events == [1] or events[0] == 0), events
+    events.clear()
+    assert len(list(client.stream([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True)))) == 1
+    assert events[0] == "ask", events
+
+
 def test_refresh_bad_is_refused_everywhere_good_one_switches_version(client, local, make_tiny_llama,
                                                                    refresh_mid_generation):
     new = make_tiny_llama(seed=1).state_dict()

@@ -10,10 +10,12 @@ from rollout_service.api.types import RolloutRequest, RolloutResult
 
 
 class Connection(Protocol):
-    def submit(self, requests: list[RolloutRequest]) -> Iterator[RolloutResult | TokenDelta]:
+    def submit(self, requests: list[RolloutRequest], read_now: bool = False
+               ) -> Iterator[RolloutResult | TokenDelta]:
         """Queue the requests, all or none (ValueError naming a bad one); then yield each sample's result as it
         finishes, each (request_id, sample_index) once, and before it, for a request with stream_tokens, its
-        TokenDeltas. A stream dropped unread stops its requests."""
+        TokenDeltas. A stream dropped unread stops its requests. `read_now`: the caller reads at once, so the submit
+        may wait for the first results as a read would (over Ray, one call to the service less)."""
 
     def abort(self, request_ids: list[str]) -> list[RolloutResult]:
         """Finish these requests now: their "abort" results (tokens so far), which also end their streams."""

@@ -38,7 +38,9 @@ class LocalConnection:
         return self.host.reward
 
     # -- requests ---------------------------------------------------------------------------------
-    def submit(self, requests: list[RolloutRequest]) -> Iterator[RolloutResult | TokenDelta]:
+    def submit(self, requests: list[RolloutRequest], read_now: bool = False
+               ) -> Iterator[RolloutResult | TokenDelta]:
+        # (read_now: results reach an in-process stream without a call of their own: nothing to save)
         if self.host.paused:
             raise RuntimeError("the rollout client is paused: call resume() first")
         if self.engine.is_sleeping:

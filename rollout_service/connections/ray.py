@@ -21,7 +21,8 @@ from rollout_service.connections.request_shards import split
 from rollout_service.connections.remote_errors import error_text
 from rollout_service.config import ServiceConfig
 from rollout_service.results.sharded_stream import ShardedStream
-from rollout_service.results.stream import ResultStream, close_streams, hold_sleep, release_sleep, send_closes
+from rollout_service.results.stream import (READ_S, ResultStream, close_streams, hold_sleep, release_sleep,
+                                            send_closes)
 from rollout_service.api.types import RolloutResult
 
 if TYPE_CHECKING:
@@ -95,12 +96,14 @@ class RayConnection:
         return cls(router, name, owner=False, namespace=namespace)
 
     # -- the connection interface --------------------------------------------------------------------
-    def submit(self, requests: list) -> Iterator[RolloutResult]:
+    def submit(self, requests: list, read_now: bool = False) -> Iterator[RolloutResult]:
         """Validate and dispatch now (ValueError naming the bad requests); then yield results as they
         finish, each (request_id, sample_index) exactly once. `requests` may hold RolloutRequests,
         request dicts or msgpack-encoded requests. The stream (rollout_service/results/stream.py) ends in
         the router however its consumer goes: read to the end, `close()`d, dropped unread, the client
-        closed, or this process gone."""
+        closed, or this process gone. `read_now`: the caller reads at once, so each router answers the submit with
+        the stream's first read too, waiting as a read does: one Ray call less (a one-request stream then costs
+        its router one call of this process's)."""
         send_closes()
         items = list(requests)
         if len(self.routers) == 1:
@@ -111,7 +114,8 @@ class RayConnection:
             if len(set(seen)) != len(seen):
                 raise ValueError("duplicate request_id in one call")
             parts = split(items, len(self.routers))
-        calls = [self.routers[k].submit.remote([items[i] for i in idx] if len(parts) > 1 else items)
+        first = READ_S if read_now else 0.0
+        calls = [self.routers[k].submit.remote([items[i] for i in idx] if len(parts) > 1 else items, first)
                  for k, idx in parts.items()]
         streams, errors = [], []
         for (k, idx), reply in zip(parts.items(), ray.get(calls)):
@@ -120,6 +124,8 @@ class RayConnection:
             else:
                 streams.append(ResultStream(self.routers[k], reply["stream"], reply["lease_s"], self._heal,
                                             owner=self))
+                if "first" in reply:
+                    streams[-1].take(reply["first"])
         if errors:
             for s in streams:  # (a batch is taken all or none)
                 s.close()

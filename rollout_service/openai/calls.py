@@ -82,9 +82,10 @@ def _refused(e: Exception, param: str) -> ApiError:
 
 
 def open_stream(svc: Service, p: Prepared, tokens: bool = False) -> Iterator[RolloutResult | TokenDelta]:
-    """The call's samples as they finish; with `tokens`, their new tokens before (TokenDelta)."""
+    """The call's samples as they finish; with `tokens`, their new tokens before (TokenDelta). Read at once: over
+    Ray the submit brings the first read too."""
     try:
-        return svc.client.stream(p.request, tokens=tokens)
+        return svc.client.stream(p.request, tokens=tokens, read_now=True)
     except (ValueError, RuntimeError) as e:
         raise _refused(e, p.param) from None
 

@@ -31,6 +31,7 @@ from rollout_service.api.deltas import TokenDelta
 from rollout_service.api.types import RolloutResult
 
 _TICK_S = 0.5  # how often the thread sends queued closes and checks whether leases are due
+READ_S = 1.0   # the longest a read waits in the router for a result (then the client asks again)
 
 
 class ResultStream(Iterator[RolloutResult | TokenDelta]):
@@ -56,7 +57,7 @@ class ResultStream(Iterator[RolloutResult | TokenDelta]):
 
     def ask(self) -> Any:
         """The router's next read of this stream (an ObjectRef for take(); one at a time)."""
-        return self.router.next_results.remote(self.sid, 1.0, self._lost)
+        return self.router.next_results.remote(self.sid, READ_S, self._lost)
 
     def take(self, reply: tuple) -> None:
         whole, batches, done, starved, deltas = reply
