@@ -83,7 +83,9 @@ def test_the_benchmark_runs_through_the_service_every_result_once(ray_cluster):
     assert sum(row["requests_by_router"]) == 60 and min(row["requests_by_router"]) > 0  # both routers took some
     lat = latency(5, custom=ON_ROLLOUT_NODES)
     assert 0 < lat["bare_actor_call_median_ms"] and lat["median_ms"] <= lat["p99_ms"]
+    assert lat["read_now_median_ms"] > 0  # (each round also read a request's stream with its submit)
     table = _markdown(lat, [row])
+    assert "read with the submit (read_now, interleaved): median" in table[0]
     assert table[-1].startswith("| 3 | 2: ") and "| 2 | 4 | 1 per 1.00 ms | 60 (16) | " in table[-1]
     assert table[-1].endswith("| 0 / 0 |")
     assert row["polls"] > 0  # (the router counts its polls)

@@ -4,11 +4,14 @@ workers whose engines cost nothing (benchmarks/harness/fabricated.py, a benchmar
 - requests/s: requests of 1-token answers, submitted in batches of `batch` per stream, fabricated at once; also
   with the request path split over 2 and 4 routers (ServiceConfig.routers: each its share of the workers and of
   the requests, by prompt), every router's CPU per request apart; and one request a stream (an agent's turn, an
-  OpenAI endpoint call: each stream's own calls are then the request's) with 1, 2 and 4 routers;
+  OpenAI endpoint call: each stream's own calls are then the request's) with 1, 2 and 4 routers, every stream
+  open at once, and from `--agents` threads each making one call at a time, its stream read after the submit or
+  with it (read_now: the router answers the submit with the first read);
 - results/s: W workers each fabricating W2's rate (256 samples of 256 tokens per batch, 100k tokens/s);
 - CPU per request and per result: the router's process (/proc), the workers' and the client's, over each run;
 - latency added: one 1-token request at a time, submit to result, on an idle service (the engine's part is
-  one fabricated step, microseconds), beside one bare Ray actor call.
+  one fabricated step, microseconds), read after the submit and with it (interleaved), beside one bare Ray actor
+  call.
 
 `python -m benchmarks.harness.control_plane` writes benchmarks/results/<date>-<hardware>-control-plane.{json,md}; a row
 replaces the older run's row of the same workers, n, tokens and speedup (configuration()), the rest of that run stays.
@@ -67,8 +70,21 @@ def drive(backend: Any, requests: list, batch: int) -> tuple[int, int]:
     return count, len(seen)
 
 
+def drive_agents(backend: Any, requests: list, agents: int, read_now: bool) -> tuple[int, int]:
+    """`agents` threads, each submitting one request and reading its stream to the end before the next (an agent's
+    turns): (results read, distinct (request_id, sample_index) among them)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def call(request: Any) -> list:
+        return [(r.request_id, r.sample_index) for r in backend.submit([request], read_now=read_now)]
+    with ThreadPoolExecutor(agents) as pool:
+        got = [key for keys in pool.map(call, requests) for key in keys]
+    return len(got), len(set(got))
+
+
 def throughput(workers: int, fabricate: Fabricate, count: int, max_tokens: int, batch: int, n: int = 1,
-               custom: dict | None = None, idle_s: float = 2.0, routers: int = 1) -> dict:
+               custom: dict | None = None, idle_s: float = 2.0, routers: int = 1, agents: int = 0,
+               read_now: bool = False) -> dict:
     """One run: `count` requests of n samples of `max_tokens` tokens through a service of `workers` workers and
     `routers` routers. The routers' CPU on the idle service over `idle_s` first (their long polls of every worker)
     is reported apart, and taken out of the per-result figure: it grows with the workers and the wall time, not
@@ -80,7 +96,9 @@ def throughput(workers: int, fabricate: Fabricate, count: int, max_tokens: int, 
     try:
         sampling = SamplingParams(n=n, temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         warm = [RolloutRequest([1, 2, 3, 4, 5, 6, 7, k], sampling, request_id=f"w{k}") for k in range(workers * 4)]
-        drive(backend, warm, batch)
+        def run(rs: list) -> tuple[int, int]:
+            return drive_agents(backend, rs, agents, read_now) if agents else drive(backend, rs, batch)
+        run(warm)
         reqs = [RolloutRequest([1, 2, 3, 4, 5, 6, 7, k], sampling, request_id=f"r{k}") for k in range(count)]
         idle0, polls0 = [cpu_seconds(p) for p in router_pids], backend.info()["polls"]
         time.sleep(idle_s)
@@ -90,7 +108,7 @@ def throughput(workers: int, fabricate: Fabricate, count: int, max_tokens: int, 
         each0 = [cpu_seconds(p) for p in router_pids]
         cpu0 = (sum(each0), sum(cpu_seconds(p) for p in worker_pids), time.process_time())
         t0 = time.perf_counter()
-        results, distinct = drive(backend, reqs, batch)
+        results, distinct = run(reqs)
         seconds = time.perf_counter() - t0
         each1 = [cpu_seconds(p) for p in router_pids]
         cpu1 = (sum(each1), sum(cpu_seconds(p) for p in worker_pids), time.process_time())
@@ -104,7 +122,8 @@ def throughput(workers: int, fabricate: Fabricate, count: int, max_tokens: int, 
     polls = info1["polls"] - info0["polls"]
     polled = info1["polled_results"] - info0["polled_results"]
     # results per second of router CPU: what one router could carry with a core of its own
-    return {"workers": workers, "routers": routers, "requests_by_router": taken,
+    return {"workers": workers, "routers": routers, "requests_by_router": taken, "agents": agents,
+            "read_now": read_now,
             "router_util_each": [round((b - a) / seconds, 3) for a, b in zip(each0, each1)],
             "n": n, "requests": count, "results": results, "expected": count * n,
             "duplicates": results - distinct, "max_tokens": max_tokens,
@@ -132,23 +151,27 @@ def latency(rounds: int, custom: dict | None = None) -> dict:
     try:
         one = SamplingParams(temperature=0.0, max_tokens=1)
         worker = ray.get(backend.router.__ray_call__.remote(lambda r: r.workers[0]))
-        times, bare = [], []
+        times, now, bare = [], [], []
         for k in range(rounds + 10):
             t0 = time.perf_counter()
             list(backend.submit([RolloutRequest([1, 2, 3], one, request_id=f"l{k}")]))
             t1 = time.perf_counter()
-            ray.get(worker.health.remote())
+            list(backend.submit([RolloutRequest([1, 2, 3], one, request_id=f"n{k}")], read_now=True))
             t2 = time.perf_counter()
+            ray.get(worker.health.remote())
+            t3 = time.perf_counter()
             if k >= 10:  # (the first calls warm the paths up)
                 times.append(t1 - t0)
-                bare.append(t2 - t1)
+                now.append(t2 - t1)
+                bare.append(t3 - t2)
     finally:
         backend.close()
     q = statistics.quantiles(times, n=100)
     median, call = statistics.median(times), statistics.median(bare)
     return {"rounds": rounds, "median_ms": round(1e3 * median, 2), "p90_ms": round(1e3 * q[89], 2),
             "p99_ms": round(1e3 * q[98], 2), "bare_actor_call_median_ms": round(1e3 * call, 2),
-            "added_ms": round(1e3 * (median - call), 2)}
+            "added_ms": round(1e3 * (median - call), 2), "read_now_median_ms": round(1e3 * statistics.median(now), 2),
+            "read_now_added_ms": round(1e3 * (statistics.median(now) - call), 2)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -163,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
                         "through 8 processes, for a machine that cannot run 64)")
     p.add_argument("--routers", default="2,4", help="router counts of the extra requests/s runs (8 workers, n = 1)")
     p.add_argument("--single", default="1,2,4", help="router counts of the one-request-a-stream runs (\"\": none)")
+    p.add_argument("--agents", default="8", help="client threads of the one-call-at-a-time runs, each read after "
+                   "the submit and with it (\"\": none)")
     p.add_argument("--skip-small", action="store_true", help="only the W2-rate runs")
     p.add_argument("--quick", action="store_true")
     args = p.parse_args(argv)
@@ -183,6 +208,11 @@ def main(argv: list[str] | None = None) -> int:
         for routers in [int(k) for k in args.single.split(",") if k]:
             runs.append(throughput(8, Fabricate(), 200 if args.quick else 2_000, 1, 1, routers=routers))
             print(runs[-1], flush=True)
+        for agents in [int(k) for k in args.agents.split(",") if k]:
+            for read_now in (False, True):
+                runs.append(throughput(8, Fabricate(), 200 if args.quick else 2_000, 1, 1, agents=agents,
+                                       read_now=read_now))
+                print(runs[-1], flush=True)
         for workers in counts:
             count = workers * 256 * args.speedup * (1 if args.quick else 4)
             runs.append({**throughput(workers, w2, count, 256, 256), "speedup": args.speedup})
@@ -195,7 +225,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def configuration(row: dict) -> tuple:
     """What one row measured: a newer run's row of the same configuration replaces an older one's."""
-    return row["workers"], row["n"], row["max_tokens"], row.get("speedup", 1), row.get("routers", 1), row["batch"]
+    return (row["workers"], row["n"], row["max_tokens"], row.get("speedup", 1), row.get("routers", 1), row["batch"],
+            row.get("agents", 0), row.get("read_now", False))
 
 
 def markdown(meta: dict, rows: list[dict]) -> list[str]:
@@ -205,7 +236,9 @@ def markdown(meta: dict, rows: list[dict]) -> list[str]:
 def _markdown(lat: dict, runs: list[dict]) -> list[str]:
     lines = [f"Latency, one 1-token request at a time, idle 2-worker service, submit to result: median "
              f"{lat['median_ms']} ms, p90 {lat['p90_ms']} ms, p99 {lat['p99_ms']} ms; a bare Ray actor call "
-             f"{lat['bare_actor_call_median_ms']} ms; added {lat['added_ms']} ms ({lat['rounds']} rounds).", "",
+             f"{lat['bare_actor_call_median_ms']} ms; added {lat['added_ms']} ms ({lat['rounds']} rounds)"
+             + (f"; read with the submit (read_now, interleaved): median {lat['read_now_median_ms']} ms, added "
+                f"{lat['read_now_added_ms']} ms." if "read_now_median_ms" in lat else "."), "",
              "Fabricating engines (benchmarks/harness/fabricated.py): 1-token answers with no step time measure "
              "requests/s; 256-token answers, 256 at a time, 10 tokens every 25.6 ms, are W2's rate per worker "
              "(100k tokens/s, ~390 results/s). A busy worker's results reach the router in batches, one poll at "
@@ -224,7 +257,7 @@ def _markdown(lat: dict, runs: list[dict]) -> list[str]:
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
         lines.append(f"| {r['workers']} | {_routers(r)} | {r['n']} | {r['max_tokens']} | {r['tokens_per_step']} per "
-                     f"{r['step_ms']:.2f} ms | {r['requests']:,} ({r['batch']}) | "
+                     f"{r['step_ms']:.2f} ms | {r['requests']:,} ({r['batch']}{_agents(r)}) | "
                      f"{r['results_per_s']:,} | {r['requests_per_s']:,} | {r['router_util']:.2f} "
                      f"({r['router_idle_cpu_share']:.2f}) | {r['router_us_per_request']} | "
                      f"{r['router_us_per_result']} ({r['router_busy_us_per_result']}) | "
@@ -234,6 +267,12 @@ def _markdown(lat: dict, runs: list[dict]) -> list[str]:
                      f"{r['expected'] - r['results'] + r['duplicates']} / "
                      f"{r['duplicates']} |")
     return lines
+
+
+def _agents(row: dict) -> str:
+    if not row.get("agents"):
+        return ""
+    return f"; {row['agents']} agents, read {'with' if row['read_now'] else 'after'} the submit"
 
 
 def _routers(row: dict) -> str:
