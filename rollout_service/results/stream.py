@@ -4,7 +4,8 @@ Each read gets the results the router holds whole and, for the others, where the
 fetches it from the worker's node (rollout_service/results/payloads.py) and reports on its next read what was lost
 with a node, for the router to generate again. The read that completes a stream needs no read after it when every
 payload was fetched: the router keeps the stream until this process's thread says so (one call per router for all
-such streams, twice a second), so a one-request stream costs the router one submit and one read.
+such streams, twice a second), so a one-request stream costs the router one submit and one read; a caller that
+reads at once gets that read with the submit (RayConnection.submit(read_now=True): take() its "first").
 
 A stream holds requests in flight on the workers, so its end must reach the router however its consumer
 goes: read to the end (the router then forgets it, at once or when told, above), closed (`close()`, or its
