@@ -12,8 +12,8 @@ def test_a_quick_run_compares_every_drafter_on_the_same_tokens(tmp_path, monkeyp
     made, order = [], []
     engine = speculative_bench._engine
 
-    def noted(make_engine, batch, drafter, replay=None):
-        eng = engine(make_engine, batch, drafter, replay)
+    def noted(make_engine, batch, drafter):
+        eng = engine(make_engine, batch, drafter)
         made.append((drafter, None if eng.speculator is None else eng.speculator.dry_steps))
         run = eng.run_until_done
         eng.run_until_done = lambda: order.append(drafter) or run()

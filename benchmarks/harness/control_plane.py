@@ -167,11 +167,11 @@ def latency(rounds: int, custom: dict | None = None) -> dict:
     finally:
         backend.close()
     q = statistics.quantiles(times, n=100)
-    median, call = statistics.median(times), statistics.median(bare)
+    median, with_read, call = statistics.median(times), statistics.median(now), statistics.median(bare)
     return {"rounds": rounds, "median_ms": round(1e3 * median, 2), "p90_ms": round(1e3 * q[89], 2),
             "p99_ms": round(1e3 * q[98], 2), "bare_actor_call_median_ms": round(1e3 * call, 2),
-            "added_ms": round(1e3 * (median - call), 2), "read_now_median_ms": round(1e3 * statistics.median(now), 2),
-            "read_now_added_ms": round(1e3 * (statistics.median(now) - call), 2)}
+            "added_ms": round(1e3 * (median - call), 2), "read_now_median_ms": round(1e3 * with_read, 2),
+            "read_now_added_ms": round(1e3 * (with_read - call), 2)}
 
 
 def main(argv: list[str] | None = None) -> int:

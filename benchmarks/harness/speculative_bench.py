@@ -121,11 +121,11 @@ def _interleaved_passes(make_engine: Callable[..., Any], batch: int, s: Shape, d
     engine per mode, all alive at once, each wave run by every engine in turn, so that the machine's drift (on a
     small box, several % over a minute) falls alike on every mode instead of on whichever ran later."""
     modes = {"off": _engine(make_engine, batch, None)}
-    replays = {}
     try:
         for drafter in drafters:
-            replays[drafter] = Replay(float(drafter.split("@")[1])) if drafter.startswith("replay@") else None
-            modes[drafter] = _engine(make_engine, batch, drafter, replays[drafter])
+            modes[drafter] = _engine(make_engine, batch, drafter)
+        replays = [e.speculator.drafter for e in modes.values()
+                   if e.speculator is not None and isinstance(e.speculator.drafter, Replay)]
         runs: dict[str, list[tuple]] = {m: [] for m in modes}
         for epoch, name in ((0, "cold"), (1, "warm")):
             before = {m: _spec_counts(eng) for m, eng in modes.items()}
@@ -137,7 +137,7 @@ def _interleaved_passes(make_engine: Callable[..., Any], batch: int, s: Shape, d
                     results[m] += out
                     seconds[m] += dt
                     if m == "off":
-                        for replay in filter(None, replays.values()):
+                        for replay in replays:
                             replay.learn(out)
             for m, eng in modes.items():
                 after = _spec_counts(eng)
@@ -145,18 +145,23 @@ def _interleaved_passes(make_engine: Callable[..., Any], batch: int, s: Shape, d
         return runs
     finally:
         del modes
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        _free()
 
 
-def _engine(make_engine: Callable[..., Any], batch: int, drafter: str | None, replay: Replay | None = None) -> Any:
+def _free() -> None:
+    """Give back the memory of engines just dropped (the next ones may need the GPU's)."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _engine(make_engine: Callable[..., Any], batch: int, drafter: str | None) -> Any:
     """An engine for one mode of a batch size, warmed up by one small request: speculation off (drafter None) or
-    on, its drafts from `replay` when given, and "suffix/dry=N" with the speculator's dry steps N instead of the
-    engine's choice for its device."""
+    on: "replay@p" with a Replay(p) drafter (it learns each wave from the off engine), "suffix/dry=N" with the
+    speculator's dry steps N instead of the engine's choice for its device."""
     eng = make_engine(speculative=None if drafter is None else "suffix", max_num_seqs=max(batch, 8))
-    if replay is not None:
-        eng.speculator.drafter = replay
+    if drafter is not None and drafter.startswith("replay@"):
+        eng.speculator.drafter = Replay(float(drafter.split("@")[1]))
     if drafter is not None and "dry=" in drafter:
         eng.speculator.dry_steps = int(drafter.split("dry=")[1])
     _generate(eng, [RolloutRequest(_prompts(1, 99)[0], SamplingParams(max_tokens=8), request_id="warm")])
@@ -197,7 +202,7 @@ def tail(make_engine: Callable[..., Any], s: Shape) -> dict:
         eng = _engine(make_engine, 64, "suffix" if mode == "on" else None)
         runs[mode] = _generate(eng, reqs) + (_spec_counts(eng),)
         del eng
-        gc.collect()
+        _free()
     (off, t_off, _), (on, t_on, c) = runs["off"], runs["on"]
     return {"measure": "tail", "batch": 64, "pass": "cold", "tokens": sum(len(r.token_ids) for r in off),
             "off_s": round(t_off, 2), "on_s": round(t_on, 2), "speedup": round(t_off / t_on, 3),
