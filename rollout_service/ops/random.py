@@ -24,6 +24,7 @@ exactly there (a token 1e-9 as likely as the top one can still be drawn).
 from __future__ import annotations
 
 import math
+import struct
 
 import torch
 
@@ -99,8 +100,14 @@ def gumbel(keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 
 def gumbel_at(key: int, vocab_id: int) -> float:
-    """One element of gumbel(): the draw of `vocab_id` in the row keyed `key` (row_key's), in float64 (gumbel's
-    float32 agrees to its precision). For the few draws a drafter looks at ahead of a step, not a whole row."""
+    """One element of gumbel(): the draw of `vocab_id` in the row keyed `key` (row_key's). w is rounded to float32
+    as uniforms() rounds it (which matters for w near 1), the logs taken in float64 (gumbel's float32 logs agree
+    to their precision). For the few draws a drafter looks at ahead of a step, not a whole row."""
     h = splitmix64_int(key + (vocab_id + 1) * GOLDEN)
-    w = min(((h >> 32) + 0.5) * 2.0 ** -32, 1.0 - 2.0 ** -24)
+    w = min(_float32(_float32(float(h >> 32)) + 0.5) * 2.0 ** -32, 1.0 - 2.0 ** -24)
     return -math.log(-math.log1p(-w))
+
+
+def _float32(x: float) -> float:
+    """x rounded to the nearest float32, as a torch float32 op rounds its result."""
+    return struct.unpack("f", struct.pack("f", x))[0]
