@@ -64,3 +64,95 @@ def test_the_drafters_single_draws_are_the_samplers_noise():
     for r, key in enumerate(keys.tolist()):
         for c, v in enumerate(ids.tolist()):
             assert gumbel_at(key, v) == pytest.approx(float(g[r, c]), rel=1e-5, abs=1e-5)
+
+
+def test_a_drawn_distribution_drafts_tokens_never_sampled_where_the_noise_favours_them():
+    """The first sample drew 13 after "11 12" from a distribution that gave 13 and 77 even odds (the sampler's
+    DIST_TOP tokens, handed over by observe). A sibling at the same context drafts whichever of the two its own
+    draws favour, 77 included, which counting followers alone never proposes; tokens under MIN_MASS are not
+    kept; the sampled token alone counts where no distribution was observed."""
+    import math
+
+    vocab = torch.tensor([13, 77])
+    half = math.log(0.5)
+    wins = set()
+    for sample in range(1, 13):
+        d = SuffixDrafter()
+        first = Sequence("a", [1, 2, 3], SamplingParams(temperature=1.0), 7)
+        first.output_token_ids = [11, 12]
+        d.propose(first, 1)
+        first.output_token_ids.append(13)
+        d.observe(first, 2, ([13, 77, 5], [half, half, math.log(0.01)]))
+        d.propose(first, 1)  # indexes "11 12" -> the distribution of 13
+        sibling = Sequence("a", [1, 2, 3], SamplingParams(temperature=1.0), 7, sample_index=sample)
+        sibling.output_token_ids = [99, 11, 12]
+        g = gumbel(torch.tensor([row_key(7, sample, 3)]), vocab)[0]
+        draft = d.propose(sibling, 1)
+        assert draft == [int(vocab[g.argmax()])]
+        wins.add(draft[0])
+        assert 5 not in d._corpora[(1, 2, 3)].next[(11, 12)]
+    assert wins == {13, 77}
+    counted = SuffixDrafter()
+    first = Sequence("a", [1, 2, 3], SamplingParams(temperature=1.0), 7)
+    first.output_token_ids = [11, 12, 13]
+    counted.propose(first, 1)
+    assert counted._corpora[(1, 2, 3)].next[(11, 12)] == {13: 1.0}
+
+
+def test_the_engine_hands_the_drafter_each_tokens_drawn_distribution():
+    """Every output token after the first (the prefill's), whether a decode step or a verify step gave it, reaches
+    the drafter with the DIST_TOP likeliest tokens of the distribution it was drawn from: the very alternatives a
+    request with logprobs=DIST_TOP gets back (processed log-probs; greedy rows: the model's own)."""
+    import numpy as np
+    from test_overlap import prompt, step_by_hand
+    from tiny_models import tiny_hf_model
+
+    from rollout_service.engine.drafter import DIST_TOP, Drafter
+    from rollout_service.engine.engine import Engine
+
+    class HalfRight(Drafter):  # the plain run's next tokens, the last of each draft wrong: verify steps keep some
+        def __init__(self, plain):
+            self.tokens = {(r.request_id, r.sample_index): r.token_ids for r in plain}
+            self.seen = {}
+
+        def propose(self, seq, k):
+            n, truth = seq.num_output_tokens, self.tokens[(seq.request_id, seq.sample_index)]
+            draft = truth[n:n + k]
+            return draft[:-1] + [(draft[-1] + 1) % 256] if len(draft) > 1 else []
+
+        def observe(self, seq, index, dist):
+            self.seen[(seq.request_id, seq.sample_index, index)] = dist
+
+    llama = tiny_hf_model("llama")
+    requests = [("sampled", prompt(1, 9), SamplingParams(temperature=1.0, n=2, max_tokens=24, seed=3, ignore_eos=True,
+                                                         logprobs=DIST_TOP), 0),
+                ("greedy", prompt(2, 7), SamplingParams(temperature=0, max_tokens=16, ignore_eos=True,
+                                                        logprobs=DIST_TOP), 1)]
+    plain = step_by_hand(Engine(model_source=llama, num_pages=64, page_size=8), requests)
+    eng = Engine(model_source=llama, num_pages=64, page_size=8, speculative="suffix")
+    eng.speculator.rates.always = True
+    eng.speculator.drafter = drafter = HalfRight(plain)
+    results = step_by_hand(eng, requests)
+    assert eng.stats()["speculative"]["accepted"] > 0
+    for r in results:
+        for i in range(1, len(r.token_ids)):
+            ids, lps = drafter.seen[(r.request_id, r.sample_index, i)]
+            assert ids == list(r.top_logprobs[i]), (r.request_id, i)
+            np.testing.assert_allclose(lps, list(r.top_logprobs[i].values()), atol=1e-5)
+    assert len(drafter.seen) == sum(len(r.token_ids) - 1 for r in results)
+
+
+def test_the_shared_table_drafts_another_prompts_phrases_and_one_token_suffixes():
+    """shared=True: a prompt whose own table has no draft takes one from every prompt's text; min_ngram=1 finds a
+    follower of the last token alone. Neither is the engine's default."""
+    first = Sequence("a", [1, 2, 3], SamplingParams(temperature=0.0), 0)
+    first.output_token_ids = [40, 41, 42, 43, 44]
+    other = Sequence("b", [9, 9, 9], SamplingParams(temperature=0.0), 0)
+    other.output_token_ids = [50, 41, 42]
+    alone, wide = SuffixDrafter(), SuffixDrafter(min_ngram=1, shared=True)
+    for d in (alone, wide):
+        d.propose(first, 1)
+    assert alone.propose(other, 2) == [] and wide.propose(other, 2) == [43, 44]
+    last = Sequence("c", [7, 7, 7], SamplingParams(temperature=0.0), 0)
+    last.output_token_ids = [41, 42, 77, 41]  # "77 41" is new; "41" alone was followed by 42
+    assert SuffixDrafter().propose(last, 1) == [] and SuffixDrafter(min_ngram=1).propose(last, 1) == [42]

@@ -11,6 +11,7 @@ from tiny_models import tiny_hf_model
 from rollout_service import RolloutRequest, SamplingParams
 from rollout_service.api.types import EpisodeParams
 from rollout_service.config import EngineConfig, ServiceConfig
+from rollout_service.engine.drafter import Drafter
 from rollout_service.engine.engine import Engine
 from rollout_service.engine.sequence import Sequence
 from rollout_service.engine.speculation import DRY_STEPS, PROBE_EVERY, StepRates
@@ -33,7 +34,7 @@ MIXED = [  # (request id, prompt, sampling, the step() call at which it arrives)
 ]
 
 
-class Oracle:
+class Oracle(Drafter):
     """Drafts the tokens a run without speculation sampled (every draft token right), or always wrong ones."""
 
     def __init__(self, results, wrong: bool = False):
@@ -125,7 +126,7 @@ def test_stop_strings_inside_a_draft(smollm2):
     reqs = [("s", ids[:4], sp, 0), ("t", ids[:6], SamplingParams(temperature=0, max_tokens=9), 0)]
     _, plain = drive(model, reqs, tokenizer=tok)
 
-    class Copy:  # drafts the text itself: the counting continues right past the stop string
+    class Copy(Drafter):  # drafts the text itself: the counting continues right past the stop string
         def propose(self, seq, k):
             n = seq.num_tokens
             return ids[n:n + k]
@@ -207,7 +208,7 @@ def test_episodes_and_moe_routing_are_the_same():
         eng.add_request(RolloutRequest(prompt=None, sampling=sp, episode=EpisodeParams(Echo(), max_turns=3)))
         return eng, sorted(eng.run_until_done(), key=lambda r: r.sample_index)
 
-    class Repeat:  # an episode's turns repeat the environment's ids: a draft of them is partly right
+    class Repeat(Drafter):  # an episode's turns repeat the environment's ids: a draft of them is partly right
         def propose(self, seq, k):
             return [7, 8, 9, 10, 11][:k]
 
@@ -278,7 +279,7 @@ def test_the_embedded_model_on_grpos_prompts(smollm2):
     assert s["accepted"] > 0 and s["tokens_per_verify"] > 1, s
 
 
-class Never:
+class Never(Drafter):
     """A drafter that never has a draft, counting how often it was asked."""
 
     def __init__(self):

@@ -104,7 +104,8 @@ class DecodeLoop:
         ahead = int(input_ids is not None)
         logits = self.runner.decode(batch, input_ids)
         self.counters.steps += 1
-        out = self.sampler(logits, batch.seqs, ahead=ahead)
+        draft_top = self.speculator.draft_top(batch.seqs) if self.speculator is not None else 0
+        out = self.sampler(logits, batch.seqs, ahead=ahead, draft_top=draft_top)
         host, copied = copy_to_host(out)
         can_chain = self.overlap and not any(needs_history(s.sampling) for s in batch.seqs)
         if self.speculator is not None:
@@ -134,7 +135,10 @@ class DecodeLoop:
             seq.num_computed = seq.num_tokens  # the step's query token now has its KV
         if launched.copied is not None:
             launched.copied.synchronize()  # this step's copy only, not the step launched after it
+        indices = [s.num_output_tokens for s in launched.seqs]  # the output index each row's token takes
         self.recorder.record(launched.seqs, launched.host, launched.version)
+        if self.speculator is not None:
+            self.speculator.observe(launched.seqs, indices, launched.host)
 
     def record_in_flight(self) -> None:
         """Record the step in flight now (before an abort, a weight swap or a sleep)."""

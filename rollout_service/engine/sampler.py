@@ -17,6 +17,9 @@ Per row (each sequence uses its own SamplingParams; rows never influence one ano
    With K = max(sampling.logprobs) over the batch (capped at V), top_ids / top_logprobs [B, K] are the
    K most likely tokens of that same distribution, best first (rows that asked for fewer get extra
    columns for the caller to trim; tokens dropped by truncation show -inf in "processed" mode).
+5. draft_top = D > 0 (speculation's drafter asks): draft_ids / draft_logprobs [B, D] are the D likeliest tokens
+   of the distribution each row's token was drawn from ("processed"; greedy rows: penalised), whatever the
+   logprobs_mode.
 
 Cost: work no row needs is skipped (no penalties -> untouched logits; temperature 1 -> no division;
 no top_k / top_p -> no sort, top_k alone -> topk only; all greedy -> no noise). Penalties touch only
@@ -51,6 +54,8 @@ class SamplerOutput:
     logprobs: torch.Tensor                      # float32 [B]
     top_ids: torch.Tensor | None = None         # int64 [B, K]
     top_logprobs: torch.Tensor | None = None    # float32 [B, K]
+    draft_ids: torch.Tensor | None = None       # int64 [B, D]
+    draft_logprobs: torch.Tensor | None = None  # float32 [B, D]
 
 
 @dataclass
@@ -99,9 +104,10 @@ class Sampler:
     def __init__(self, ops: Ops | None = None) -> None:
         self.ops = ops if ops is not None else select_ops("torch")
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence], ahead: int = 0) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence], ahead: int = 0, draft_top: int = 0) -> SamplerOutput:
         """ahead=1: each sequence has one sampled token not yet recorded (an overlapped decode step), so
-        its noise counter is num_output_tokens + 1. Penalties need every earlier token: not allowed then."""
+        its noise counter is num_output_tokens + 1. Penalties need every earlier token: not allowed then.
+        draft_top: see the module docstring's 5."""
         logits = _checked(logits, seqs)
         batch, vocab = logits.shape
         dev = logits.device
@@ -113,7 +119,7 @@ class Sampler:
         if rp.plain_greedy:
             # the common rollout-evaluation case: token, its logit and the normaliser (one pass on CUDA)
             tokens, values, lse = self.ops.argmax_logsumexp(logits)
-            return SamplerOutput(tokens, values - lse)
+            return _with_drafting(SamplerOutput(tokens, values - lse), {"raw": logits}, rp, draft_top, self.ops)
         penalised = apply_penalties(logits, [s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs],
                                     rp.repetition, rp.frequency, rp.presence)
         tokens = torch.empty(batch, dtype=torch.int64, device=dev)
@@ -126,8 +132,9 @@ class Sampler:
             keys = to_device([row_key(int(s.seed), int(s.sample_index), s.num_output_tokens + ahead)
                               for s in (seqs[i] for i in sampled)], dev, torch.int64)
             _assign(tokens, sampled, _draw(_rows(sources["processed"], sampled), keys, kept, self.ops))
-        return _report(sources, rp.modes, tokens, min(rp.num_top, vocab), _kept_lse(kept, sampled, batch, self.ops),
-                       self.ops)
+        out = _report(sources, rp.modes, tokens, min(rp.num_top, vocab), _kept_lse(kept, sampled, batch, self.ops),
+                      self.ops)
+        return _with_drafting(out, dict(sources, penalised=penalised), rp, draft_top, self.ops)
 
     def score(self, logits: torch.Tensor, seqs: list[Sequence], targets: list[int]) -> SamplerOutput:
         """The log-prob of targets[b] (and the top alternatives) under row b's distribution, as __call__ reports
@@ -245,9 +252,7 @@ def _report(sources: dict[str, torch.Tensor], modes: list[str], tokens: torch.Te
     x - logsumexp(x): one reduction, no [B, V] log_softmax. For "processed" rows the normaliser comes
     from the kept tokens when known (exp of the many -inf entries is slow on CPU)."""
     batch, dev = tokens.shape[0], tokens.device
-    groups: dict[str, list[int]] = {}
-    for i, mode in enumerate(modes):
-        groups.setdefault(mode, []).append(i)
+    groups = _rows_by(modes)
     logprobs = torch.empty(batch, dtype=torch.float32, device=dev)
     top_ids = torch.empty(batch, k, dtype=torch.int64, device=dev) if k else None
     top_lps = torch.empty(batch, k, dtype=torch.float32, device=dev) if k else None
@@ -263,3 +268,29 @@ def _report(sources: dict[str, torch.Tensor], modes: list[str], tokens: torch.Te
             _assign(top_lps, rows, values - lse)
             _assign(top_ids, rows, ids)
     return SamplerOutput(tokens, logprobs, top_ids, top_lps)
+
+
+def _with_drafting(out: SamplerOutput, sources: dict[str, torch.Tensor], rp: _RowParams, d: int,
+                   ops: Ops) -> SamplerOutput:
+    """out with draft_ids / draft_logprobs: each row's d likeliest tokens of the distribution it was drawn from."""
+    if d <= 0:
+        return out
+    drawn = ["processed" if t != 0 else ("penalised" if "penalised" in sources else "raw") for t in rp.temperature]
+    rows = _rows_by(drawn)
+    batch, d = out.token_ids.shape[0], min(d, sources["raw"].shape[1])
+    dev = out.token_ids.device
+    out.draft_ids = torch.empty(batch, d, dtype=torch.int64, device=dev)
+    out.draft_logprobs = torch.empty(batch, d, dtype=torch.float32, device=dev)
+    for source, group in rows.items():
+        x = _rows(sources[source], group)
+        values, ids = x.topk(d, dim=1)
+        _assign(out.draft_logprobs, group, values - ops.logsumexp(x).unsqueeze(1))
+        _assign(out.draft_ids, group, ids)
+    return out
+
+
+def _rows_by(labels: list[str]) -> dict[str, list[int]]:
+    groups: dict[str, list[int]] = {}
+    for i, label in enumerate(labels):
+        groups.setdefault(label, []).append(i)
+    return groups

@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import torch
 
-from rollout_service.engine.drafter import Drafter
+from rollout_service.engine.drafter import DIST_TOP, Drafter
 from rollout_service.engine.kv_cache import BlockManager, pages_for
 from rollout_service.engine.model_runner import ModelRunner
 from rollout_service.engine.recorder import TokenRecorder
@@ -112,6 +112,7 @@ class Speculator:
                  max_live: int, dry_steps: int = DRY_STEPS):
         self.drafter, self.max_draft, self.max_batch, self.max_rows = drafter, max_draft, max_batch, max_rows
         self.dry_steps = dry_steps
+        self.dist_top = DIST_TOP  # 0: the drafter counts followers alone (benchmarks compare)
         self.runner, self.sampler, self.recorder, self.blocks, self.counters = runner, sampler, recorder, blocks, counters
         self.rates = StepRates()
         self._dry_at: int | None = None           # rates.total when no sequence last had a draft
@@ -129,6 +130,22 @@ class Speculator:
 
     def note_decode(self, batch: int) -> None:
         self.rates.note("decode", batch, batch)
+
+    def draft_top(self, seqs: list[Sequence]) -> int:
+        """How many of each drawn distribution's likeliest tokens the sampler should hand the drafter for these
+        sequences' step (0: none of them will speculate)."""
+        return self.dist_top if len(seqs) <= self.max_batch and any(s.sampling.speculative for s in seqs) else 0
+
+    def observe(self, seqs: list[Sequence], indices: list[int], out: Any, rows: list[int] | None = None) -> None:
+        """The drafter learns the distribution each sequence's output token indices[i] was drawn from: row
+        rows[i] (or i) of a sampler output's draft_ids / draft_logprobs, where recorded."""
+        if out.draft_ids is None:
+            return
+        ids, lps = out.draft_ids.tolist(), out.draft_logprobs.tolist()
+        for i, (seq, index) in enumerate(zip(seqs, indices)):
+            if index < seq.num_output_tokens:
+                r = i if rows is None else rows[i]
+                self.drafter.observe(seq, index, (ids[r], lps[r]))
 
     def try_verify(self, batch: Batch, version: Callable[[], int]) -> bool:
         """Run `batch` (a decode batch) as a verify step when that pays and some sequence has a draft; False:
@@ -174,7 +191,8 @@ class Speculator:
     def _verify(self, seqs: list[Sequence], drafts: list[list[int]], version: int) -> None:
         logits = self.runner.verify(seqs, drafts)
         positions = [_Position(seq, draft[:j]) for seq, draft in zip(seqs, drafts) for j in range(len(draft) + 1)]
-        out = self.sampler(logits, positions)
+        out = self.sampler(logits, positions, draft_top=self.dist_top)
+        observed: list[tuple[Sequence, int, int]] = []  # (sequence, output index, row)
         tokens, logprobs = out.token_ids.tolist(), out.logprobs.tolist()
         top_ids = out.top_ids.tolist() if out.top_ids is not None else None
         top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
@@ -186,7 +204,9 @@ class Speculator:
                 keep += 1
             span = slice(row, row + keep)
             tops = [None] * keep if top_ids is None else list(zip(top_ids[span], top_lps[span]))
+            first = seq.num_output_tokens
             recorded = self.recorder.record_run(seq, tokens[span], logprobs[span], tops, version)
+            observed += [(seq, first + j, row + j) for j in range(recorded)]
             emitted += recorded
             if seq.status is SeqStatus.RUNNING:
                 self.blocks.trim(seq, seq.num_tokens)
@@ -196,6 +216,9 @@ class Speculator:
                 c.spec_accepted += min(keep - 1, recorded)  # (a stop inside the draft ends what counts)
                 self._remember(seq, keep - 1)
             row += rows
+        if observed:
+            seqs_, indices, rows_ = zip(*observed)
+            self.observe(list(seqs_), list(indices), out, list(rows_))
         c.steps += 1
         c.spec_verify_steps += 1
         c.spec_tokens += emitted
