@@ -9,20 +9,22 @@ PROMPTS = {0: [1, 2, 3], 1: [1, 2, 4]}
 TEXT = [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]
 
 
-def _replay(every_prompt: bool, epochs: list[list[tuple[int, list[int]]]], noise: bool = True) -> list[dict]:
-    replay = _Replay(every_prompt, noise)
+def _replay(every_prompt: bool, epochs: list[list[tuple[int, list[int]]]], noise: bool = True,
+            dists: bool = False) -> list[dict]:
+    replay = _Replay(every_prompt, noise, dists)
     return [replay.epoch(PROMPTS, _drawn(samples), k=4) for samples in epochs]
 
 
-def _drawn(samples: list[tuple[int, list[int]]]) -> list[tuple[int, list[int], int, int]]:
-    """(prompt, tokens) with a seed and sample index each (the draws a noise-following drafter looks at)."""
-    return [(prompt, tokens, 5, i) for i, (prompt, tokens) in enumerate(samples)]
+def _drawn(samples: list[tuple[int, list[int]]]) -> list[tuple]:
+    """(prompt, tokens) with a seed and sample index each (the draws a noise-following drafter looks at) and each
+    token's distribution: the token itself, certain."""
+    return [(prompt, tokens, 5, i, [([t], [0.0]) for t in tokens]) for i, (prompt, tokens) in enumerate(samples)]
 
 
 def test_every_token_is_counted_once_and_a_step_takes_at_least_one():
     samples = [(0, TEXT), (0, TEXT[:5] + [30, 31]), (1, [40, 41, 42])]
-    for every_prompt, _, noise in DRAFTERS.values():
-        (c,) = _replay(every_prompt, [samples], noise)
+    for every_prompt, _, noise, dists in DRAFTERS.values():
+        (c,) = _replay(every_prompt, [samples], noise, dists)
         assert c["tokens"] == sum(len(t) for _, t in samples)
         assert c["steps"] <= c["tokens"] and c["accepted"] == c["tokens"] - c["steps"]
         assert c["accepted"] <= c["proposed"]
@@ -39,12 +41,12 @@ def test_text_seen_in_an_earlier_epoch_is_drafted_and_kept():
     assert shared["accepted"] > 0
 
 
-def test_one_token_suffixes_draft_where_two_token_ones_have_nothing_and_the_engines_bound_is_restored():
+def test_one_token_suffixes_draft_where_two_token_ones_have_nothing():
     # 12 follows 11 twice before; the pair (25, 11) is new, so only a one-token suffix finds what follows 11
     epochs = [[(0, [11, 12, 50, 11, 12, 51])], [(0, [60, 25, 11, 12, 70])]]
     rows = {(r["drafter"], r["epoch"]): r for r in replay_all(PROMPTS, [_drawn(e) for e in epochs], k=4)}
     assert rows[("+ 1-token suffixes", 1)]["accepted"] > rows[("+ every prompt", 1)]["accepted"]
-    assert drafting.MIN_NGRAM == DRAFTERS["engine"][1] == 2
+    assert DRAFTERS["engine"][1] == drafting.MIN_NGRAM == 2
 
 
 def test_a_quick_run_samples_the_embedded_model_and_replays_every_drafter(tmp_path):

@@ -6,28 +6,50 @@ from __future__ import annotations
 import json
 
 from benchmarks.harness import speculative_bench
+from benchmarks.harness.result_files import merge
+from rollout_service.engine.drafter import DIST_TOP
 
 
 def test_a_quick_run_compares_every_drafter_on_the_same_tokens(tmp_path, monkeypatch):
-    made, order = [], []
+    made, order, tops = [], [], []
     engine = speculative_bench._engine
 
     def noted(make_engine, batch, drafter):
         eng = engine(make_engine, batch, drafter)
         made.append((drafter, None if eng.speculator is None else eng.speculator.dry_steps))
+        if drafter is not None:
+            tops.append((drafter, eng.speculator.dist_top))
         run = eng.run_until_done
         eng.run_until_done = lambda: order.append(drafter) or run()
         return eng
     monkeypatch.setattr(speculative_bench, "_engine", noted)
-    assert speculative_bench.main(["--quick", "--drafters", "suffix,suffix/dry=8", "--out", str(tmp_path)]) == 0
+    assert speculative_bench.main(["--quick", "--drafters", "suffix,suffix/dry=8/counts", "--out", str(tmp_path)]) == 0
     (path,) = tmp_path.glob("*-ws-speculative.json")
     rows = json.loads(path.read_text())["rows"]
     batch = [r for r in rows if r["measure"] == "batch"]
     assert {(r["batch"], r["drafter"], r["pass"]) for r in batch} == {
-        (b, d, p) for b in (1, 8) for d in ("suffix", "suffix/dry=8") for p in ("cold", "warm")}
+        (b, d, p) for b in (1, 8) for d in ("suffix", "suffix/dry=8/counts") for p in ("cold", "warm")}
     assert all(r["identical"] == 1.0 for r in rows), rows
     # per batch size the three modes' engines (the CPU's own dry steps, 0, and the named 8), then the tail's two
-    modes = [(None, None), ("suffix", 0), ("suffix/dry=8", 8)]
+    modes = [(None, None), ("suffix", 0), ("suffix/dry=8/counts", 8)]
     assert made == modes + modes + [(None, None), ("suffix", 0)], made
     # each wave (one per pass here: batch 1 and 8, cold and warm) run by every mode in turn; then the tail's
-    assert order == [None, "suffix", "suffix/dry=8"] * 4 + [None, "suffix"], order
+    assert order == [None, "suffix", "suffix/dry=8/counts"] * 4 + [None, "suffix"], order
+    # the engine's drafter learns the drawn distributions; "/counts" counts followers alone
+    assert set(tops) == {("suffix", DIST_TOP), ("suffix/dry=8/counts", 0)}, tops
+
+
+def test_a_run_of_some_batch_sizes_keeps_the_other_batch_sizes_figures():
+    """A result file keeps per (model, batch, drafter, pass) the newest run's row: a run of batch 1 alone leaves
+    an earlier run's batch 8 and tail in the file, under that run's own heading."""
+    def run(started, batches, drafter):
+        rows = [{"measure": "batch", "batch": b, "drafter": drafter, "pass": "cold", "speedup": 1.0 + b / 100,
+                 "model": "m"} for b in batches]
+        return {"meta": {"started_utc": started}, "ceilings": None,
+                "rows": rows + ([{"measure": "tail", "speedup": 1.1, "model": "m"}] if len(batches) > 1 else [])}
+    doc = merge([run("2026-12-07T21:19:17Z", (1, 8), "suffix"), run("2026-12-07T23:13:24Z", (1,), "suffix")],
+                speculative_bench.measured_by)
+    assert [(r["measure"], r.get("batch")) for r in doc["rows"]] == [("batch", 1)]
+    assert doc["meta"]["started_utc"].startswith("2026-12-07T23")
+    (earlier,) = doc["earlier_runs"]
+    assert [(r["measure"], r.get("batch")) for r in earlier["rows"]] == [("batch", 8), ("tail", None)]

@@ -12,10 +12,12 @@ an upper bound on WS's on / off at that acceptance.
 Drafters, all on the engine's n-gram tables (drafter._Corpus: a follower of the longest suffix seen, the one the
 sequence's own Gumbel draws favour):
 - "engine": drafter.py as built: suffixes of 2-4 tokens from the sequence's prompt, its own and its siblings'
-  text, and earlier epochs of the same prompt;
-- "engine, most frequent follower": the same, the follower seen most often whatever the draws (drafter.py
-  before 2026-12-07);
-- "+ every prompt": where that has no draft, one table of every prompt's text (phrases shared across tasks);
+  text, and earlier epochs of the same prompt, each adding the distribution its token was drawn from (the
+  engine's top DIST_TOP processed log-probs of the token, as the sampler hands them to the drafter);
+- "engine, counts": the same, each position adding only the token that followed (drafter.py before 2026-12-08);
+- "engine, most frequent follower": counts, the follower seen most often whatever the draws (before 2026-12-07);
+- "+ every prompt": the engine's, and where that has no draft, one table of every prompt's text (phrases shared
+  across tasks);
 - "+ 1-token suffixes": both, and suffixes down to one token.
 
   python -m benchmarks.harness.draft_ceiling [--prompts 16 --n 8 --max-tokens 128 --epochs 3]
@@ -41,15 +43,18 @@ class Shape:
     k: int = 4  # EngineConfig.num_speculative_tokens' default
 
 
-# name -> (a table of every prompt where the prompt's has nothing, the shortest suffix, follow the draws)
-DRAFTERS = {"engine": (False, drafting.MIN_NGRAM, True), "engine, most frequent follower": (False, drafting.MIN_NGRAM, False),
-            "+ every prompt": (True, drafting.MIN_NGRAM, True), "+ 1-token suffixes": (True, 1, True)}
-Sample = tuple[int, list[int], int, int]  # prompt, tokens, seed, sample index
+# name -> (a table of every prompt where the prompt's has nothing, the shortest suffix, follow the draws,
+#          add the drawn distributions)
+DRAFTERS = {"engine": (False, drafting.MIN_NGRAM, True, True),
+            "engine, counts": (False, drafting.MIN_NGRAM, True, False),
+            "engine, most frequent follower": (False, drafting.MIN_NGRAM, False, False),
+            "+ every prompt": (True, drafting.MIN_NGRAM, True, True), "+ 1-token suffixes": (True, 1, True, True)}
+Sample = tuple[int, list[int], int, int, list[drafting.Dist]]  # prompt, tokens, seed, sample index, distributions
 
 
 def sample(s: Shape) -> tuple[dict[int, list[int]], list[list[Sample]], float]:
-    """The prompts' token ids, and per epoch each sample's (prompt, tokens, seed, sample index), from the engine
-    without speculation; and the seconds sampling took."""
+    """The prompts' token ids, and per epoch each sample's (prompt, tokens, seed, sample index, the distribution
+    of each token), from the engine without speculation; and the seconds sampling took."""
     from rollout_service.engine.engine import Engine
 
     from benchmarks.harness.models import load_bench_model
@@ -60,35 +65,38 @@ def sample(s: Shape) -> tuple[dict[int, list[int]], list[list[Sample]], float]:
     epochs, seconds, prompt_ids = [], 0.0, {}
     for epoch in range(s.epochs):
         for i, p in enumerate(_prompts(s.prompts)):
-            sp = SamplingParams(n=s.n, temperature=1.0, max_tokens=s.max_tokens, seed=1000 * epoch + i)
+            sp = SamplingParams(n=s.n, temperature=1.0, max_tokens=s.max_tokens, seed=1000 * epoch + i,
+                                logprobs=drafting.DIST_TOP)
             eng.add_request(RolloutRequest(p, sp, request_id=str(i)))
         t0 = time.perf_counter()
         out = sorted(eng.run_until_done(), key=lambda r: (int(r.request_id), r.sample_index))
         seconds += time.perf_counter() - t0
         prompt_ids.update({int(r.request_id): list(r.prompt_token_ids) for r in out})
-        epochs.append([(int(r.request_id), list(r.token_ids), 1000 * epoch + int(r.request_id), r.sample_index)
-                       for r in out])
+        epochs.append([(int(r.request_id), list(r.token_ids), 1000 * epoch + int(r.request_id), r.sample_index,
+                        [(list(top), list(top.values())) for top in r.top_logprobs]) for r in out])
     return prompt_ids, epochs, seconds
 
 
 class _Replay:
     """One drafter's tables across the epochs, and its counts for the epoch being replayed."""
 
-    def __init__(self, every_prompt: bool, noise: bool = True):
-        self.every_prompt, self.noise = every_prompt, noise
+    def __init__(self, every_prompt: bool, noise: bool = True, dists: bool = True,
+                 min_ngram: int = drafting.MIN_NGRAM):
+        self.every_prompt, self.noise, self.dists, self.min_ngram = every_prompt, noise, dists, min_ngram
         self.corpora: dict[int, drafting._Corpus] = {}
-        self.shared = drafting._Corpus()
+        self.shared = drafting._Corpus(min_ngram)
 
     def epoch(self, prompt_ids: dict[int, list[int]], samples: list[Sample], k: int) -> dict:
         live = []
-        for prompt, tokens, seed, sample_index in samples:
+        for prompt, tokens, seed, sample_index, dists in samples:
             corpus = self.corpora.get(prompt)
             if corpus is None:
-                corpus = self.corpora[prompt] = drafting._Corpus()
+                corpus = self.corpora[prompt] = drafting._Corpus(self.min_ngram)
                 for c in (corpus, self.shared):
                     c.add(prompt_ids[prompt], 0, len(prompt_ids[prompt]) - 1)
             live.append({"corpus": corpus, "text": list(prompt_ids[prompt]), "truth": tokens, "at": 0,
-                         "indexed": len(prompt_ids[prompt]) - 1, "draws": (seed, sample_index)})
+                         "indexed": len(prompt_ids[prompt]) - 1, "draws": (seed, sample_index),
+                         "dists": dists if self.dists else None, "prompt_len": len(prompt_ids[prompt])})
         counts = {"tokens": 0, "steps": 0, "drafts": 0, "accepted": 0, "proposed": 0}
         while live:
             for seq in live:  # one step of every live sequence, as a batch would take it
@@ -98,8 +106,10 @@ class _Replay:
 
     def _step(self, seq: dict, k: int, counts: dict) -> None:
         text, truth, at = seq["text"], seq["truth"], seq["at"]
+        dists, start = seq["dists"], seq["prompt_len"] - 1
+        mass = (lambda p: None) if dists is None else (lambda p: drafting.kept_mass(dists[p - start]))
         for c in (seq["corpus"], self.shared):
-            c.add(text, seq["indexed"], len(text) - 1)
+            c.add(text, seq["indexed"], len(text) - 1, mass)
         seq["indexed"] = max(seq["indexed"], len(text) - 1)
         room = min(k, len(truth) - at - 1)  # a draft leaves room for the token after it
         noise = drafting.sampler_noise(*seq["draws"], at) if self.noise else None  # (temperature 1: sample())
@@ -130,14 +140,10 @@ def measure(s: Shape) -> tuple[list[dict], dict]:
 def replay_all(prompt_ids: dict[int, list[int]], epochs: list[list[Sample]], k: int) -> list[dict]:
     """A row per drafter and epoch."""
     rows = []
-    for name, (every_prompt, min_ngram, noise) in DRAFTERS.items():
-        replay = _Replay(every_prompt, noise)
+    for name, (every_prompt, min_ngram, noise, dists) in DRAFTERS.items():
+        replay = _Replay(every_prompt, noise, dists, min_ngram)
         for e, samples in enumerate(epochs):
-            saved, drafting.MIN_NGRAM = drafting.MIN_NGRAM, min_ngram  # (_Corpus indexes and looks up down to it)
-            try:
-                c = replay.epoch(prompt_ids, samples, k)
-            finally:
-                drafting.MIN_NGRAM = saved
+            c = replay.epoch(prompt_ids, samples, k)
             rows.append({"drafter": name, "epoch": e, "pass": "cold" if e == 0 else "warm", **c,
                          "tokens_per_step": round(c["tokens"] / c["steps"], 3),
                          "draft_share": round(c["drafts"] / c["steps"], 3),

@@ -25,8 +25,8 @@ SIDE = {"control-plane": (control_plane.markdown, control_plane.configuration),
         "openai-endpoint": (openai_bench.markdown, whole_run),
         "openai-serve": (openai_serve_bench.markdown, whole_run),
         "rl-semantics": (rl_semantics.markdown, whole_run),
-        "ws-speculative": (speculative_bench.markdown, speculative_bench.by_model),
-        "ws-speculative-invariant": (speculative_bench.markdown, speculative_bench.by_model),
+        "ws-speculative": (speculative_bench.markdown, speculative_bench.measured_by),
+        "ws-speculative-invariant": (speculative_bench.markdown, speculative_bench.measured_by),
         "staleness": (staleness.markdown, whole_run)}
 
 

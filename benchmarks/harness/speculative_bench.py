@@ -24,6 +24,7 @@ from typing import Any, Callable
 import torch
 
 from rollout_service.api.types import RolloutRequest, SamplingParams
+from rollout_service.engine.drafter import Drafter, SuffixDrafter
 
 
 @dataclass
@@ -48,7 +49,7 @@ def _prompts(count: int, start: int = 0) -> list[Any]:
     return [train[(start + i) % len(train)].messages() for i in range(count)]
 
 
-class Replay:
+class Replay(Drafter):
     """A drafter that knows the answer: the tokens the run without speculation sampled, each draft token right
     with probability `p` (a draft stops at its first wrong token). Shows what a verify step gives at a given
     acceptance where real text is not at hand (random weights)."""
@@ -111,8 +112,9 @@ def measure(make_engine: Callable[..., Any], s: Shape, drafters: list[str],
         for drafter in drafters:
             rows += _batch_rows(batch, drafter, runs["off"], runs[drafter])
         save(rows)
-    rows.append(tail(make_engine, s))
-    print(rows[-1], flush=True)
+    if s.tail_ratio:
+        rows.append(tail(make_engine, s))
+        print(rows[-1], flush=True)
     return rows
 
 
@@ -163,7 +165,11 @@ def _engine(make_engine: Callable[..., Any], batch: int, drafter: str | None) ->
     if drafter is not None and drafter.startswith("replay@"):
         eng.speculator.drafter = Replay(float(drafter.split("@")[1]))
     if drafter is not None and "dry=" in drafter:
-        eng.speculator.dry_steps = int(drafter.split("dry=")[1])
+        eng.speculator.dry_steps = int(drafter.split("dry=")[1].split("/")[0])
+    if drafter is not None and "/counts" in drafter:
+        eng.speculator.dist_top = 0
+    if drafter is not None and "/wide" in drafter:
+        eng.speculator.drafter = SuffixDrafter(min_ngram=1, shared=True)
     _generate(eng, [RolloutRequest(_prompts(1, 99)[0], SamplingParams(max_tokens=8), request_id="warm")])
     return eng
 
@@ -223,8 +229,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--drafters", default="suffix", help="comma-separated: suffix (the engine's), replay@P (the "
                    "plain run's tokens, each right with probability P), suffix/dry=N (the engine's, asked again N "
-                   "steps after a step without a draft: the CUDA engine's 8, the CPU's 0)")
+                   "steps after a step without a draft: the CUDA engine's 8, the CPU's 0), suffix/counts (followers "
+                   "counted, without the drawn distributions), suffix/wide (one-token suffixes, and every prompt's "
+                   "table where the prompt's own has no draft)")
     p.add_argument("--single-prompts", type=int, default=Shape.single_prompts, help="batch 1: prompts in turn")
+    p.add_argument("--no-tail", action="store_true", help="skip the long-tail batch")
     p.add_argument("--batch-invariant", action="store_true", help="both engines in batch-invariant mode (then the "
                    "tokens must be identical on any device; otherwise only where the arithmetic is exact: fp32 CPU)")
     p.add_argument("--out", default=None)
@@ -233,7 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     batches = tuple(int(b) for b in args.batches.split(","))
     shape = Shape(batches=(1, 8), max_tokens=16, single_prompts=1, tail_short=8, tail_ratio=2) if args.quick \
-        else Shape(batches=batches, max_tokens=args.max_tokens, single_prompts=args.single_prompts)
+        else Shape(batches=batches, max_tokens=args.max_tokens, single_prompts=args.single_prompts,
+                   tail_ratio=0 if args.no_tail else Shape.tail_ratio)
     bm = load_bench_model(args.model, torch.device(args.device))  # float32 on the CPU, bf16 on a GPU
     hf, tok = bm.hf_model, _tokenizer(args.model)
     VOCAB["size"] = 0 if tok is not None else int(bm.config.vocab_size)
@@ -253,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     name = "ws-speculative-invariant" if args.batch_invariant else "ws-speculative"
     out = results_dir(args.out, args.quick)
     def save(rows: list[dict]) -> None:
-        write_results(out, name, meta, [{**r, "model": args.model} for r in rows], markdown, args.tag, by_model)
+        write_results(out, name, meta, [{**r, "model": args.model} for r in rows], markdown, args.tag, measured_by)
 
     rows = measure(make_engine, shape, args.drafters.split(","), save)
     save(rows)
@@ -263,9 +273,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if not exact or all(r["identical"] == 1.0 for r in rows) else 1
 
 
-def by_model(row: dict) -> str | None:
-    """What one row measures, as a result file keeps it: a run replaces the older run of its model only."""
-    return row.get("model")
+def measured_by(row: dict) -> tuple:
+    """What one row measures, as a result file keeps it: a run replaces the older rows of its model, batch size,
+    drafter and pass (or its model's tail) only, so a run of a few batch sizes keeps the others' figures."""
+    return row.get("model"), row["measure"], row.get("batch"), row.get("drafter"), row.get("pass")
 
 
 def _tokenizer(model: str) -> Any:
