@@ -53,3 +53,14 @@ def test_a_run_of_some_batch_sizes_keeps_the_other_batch_sizes_figures():
     assert doc["meta"]["started_utc"].startswith("2026-12-07T23")
     (earlier,) = doc["earlier_runs"]
     assert [(r["measure"], r.get("batch")) for r in earlier["rows"]] == [("batch", 8), ("tail", None)]
+
+
+def test_waves_of_a_batch_size_take_new_prompts_with_the_same_seeds_rule():
+    """--waves W: W waves of B / n prompts, each wave on new prompts; the first wave is the run of one wave."""
+    one = speculative_bench._batch_requests(16, speculative_bench.Shape(), 0, "cold")
+    three = speculative_bench._batch_requests(16, speculative_bench.Shape(waves=3), 0, "cold")
+    assert [len(w) for w in three] == [2, 2, 2] and all(r.sampling.n == 8 for w in three for r in w)
+    assert [(r.request_id, r.prompt, r.sampling.seed) for r in three[0]] == \
+           [(r.request_id, r.prompt, r.sampling.seed) for r in one[0]]
+    prompts = [str(r.prompt) for w in three for r in w]
+    assert len(set(prompts)) == 6 and len({r.request_id for w in three for r in w}) == 6

@@ -33,6 +33,7 @@ class Shape:
     n: int = 8
     max_tokens: int = 128
     single_prompts: int = 4   # B = 1: this many prompts one after another
+    waves: int = 1            # B > 1: this many waves of B / n new prompts one after another
     tail_short: int = 48
     tail_ratio: int = 8
 
@@ -87,13 +88,16 @@ def _generate(eng: Any, reqs: list[RolloutRequest]) -> tuple[list, float]:
 
 
 def _batch_requests(batch: int, s: Shape, epoch: int, tag: str) -> list[list[RolloutRequest]]:
-    """The waves of requests of one pass: B / n prompts of n samples at once, or single samples in turn."""
+    """The waves of requests of one pass: B / n prompts of n samples at once (s.waves of them, each on new
+    prompts), or single samples in turn."""
     def sp(i: int, n: int) -> SamplingParams:
         return SamplingParams(n=n, temperature=1.0, max_tokens=s.max_tokens, seed=1000 * epoch + i)
     if batch == 1:
         return [[RolloutRequest(p, sp(i, 1), request_id=f"{tag}-{i}")] for i, p in enumerate(_prompts(s.single_prompts))]
-    n = min(s.n, batch)
-    return [[RolloutRequest(p, sp(i, n), request_id=f"{tag}-{i}") for i, p in enumerate(_prompts(batch // n))]]
+    n, per_wave = min(s.n, batch), max(1, batch // min(s.n, batch))
+    prompts = _prompts(per_wave * s.waves)
+    return [[RolloutRequest(prompts[i], sp(i, n), request_id=f"{tag}-{i}") for i in range(w, w + per_wave)]
+            for w in range(0, len(prompts), per_wave)]
 
 
 def _spec_counts(eng: Any) -> dict:
@@ -233,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
                    "counted, without the drawn distributions), suffix/wide (one-token suffixes, and every prompt's "
                    "table where the prompt's own has no draft)")
     p.add_argument("--single-prompts", type=int, default=Shape.single_prompts, help="batch 1: prompts in turn")
+    p.add_argument("--waves", type=int, default=Shape.waves, help="batch > 1: waves of new prompts in turn")
     p.add_argument("--no-tail", action="store_true", help="skip the long-tail batch")
     p.add_argument("--batch-invariant", action="store_true", help="both engines in batch-invariant mode (then the "
                    "tokens must be identical on any device; otherwise only where the arithmetic is exact: fp32 CPU)")
@@ -243,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     batches = tuple(int(b) for b in args.batches.split(","))
     shape = Shape(batches=(1, 8), max_tokens=16, single_prompts=1, tail_short=8, tail_ratio=2) if args.quick \
         else Shape(batches=batches, max_tokens=args.max_tokens, single_prompts=args.single_prompts,
-                   tail_ratio=0 if args.no_tail else Shape.tail_ratio)
+                   waves=args.waves, tail_ratio=0 if args.no_tail else Shape.tail_ratio)
     bm = load_bench_model(args.model, torch.device(args.device))  # float32 on the CPU, bf16 on a GPU
     hf, tok = bm.hf_model, _tokenizer(args.model)
     VOCAB["size"] = 0 if tok is not None else int(bm.config.vocab_size)

@@ -4,7 +4,7 @@ RL rollouts repeat themselves: GRPO's n samples of one prompt share much of thei
 its own prompt and earlier lines (equations, code, tool calls), and the same prompts come back in later epochs.
 So the draft follows what came after the sequence's last few tokens (the longest suffix seen, MIN_NGRAM to
 MAX_NGRAM tokens) in: its own prompt and output, its siblings' outputs, and earlier rollouts of the same prompt
-tokens. Every source of one prompt shares one table of counts (a Corpus), keyed by the prompt's tokens.
+tokens. Every source of one prompt shares one table (a Corpus), keyed by the prompt's tokens.
 
 What each n-gram remembers is not only which token followed it but the model's distribution there: the
 sampler hands over the DIST_TOP likeliest tokens of the distribution it drew each token from (speculation.py
