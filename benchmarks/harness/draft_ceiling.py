@@ -14,7 +14,7 @@ sequence's own Gumbel draws favour):
 - "engine": drafter.py as built: suffixes of 2-4 tokens from the sequence's prompt, its own and its siblings'
   text, and earlier epochs of the same prompt, each adding the distribution its token was drawn from (the
   engine's top DIST_TOP processed log-probs of the token, as the sampler hands them to the drafter);
-- "engine, counts": the same, each position adding only the token that followed (drafter.py before 2026-12-08);
+- "engine, counts": the same, each position adding only the token that followed (drafter.py before commit 1c1af90);
 - "engine, most frequent follower": counts, the follower seen most often whatever the draws (before 2026-12-07);
 - "+ every prompt": the engine's, and where that has no draft, one table of every prompt's text (phrases shared
   across tasks);
