@@ -14,8 +14,9 @@ Where no distribution is known (the prompt's own text) the follower counts as 1.
 Which follower: greedy decoding takes the likeliest token, so the one with the most mass. Sampling takes
 argmax(log p + g) with the sampler's Gumbel draws g, which are known before the step (counter-based noise,
 ops/random.py): so the draft takes the token that wins that argmax with its mass standing for p, the one the
-sequence's own noise favours. Where the sequence's context was seen before exactly (siblings before they part,
-a repeated line), that is the token the sampler will draw whenever it is among the DIST_TOP kept.
+sequence's own noise favours. Where the whole context was seen before (siblings before they part) and its last
+MAX_NGRAM tokens nowhere else, the mass is the model's distribution there, and the draft is the token the sampler
+will draw whenever that token is among the DIST_TOP kept.
 
 A draft only changes speed, never a token (the verify step keeps exactly what plain decoding samples), so
 nothing here needs to be right: history is kept across weight refreshes (old rollouts still predict new ones
