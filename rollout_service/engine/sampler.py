@@ -119,7 +119,8 @@ class Sampler:
         if rp.plain_greedy:
             # the common rollout-evaluation case: token, its logit and the normaliser (one pass on CUDA)
             tokens, values, lse = self.ops.argmax_logsumexp(logits)
-            return _with_drafting(SamplerOutput(tokens, values - lse), {"raw": logits}, rp, draft_top, self.ops)
+            norms = _Normalisers({"raw": logits}, None, self.ops, known={"raw": lse})
+            return _with_drafting(SamplerOutput(tokens, values - lse), norms, rp, draft_top, "raw")
         penalised = apply_penalties(logits, [s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs],
                                     rp.repetition, rp.frequency, rp.presence)
         tokens = torch.empty(batch, dtype=torch.int64, device=dev)
@@ -132,9 +133,10 @@ class Sampler:
             keys = to_device([row_key(int(s.seed), int(s.sample_index), s.num_output_tokens + ahead)
                               for s in (seqs[i] for i in sampled)], dev, torch.int64)
             _assign(tokens, sampled, _draw(_rows(sources["processed"], sampled), keys, kept, self.ops))
-        out = _report(sources, rp.modes, tokens, min(rp.num_top, vocab), _kept_lse(kept, sampled, batch, self.ops),
-                      self.ops)
-        return _with_drafting(out, dict(sources, penalised=penalised), rp, draft_top, self.ops)
+        norms = _Normalisers(dict(sources, penalised=penalised), _kept_lse(kept, sampled, batch, self.ops), self.ops)
+        out = _report(norms, rp.modes, tokens, min(rp.num_top, vocab))
+        # greedy rows draw from the penalised logits: the raw ones (the report's) where no row is penalised
+        return _with_drafting(out, norms, rp, draft_top, "raw" if penalised is logits else "penalised")
 
     def score(self, logits: torch.Tensor, seqs: list[Sequence], targets: list[int]) -> SamplerOutput:
         """The log-prob of targets[b] (and the top alternatives) under row b's distribution, as __call__ reports
@@ -147,8 +149,8 @@ class Sampler:
         tokens = to_device(targets, logits.device, torch.int64)
         sources, kept = _distributions(logits, logits, rp)
         sampled = [i for i in range(len(seqs)) if rp.temperature[i] != 0]
-        return _report(sources, rp.modes, tokens, min(rp.num_top, logits.shape[1]),
-                       _kept_lse(kept, sampled, len(seqs), self.ops), self.ops)
+        norms = _Normalisers(sources, _kept_lse(kept, sampled, len(seqs), self.ops), self.ops)
+        return _report(norms, rp.modes, tokens, min(rp.num_top, logits.shape[1]))
 
 
 def _distributions(logits: torch.Tensor, penalised: torch.Tensor, rp: _RowParams):
@@ -246,22 +248,40 @@ def _draw(x: torch.Tensor, keys: torch.Tensor, kept, ops: Ops) -> torch.Tensor:
     return ops.gumbel_argmax(x, keys)
 
 
-def _report(sources: dict[str, torch.Tensor], modes: list[str], tokens: torch.Tensor, k: int,
-            kept_lse: torch.Tensor | None, ops: Ops) -> SamplerOutput:
+class _Normalisers:
+    """The rows of a source distribution ("raw", "scaled", "processed", "penalised") with their logsumexp, each
+    taken once per call: the report and the drafting read the same ones. For "processed" rows the normaliser comes
+    from the kept tokens when known (exp of the many -inf entries is slow on CPU); `known`: a source's normaliser
+    over the whole batch, already at hand."""
+
+    def __init__(self, sources: dict[str, torch.Tensor], kept_lse: torch.Tensor | None, ops: Ops,
+                 known: dict[str, torch.Tensor] | None = None):
+        self.sources, self.kept_lse, self.ops = sources, kept_lse, ops
+        batch = next(iter(sources.values())).shape[0]
+        self._done = {(name, tuple(range(batch))): (sources[name], lse.unsqueeze(1))
+                      for name, lse in (known or {}).items()}
+
+    def of(self, name: str, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, lse): the source's `rows` [R, V] and their logsumexp [R, 1]."""
+        key = (name, tuple(rows))
+        if key not in self._done:
+            x = _rows(self.sources[name], rows)
+            lse = _rows(self.kept_lse, rows) if name == "processed" and self.kept_lse is not None \
+                else self.ops.logsumexp(x)
+            self._done[key] = (x, lse.unsqueeze(1))
+        return self._done[key]
+
+
+def _report(norms: _Normalisers, modes: list[str], tokens: torch.Tensor, k: int) -> SamplerOutput:
     """Log-probs of the chosen tokens (and the top k) under each row's mode's distribution, as
-    x - logsumexp(x): one reduction, no [B, V] log_softmax. For "processed" rows the normaliser comes
-    from the kept tokens when known (exp of the many -inf entries is slow on CPU)."""
+    x - logsumexp(x): one reduction, no [B, V] log_softmax."""
     batch, dev = tokens.shape[0], tokens.device
     groups = _rows_by(modes)
     logprobs = torch.empty(batch, dtype=torch.float32, device=dev)
     top_ids = torch.empty(batch, k, dtype=torch.int64, device=dev) if k else None
     top_lps = torch.empty(batch, k, dtype=torch.float32, device=dev) if k else None
     for mode, rows in groups.items():
-        x, tok = _rows(sources[mode], rows), _rows(tokens, rows).unsqueeze(1)
-        if mode == "processed" and kept_lse is not None:
-            lse = _rows(kept_lse, rows).unsqueeze(1)
-        else:
-            lse = ops.logsumexp(x).unsqueeze(1)
+        (x, lse), tok = norms.of(mode, rows), _rows(tokens, rows).unsqueeze(1)
         _assign(logprobs, rows, (x.gather(1, tok) - lse).squeeze(1))
         if k:
             values, ids = x.topk(k, dim=1)
@@ -270,21 +290,20 @@ def _report(sources: dict[str, torch.Tensor], modes: list[str], tokens: torch.Te
     return SamplerOutput(tokens, logprobs, top_ids, top_lps)
 
 
-def _with_drafting(out: SamplerOutput, sources: dict[str, torch.Tensor], rp: _RowParams, d: int,
-                   ops: Ops) -> SamplerOutput:
-    """out with draft_ids / draft_logprobs: each row's d likeliest tokens of the distribution it was drawn from."""
+def _with_drafting(out: SamplerOutput, norms: _Normalisers, rp: _RowParams, d: int, greedy: str) -> SamplerOutput:
+    """out with draft_ids / draft_logprobs: each row's d likeliest tokens of the distribution it was drawn from
+    ("processed"; greedy rows: the source named `greedy`)."""
     if d <= 0:
         return out
-    drawn = ["processed" if t != 0 else ("penalised" if "penalised" in sources else "raw") for t in rp.temperature]
-    rows = _rows_by(drawn)
-    batch, d = out.token_ids.shape[0], min(d, sources["raw"].shape[1])
+    rows = _rows_by(["processed" if t != 0 else greedy for t in rp.temperature])
+    batch, d = out.token_ids.shape[0], min(d, norms.sources["raw"].shape[1])
     dev = out.token_ids.device
     out.draft_ids = torch.empty(batch, d, dtype=torch.int64, device=dev)
     out.draft_logprobs = torch.empty(batch, d, dtype=torch.float32, device=dev)
     for source, group in rows.items():
-        x = _rows(sources[source], group)
+        x, lse = norms.of(source, group)
         values, ids = x.topk(d, dim=1)
-        _assign(out.draft_logprobs, group, values - ops.logsumexp(x).unsqueeze(1))
+        _assign(out.draft_logprobs, group, values - lse)
         _assign(out.draft_ids, group, ids)
     return out
 
