@@ -75,15 +75,20 @@ class PromptProcessor:
     def _chat(self, messages: list[dict]) -> list[int]:
         if not self.has_chat_template:
             raise ValueError("prompt is a list of chat messages but the tokenizer has no chat template")
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
-            ids = ids["input_ids"]
-        return list(ids)
+        return self.chat_ids(messages)
+
+    def chat_ids(self, messages: list[dict], **template_kwargs: Any) -> list[int]:
+        """A conversation and the generation prompt as the template renders them (`template_kwargs`: tools, ...),
+        then tokenized as apply_chat_template(tokenize=True) does: the text without special tokens added."""
+        return self.text_ids(self._render(messages, True, **template_kwargs))
 
     def text_ids(self, text: str) -> list[int]:
         """Raw text continuing a sequence: its tokens, with no BOS or template around them."""
         if self.tokenizer is None:
             raise ValueError("text needs a tokenizer to become tokens; this model has none (give token ids)")
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is not None:  # a fast tokenizer's own: the same ids, less of a prompt's latency than its wrapper
+            return backend.encode(text, add_special_tokens=False).ids
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def chat_delta(self, messages: list[dict], closed_by: int | None = None) -> list[int]:
@@ -107,9 +112,9 @@ class PromptProcessor:
             closing = closing.removeprefix(eos)
         return self._check(self.text_ids(closing + after[len(before):]))
 
-    def _render(self, messages: list[dict], add_generation_prompt: bool) -> str:
+    def _render(self, messages: list[dict], add_generation_prompt: bool, **template_kwargs: Any) -> str:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                  tokenize=False)
+                                                  tokenize=False, **template_kwargs)
 
     def _check(self, ids: list[int]) -> list[int]:
         if not ids:

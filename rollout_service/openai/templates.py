@@ -36,10 +36,7 @@ class ChatRenderer:
                            "messages", "no_chat_template")
         extra = {k: v for k, v in (("tools", tools), ("tool_choice", tool_choice)) if v is not None}
         try:
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **extra)
-            if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
-                ids = ids["input_ids"]
-            return self._checked(list(ids))
+            return self._checked(self.prompts.chat_ids(messages, **extra))
         except ApiError:
             raise
         except Exception as e:
