@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import stat
+import threading
 import time
 
 import httpx
@@ -81,6 +82,42 @@ def test_a_dropped_call_leaves_its_session_as_it_was(server):
     assert again.status_code == 200 and again.json()["drift"] is False
     (t,) = trajectories(server.app, ["wait"])
     assert t.metadata["calls"] == 2  # the first call and this one: the dropped call left nothing
+
+
+def test_a_call_dropped_while_it_samples_is_aborted(server):
+    """A non-streamed call whose client goes away while its tokens are sampled: the request is aborted, not run
+    to max_tokens, and its session is left as it was and free again."""
+    client = server.app.state.runtime.svc.client
+    first = _chat(server, "sampling", Q).json()
+    history = Q + [{"role": "assistant", "content": first["choices"][0]["message"]["content"]}] + Q
+    host, stats = client._connection.host, lambda: client.stats()[0]
+    before = stats()["generated_tokens"]
+    dropped: list[Exception] = []
+    call = threading.Thread(target=lambda: _expect(httpx.ReadTimeout, dropped, _chat, server, "sampling", history,
+                                                   max_tokens=480, timeout=1.0))
+    call.start()
+    deadline = time.monotonic() + 60
+    while stats()["generated_tokens"] == before:  # until the call samples
+        assert time.monotonic() < deadline and call.is_alive(), "the call never started sampling"
+        time.sleep(0.001)
+    with host._lock:  # no step until its client gave up
+        call.join(60)
+    assert dropped and not call.is_alive()
+    while stats()["running"] or server.app.state.sessions.busy("sampling"):
+        assert time.monotonic() < deadline, "the dropped call was not aborted, or kept its session"
+        time.sleep(0.05)
+    assert stats()["generated_tokens"] - before < 480  # aborted on the way
+    again = _chat(server, "sampling", history)
+    assert again.status_code == 200 and again.json()["drift"] is False
+    (t,) = trajectories(server.app, ["sampling"])
+    assert t.metadata["calls"] == 2  # the first call and this one: the dropped call left nothing
+
+
+def _expect(error: type, caught: list, fn, *args, **kwargs) -> None:
+    try:
+        fn(*args, **kwargs)
+    except error as e:
+        caught.append(e)
 
 
 def test_sse_over_http(server):
