@@ -30,11 +30,14 @@ def test_a_quick_run_compares_every_drafter_on_the_same_tokens(tmp_path, monkeyp
     assert {(r["batch"], r["drafter"], r["pass"]) for r in batch} == {
         (b, d, p) for b in (1, 8) for d in ("suffix", "suffix/dry=8/counts") for p in ("cold", "warm")}
     assert all(r["identical"] == 1.0 for r in rows), rows
-    # per batch size the three modes' engines (the CPU's own dry steps, 0, and the named 8), then the tail's two
+    # per batch size the three modes' engines (the CPU's own dry steps, 0, and the named 8), then the tail's four
     modes = [(None, None), ("suffix", 0), ("suffix/dry=8/counts", 8)]
-    assert made == modes + modes + [(None, None), ("suffix", 0)], made
-    # each wave (one per pass here: batch 1 and 8, cold and warm) run by every mode in turn; then the tail's
-    assert order == [None, "suffix", "suffix/dry=8/counts"] * 4 + [None, "suffix"], order
+    assert made == modes + modes + [(None, None), ("suffix", 0), ("suffix", 0), (None, None)], made
+    # each wave (one per pass here: batch 1 and 8, cold and warm) run by every mode in turn; then the tail's, off
+    # and on in an order that cancels a linear drift
+    assert order == [None, "suffix", "suffix/dry=8/counts"] * 4 + [None, "suffix", "suffix", None], order
+    (tail,) = [r for r in rows if r["measure"] == "tail"]
+    assert tail["runs"] == 2 and tail["identical"] == 1.0 and tail["off_s"] > 0 and tail["on_s"] > 0
     # the engine's drafter learns the drawn distributions; "/counts" counts followers alone
     assert set(tops) == {("suffix", DIST_TOP), ("suffix/dry=8/counts", 0)}, tops
 
