@@ -28,6 +28,7 @@ from rollout_service.engine.drafter import Drafter, SuffixDrafter
 
 TAIL_ORDER = ("off", "on", "on", "off")  # the long tail's runs (drift cancels out of each mode's sum)
 
+
 @dataclass
 class Shape:
     batches: tuple[int, ...] = (1, 8, 64, 256)
