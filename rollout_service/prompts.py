@@ -7,6 +7,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sized
 from typing import Any
 
 from rollout_service.api.types import Prompt, RolloutRequest
+from rollout_service.token_prefixes import PrefixTokenizer
 
 _TURN = "\u2063assistant turn\u2063"  # stands for the model's text in chat_delta's renderings (found by rindex)
 
@@ -56,6 +57,8 @@ class PromptProcessor:
     def __init__(self, tokenizer: Any | None, vocab_size: int):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
+        backend = getattr(tokenizer, "backend_tokenizer", None)  # a fast tokenizer's own
+        self._prefixes = PrefixTokenizer(backend) if backend is not None else None
 
     @property
     def has_chat_template(self) -> bool:
@@ -86,11 +89,8 @@ class PromptProcessor:
         """Raw text continuing a sequence: its tokens, with no BOS or template around them."""
         if self.tokenizer is None:
             raise ValueError("text needs a tokenizer to become tokens; this model has none (give token ids)")
-        backend = getattr(self.tokenizer, "backend_tokenizer", None)
-        if backend is not None:  # a fast tokenizer's own: the same ids, less of a prompt's latency than its wrapper;
-            # encode_batch lets go of the GIL while it runs (encode does not: a long history would stall the engine's
-            # thread and the OpenAI endpoint's event loop for as long)
-            return backend.encode_batch([text], add_special_tokens=False)[0].ids
+        if self._prefixes is not None and self._prefixes.direct:  # the same ids, less of a prompt's latency
+            return self._prefixes.ids(text)
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def chat_delta(self, messages: list[dict], closed_by: int | None = None) -> list[int]:

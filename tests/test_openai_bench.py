@@ -48,3 +48,16 @@ def test_a_path_whose_engine_time_is_not_known_here_is_compared_without_it():
     assert by["ids"]["added_outside_ms"] == 0 and all(r["same_tokens"] for r in rows)
     table = latency_table(rows)
     assert "outside the engine" in table[0] and table[-1].count("n/a") == 2 and "n/a" not in table[-2]
+
+
+def test_a_growing_history_renders_the_templates_ids(smollm2):
+    """The history part on the embedded model's tokenizer (its template's special tokens are where the endpoint
+    cuts a prompt it rendered before): the same ids as apply_chat_template at every length timed."""
+    from benchmarks.harness.openai_bench import measure_history
+    from rollout_service.openai.templates import ChatRenderer
+
+    tok = smollm2[1]
+    h = measure_history(ChatRenderer(tok, len(tok), {tok.eos_token_id}), turns=(3, 7), sessions=2)
+    assert h["same_ids"] is True and [r["turns"] for r in h["rows"]] == [3, 7], h
+    assert h["rows"][0]["tokens"] < h["rows"][1]["tokens"] and all(r["ms"] > 0 for r in h["rows"]), h
+    assert "| 7 | " in "\n".join(markdown({"model": "m", "max_tokens": 3}, [h]))

@@ -171,6 +171,38 @@ def measure_streaming(server: Any, calls: int, max_tokens: int) -> dict:
             "stream_end_median_ms": round(statistics.median(done), 2), "text_chunks": chunks, "same_text": same}
 
 
+def measure_history(renderer: Any, turns: tuple[int, ...] = (11, 21, 41), sessions: int = 5) -> dict:
+    """`sessions` agents' chat histories, each growing by a turn a call (a few hundred tokens a turn) and rendered
+    whole each call as the endpoint renders it (a renderer of its own, which keeps the ids of text it rendered
+    before: rollout_service/token_prefixes.py) and through the tokenizer's apply_chat_template: per length in
+    `turns` (odd: a user's turn ends the history), the median over the sessions of that call's ms; same ids
+    required."""
+    from rollout_service.openai.templates import ChatRenderer
+
+    para = "Step {i}: the function sums the first n integers, then checks 17 + 25 = 42 against it. " * 12
+    ms: dict[int, list[float]] = {t: [] for t in turns}
+    whole: dict[int, list[float]] = {t: [] for t in turns}
+    tokens, same = {}, True
+    for k in range(sessions):
+        ours = ChatRenderer(renderer.tokenizer, renderer.prompts.vocab_size, renderer.eos_ids)
+        history = []
+        for turn in range(1, max(turns) + 1):
+            history.append({"role": "user" if turn % 2 else "assistant", "content": para.format(i=f"{k}.{turn}")})
+            if turn % 2 == 0:
+                continue
+            t, ids = _timed(lambda: ours.render(history))
+            if turn in ms:
+                w, want = _timed(lambda: renderer.tokenizer.apply_chat_template(history, add_generation_prompt=True,
+                                                                                tokenize=True))
+                same = same and ids == list(want["input_ids"] if hasattr(want, "keys") else want)
+                ms[turn].append(t)
+                whole[turn].append(w)
+                tokens[turn] = len(ids)
+    rows = [{"turns": t, "tokens": tokens[t], "ms": round(statistics.median(ms[t]), 2),
+             "whole_ms": round(statistics.median(whole[t]), 2)} for t in turns]
+    return {"measure": "history", "sessions": sessions, "rows": rows, "same_ids": same}
+
+
 def measure_sessions(server: Any, sessions: int, threads: int, max_tokens: int, rounds: int = 4) -> dict:
     """`rounds` rounds of `sessions` sessions, each round held at once and then released: resident memory with
     each round held and after it (bounded: flat over the second half of the rounds, once the allocator's
@@ -249,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = measure_latency(client, server, calls, args.max_tokens)
         rows.append(measure_streaming(server, max(3, calls // 5), args.stream_tokens))
         rows.append(measure_sessions(server, sessions, args.threads, args.max_tokens, args.rounds))
+        rows.append(measure_history(server.app.state.runtime.svc.renderer, (3, 5) if args.quick else (11, 21, 41)))
     finally:
         server.stop()
         client.close()
@@ -256,7 +289,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         print(r)
     write_results(results_dir(args.out, args.quick), "openai-endpoint", meta, rows, markdown, args.tag)
-    return 0 if all(r.get("same_tokens", True) and r.get("same_text", True) for r in rows) else 1
+    return 0 if all(r.get("same_tokens", True) and r.get("same_text", True) and r.get("same_ids", True)
+                    for r in rows) else 1
 
 
 def latency_table(rows: list[dict]) -> list[str]:
@@ -297,6 +331,14 @@ def markdown(meta: dict, rows: list[dict]) -> list[str]:
                   f"| {s['held']:,} | {s['calls_per_s']} | {' / '.join(map(str, s['rss_mib']))} | "
                   f"{s.get('rss_growth_after_round_2_mib', '')} | {s.get('rss_held_band_mib', '')} | "
                   f"{s['python_kib_per_session']} | {s['released']:,} |"]
+    h = next((r for r in rows if r["measure"] == "history"), None)
+    if h:
+        lines += ["", "A chat history growing by a turn a call (about 250 tokens a turn), rendered whole each call: "
+                  f"the call's prompt in ms (median of {h['sessions']} sessions) as the endpoint renders it, keeping "
+                  "the ids of text it rendered before, and through the tokenizer's apply_chat_template; same ids: "
+                  f"{h['same_ids']}.", "", "| turns | tokens | endpoint ms | apply_chat_template ms |",
+                  "|---|---|---|---|"] + [f"| {r['turns']} | {r['tokens']:,} | {r['ms']} | {r['whole_ms']} |"
+                                          for r in h["rows"]]
     return lines
 
 
