@@ -17,11 +17,12 @@ Anything else is tokenized whole. The ids are the tokenizer's own in every case 
 from __future__ import annotations
 
 import threading
+from array import array
 from collections import OrderedDict
 from typing import Any
 
-MAX_ENTRIES = 256          # prefixes kept (least recently used dropped first)
-MAX_CHARS = 1 << 23        # and at most this many characters of them in all (~8 M: ~16-32 MB with their ids)
+MAX_ENTRIES = 1024         # prefixes kept, least recently used dropped first (one a conversation: the newest)
+MAX_CHARS = 1 << 24        # and at most this many characters in all: 16 MB of ASCII text, ~16 MB of its ids
 MIN_PREFIX = 1024          # characters: a shorter prompt costs less to tokenize than to look up
 
 
@@ -35,8 +36,9 @@ class PrefixTokenizer:
         self.added = sorted({t.content for t in added.values() if t.content}, key=len)
         self.cuts = {i: t.content for i, t in added.items()
                      if t.content and not (t.rstrip or t.single_word or t.normalized) and not t.content[-1].isspace()}
-        self._entries: OrderedDict[str, list[int]] = OrderedDict()  # prefix text -> its ids
+        self._entries: OrderedDict[str, array] = OrderedDict()  # prefix text -> its ids (4 bytes each, not 36)
         self._chars = 0
+        self.hits = 0  # prompts that started with a kept prefix
         self._lock = threading.Lock()
         # Metaspace's prepend_scheme "first" treats a prompt's first piece apart (a piece tokenized alone would be
         # its first); every other step acts on each piece alike
@@ -70,9 +72,10 @@ class PrefixTokenizer:
         for p, ids in sorted(found, key=lambda e: -len(e[0])):
             if not self._spans(text, len(p)):
                 with self._lock:
+                    self.hits += 1
                     if p in self._entries:
                         self._entries.move_to_end(p)
-                return len(p), ids
+                return len(p), ids.tolist()
         return 0, []
 
     def _spans(self, text: str, b: int) -> bool:
@@ -97,7 +100,10 @@ class PrefixTokenizer:
             if prefix in self._entries:
                 self._entries.move_to_end(prefix)
                 return
-            self._entries[prefix] = head + ids[:j + 1]
+            # the prefix it grew from goes: a conversation keeps its newest prefix, not one a call
+            if start and self._entries.pop(text[:start], None) is not None:
+                self._chars -= start
+            self._entries[prefix] = array("i", head + ids[:j + 1])
             self._chars += len(prefix)
             while len(self._entries) > 1 and (len(self._entries) > MAX_ENTRIES or self._chars > MAX_CHARS):
                 old, _ = self._entries.popitem(last=False)

@@ -27,12 +27,17 @@ def test_a_growing_chat_has_the_templates_ids_at_every_turn(smollm2):
     prompts, rng = PromptProcessor(tok, len(tok)), random.Random(0)
     assert prompts._prefixes.cuttable
     messages: list[dict] = []
+    long_calls = 0  # calls whose prompt and the one before are long enough to keep
     for turn in range(24):
         role = "user" if turn % 2 == 0 else "assistant"
         messages.append({"role": role, "content": "".join(rng.choice(PIECES) for _ in range(rng.randint(1, 6)))})
         if role == "user":
             assert prompts.chat_ids(messages) == _template_ids(tok, messages), turn
-    assert len(prompts._prefixes._entries) > 3  # (the cuts were used: each turn kept its prefix)
+            before = messages[:-2]
+            text = tok.apply_chat_template(before, tokenize=False, add_generation_prompt=True) if before else ""
+            long_calls += len(text) >= token_prefixes.MIN_PREFIX
+    # each of those started from the one before; one prefix is kept, the conversation's newest
+    assert long_calls >= 8 and prompts._prefixes.hits == long_calls and len(prompts._prefixes._entries) == 1
     # a template or client that rewrites the history: an earlier turn trimmed, another dropped
     rewritten = [dict(m) for m in messages]
     rewritten[5]["content"] = rewritten[5]["content"].strip()
