@@ -16,6 +16,7 @@ PACKAGES = ("rollout_service", "actors", "benchmarks")
 # (layer name, module prefixes): the first matching prefix names a module's layer; longer prefixes first
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("types", ("rollout_service.api", "rollout_service.config", "rollout_service.prompts",
+               "rollout_service.token_prefixes",
                "rollout_service.examples.sample_prompts", "rollout_service.user_code", "rollout_service.results.file", "rollout_service.results.__init__",
                "rollout_service.fidelity", "rollout_service.examples.tasks", "rollout_service.examples.__init__",
                "rollout_service.rewards.functions", "rollout_service.rewards.__init__", "rollout_service.episodes", "rollout_service.results.receipts",
