@@ -58,8 +58,9 @@ class PrefixTokenizer:
             return self._encode(text).ids
         start, head = self._longest_prefix(text)
         enc = self._encode(text[start:])
-        self._remember(text, start, head, enc)
-        return head + enc.ids
+        ids = head + enc.ids
+        self._remember(text, start, enc, ids, len(head))
+        return ids
 
     def _encode(self, text: str) -> Any:
         # encode_batch lets go of the GIL while it runs (encode does not)
@@ -86,14 +87,15 @@ class PrefixTokenizer:
                 return True
         return False
 
-    def _remember(self, text: str, start: int, head: list[int], enc: Any) -> None:
-        """Keep text up to the end of its last token that can be cut at, where that lies past `start`."""
-        ids = enc.ids
-        j = next((j for j in range(len(ids) - 1, -1, -1) if ids[j] in self.cuts), None)
+    def _remember(self, text: str, start: int, enc: Any, ids: list[int], n_head: int) -> None:
+        """Keep text up to the end of its last token that can be cut at, where that lies past `start` (`enc`: the
+        encoding of text[start:]; `ids`: text's, the first n_head of them text[:start]'s)."""
+        new = enc.ids
+        j = next((j for j in range(len(new) - 1, -1, -1) if new[j] in self.cuts), None)
         if j is None:
             return
         a, b = enc.offsets[j]
-        if text[start + a:start + b] != self.cuts[ids[j]]:
+        if text[start + a:start + b] != self.cuts[new[j]]:
             return  # (offsets that do not show the token's text: keep nothing rather than guess)
         prefix = text[:start + b]
         with self._lock:
@@ -103,7 +105,7 @@ class PrefixTokenizer:
             # the prefix it grew from goes: a conversation keeps its newest prefix, not one a call
             if start and self._entries.pop(text[:start], None) is not None:
                 self._chars -= start
-            self._entries[prefix] = array("i", head + ids[:j + 1])
+            self._entries[prefix] = array("i", ids[:n_head + j + 1])
             self._chars += len(prefix)
             while len(self._entries) > 1 and (len(self._entries) > MAX_ENTRIES or self._chars > MAX_CHARS):
                 old, _ = self._entries.popitem(last=False)
